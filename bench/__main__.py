@@ -1,0 +1,122 @@
+"""``python -m bench``: selected composites vs native PyTorch, and what routing costs.
+
+(a) masked_scatter under vmap(grad), batch 256 x 1,000 elements: inside use() vs native (target >= 5x faster)
+(b) added cost per call inside use(): an uncovered op (target <= 0.5 us) and a covered op (target <= 2 us)
+(c) a small MLP training step, forward + backward + optimizer (20+ ops), inside vs outside use() (target <= 3%)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+
+import torch
+from torch import func, nn
+from torch.utils.benchmark import Timer
+
+import registry
+
+
+def _median_us(stmt, min_run_time: float) -> float:
+    return Timer(stmt="stmt()", globals={"stmt": stmt}).blocked_autorange(min_run_time=min_run_time).median * 1e6
+
+
+def _side_by_side(native, routed, rounds: int, min_run_time: float) -> tuple[float, float]:
+    """Median microseconds of each, alternating rounds so drift hits both alike."""
+    native_times, routed_times = [], []
+    for _ in range(rounds):
+        native_times.append(_median_us(native, min_run_time))
+        with registry.use():
+            routed_times.append(_median_us(routed, min_run_time))
+    return statistics.median(native_times), statistics.median(routed_times)
+
+
+def bench_masked_scatter(rounds: int, min_run_time: float) -> dict[str, float]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 1000, generator=generator)
+    mask = torch.rand(256, 1000, generator=generator) > 0.5
+    source = torch.randn(256, 1000, generator=generator)
+
+    def loss(row, row_mask, row_source):
+        return row.masked_scatter(row_mask, row_source).pow(2).sum()
+
+    per_sample_grads = func.vmap(func.grad(loss))
+
+    with registry.use():
+        routed_result = per_sample_grads(x, mask, source)
+    torch.testing.assert_close(routed_result, per_sample_grads(x, mask, source))
+    native, routed = _side_by_side(lambda: per_sample_grads(x, mask, source), lambda: per_sample_grads(x, mask, source),
+                                   rounds, min_run_time)
+    chosen = registry.select("masked_scatter", stack="vmap,grad", batched=["self", "mask", "source"]).composite
+    return {"native_us": native, "routed_us": routed, "speedup": native / routed, "composite": chosen}
+
+
+def bench_overhead(rounds: int, min_run_time: float) -> dict[str, float]:
+    a, b = torch.randn(8), torch.randn(8)
+    x, index, source = torch.randn(8, 4), torch.tensor([0, 3]), torch.randn(2, 4)
+    uncovered_out, uncovered_in = _side_by_side(lambda: torch.add(a, b), lambda: torch.add(a, b), rounds,
+                                                min_run_time)
+    covered_out, covered_in = _side_by_side(lambda: x.index_add(0, index, source),
+                                            lambda: x.index_add(0, index, source), rounds, min_run_time)
+    return {
+        "uncovered_native_us": uncovered_out, "uncovered_added_us": uncovered_in - uncovered_out,
+        "covered_native_us": covered_out, "covered_added_us": covered_in - covered_out,
+    }
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                                    nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        # One covered op on the hot path: padded rows are zeroed with masked_fill.
+        return self.layers(x.masked_fill(padding, 0.0))
+
+
+def bench_mlp(rounds: int, min_run_time: float) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = _MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, target = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    padding = torch.zeros(32, 1, dtype=torch.bool)
+    padding[-4:] = True
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x, padding), target)
+        loss.backward()
+        optimizer.step()
+
+    outside, inside = _side_by_side(step, step, rounds, min_run_time)
+    return {"outside_us": outside, "inside_us": inside, "slowdown": inside / outside - 1}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating native/routed rounds (median of them)")
+    parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per blocked_autorange")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(torch.get_num_threads())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
+
+    result = bench_masked_scatter(args.rounds, args.min_run_time)
+    print(f"(a) masked_scatter under vmap(grad), 256 x 1000: native {result['native_us']:.0f} us, "
+          f"use() [{result['composite']}] {result['routed_us']:.0f} us -> {result['speedup']:.1f}x faster "
+          f"(target >= 5x)")
+    result = bench_overhead(args.rounds, args.min_run_time)
+    print(f"(b) added per call inside use(): uncovered torch.add {result['uncovered_added_us']:+.2f} us "
+          f"(native {result['uncovered_native_us']:.2f} us; target <= 0.5 us); covered index_add "
+          f"{result['covered_added_us']:+.2f} us (native {result['covered_native_us']:.2f} us; target <= 2 us)")
+    result = bench_mlp(args.rounds, args.min_run_time)
+    print(f"(c) MLP training step: outside {result['outside_us']:.0f} us, inside use() {result['inside_us']:.0f} us "
+          f"-> {result['slowdown'] * 100:+.1f}% (target <= +3%)")
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        raise SystemExit(main())

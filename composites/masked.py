@@ -1,0 +1,184 @@
+"""Composites of the masked family: ``masked_fill`` and ``masked_scatter``, and the ``Fill`` primitive they share
+with ``index_fill``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from registry.primitive import batch_first, zeros_if_none
+from registry.registration import register
+
+# Composites call the dispatcher directly, never a covered entry point that use() may have patched,
+# and Dynamo traces it under torch.compile.
+aten = torch.ops.aten
+
+
+def scalar_or_tensor(value: Any, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (a Python number or a tensor) as a tensor of ``like``'s dtype and device, as the native op casts it."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == like.dtype and value.device == like.device:
+            return value
+        return aten._to_copy(value, device=like.device, dtype=like.dtype)
+    return torch.tensor(value, dtype=like.dtype, device=like.device)
+
+
+class Fill(Function):
+    """where(mask, value, self) with its own backward, jvp and vmap rules; mask and value broadcast to self."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(self: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, value, self)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        self, mask, value = inputs
+        ctx.self_shape, ctx.value_shape = self.shape, value.shape
+        ctx.save_for_backward(mask)
+        ctx.save_for_forward(self, mask, value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        grad_self = torch.where(mask, 0, grad).sum_to_size(ctx.self_shape)
+        grad_value = torch.where(mask, grad, 0).sum_to_size(ctx.value_shape)
+        return grad_self, None, grad_value
+
+    @staticmethod
+    def jvp(ctx: Any, self_t, _mask_t, value_t) -> torch.Tensor:
+        self, mask, value = ctx.saved_tensors
+        return torch.where(mask, zeros_if_none(value_t, value), zeros_if_none(self_t, self))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], self, mask, value):
+        rank = max(t.dim() - (d is not None) for t, d in zip((self, mask, value), in_dims, strict=True))
+        self, mask, value = batch_first(info, in_dims, self, mask, value, rank=rank)
+        return Fill.apply(self, mask, value), 0
+
+
+# --- masked_fill -------------------------------------------------------------------------------------------------
+
+
+@register("masked_fill", "native")
+def masked_fill_native(self, mask, value):
+    """PyTorch's own masked_fill."""
+    return aten.masked_fill(self, mask, value)
+
+
+@register("masked_fill", "mutating")
+def masked_fill_mutating(self, mask, value):
+    """Clone self, then masked_fill_ in place."""
+    return self.clone().masked_fill_(mask, value)
+
+
+@register("masked_fill", "functional")
+def masked_fill_functional(self, mask, value):
+    """where(mask, value, self)."""
+    return torch.where(mask, scalar_or_tensor(value, self), self)
+
+
+@register("masked_fill", "primitive", function=Fill)
+def masked_fill_primitive(self, mask, value):
+    """Fill: one autograd node with its own backward, jvp and vmap rules."""
+    return Fill.apply(self, mask, scalar_or_tensor(value, self))
+
+
+# --- masked_scatter ----------------------------------------------------------------------------------------------
+
+
+def scatter_in_order(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, batch_ndim: int) -> torch.Tensor:
+    """masked_scatter from out-of-place ops: the k-th True of each sample's mask takes its source's k-th element.
+
+    ``mask`` has ``self``'s shape; the first ``batch_ndim`` dimensions of all three are batch dimensions.
+    """
+    lead = self.shape[:batch_ndim]
+    flat_mask = mask.reshape(*lead, -1)
+    flat_source = source.reshape(*lead, -1)
+    if flat_source.shape[-1] == 0:  # nothing to scatter: the mask must be all False
+        return self.clone()
+    position = (flat_mask.long().cumsum(-1) - 1).clamp(0, flat_source.shape[-1] - 1)  # long: faster than bool
+    return torch.where(mask, flat_source.gather(-1, position).reshape(self.shape), self)
+
+
+def _source_grad(grad: torch.Tensor, mask: torch.Tensor, source_shape: torch.Size, batch_ndim: int) -> torch.Tensor:
+    """The adjoint of ``scatter_in_order`` for source: gradient at each True, in order, zeros after."""
+    lead = grad.shape[:batch_ndim]
+    flat_mask = mask.reshape(*lead, -1)
+    size = source_shape[batch_ndim:].numel()
+    # Positions where the mask is False go to a spare slot at the end, which is dropped.
+    position = torch.where(flat_mask, flat_mask.long().cumsum(-1) - 1, size)
+    picked = torch.where(flat_mask, grad.reshape(*lead, -1), 0)
+    gathered = grad.new_zeros(*lead, size + 1).scatter_add(-1, position, picked)
+    return gathered[..., :size].reshape(source_shape)
+
+
+class MaskedScatter(Function):
+    """masked_scatter with its own backward, jvp and vmap rules; mask has self's shape, the first ``batch_ndim``
+    dimensions are batch dimensions (the vmap rule adds one)."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, batch_ndim: int) -> torch.Tensor:
+        if batch_ndim == 0:
+            return aten.masked_scatter(self, mask, source)
+        return scatter_in_order(self, mask, source, batch_ndim)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        self, mask, source, ctx.batch_ndim = inputs
+        ctx.source_shape = source.shape
+        ctx.save_for_backward(mask)
+        ctx.save_for_forward(self, mask, source)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        grad_source = _source_grad(grad, mask, ctx.source_shape, ctx.batch_ndim)
+        return torch.where(mask, 0, grad), None, grad_source, None
+
+    @staticmethod
+    def jvp(ctx: Any, self_t, _mask_t, source_t, _batch_ndim) -> torch.Tensor:
+        self, mask, source = ctx.saved_tensors
+        return scatter_in_order(zeros_if_none(self_t, self), mask, zeros_if_none(source_t, source), ctx.batch_ndim)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], self, mask, source, batch_ndim):
+        self, mask, source = batch_first(info, in_dims[:3], self, mask, source)
+        return MaskedScatter.apply(self, mask, source, batch_ndim + 1), 0
+
+
+def _broadcast_mask(self: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = torch.broadcast_shapes(self.shape, mask.shape)
+    return self.expand(shape), mask.expand(shape)
+
+
+@register("masked_scatter", "native")
+def masked_scatter_native(self, mask, source):
+    """PyTorch's own masked_scatter."""
+    return aten.masked_scatter(self, mask, source)
+
+
+@register("masked_scatter", "mutating")
+def masked_scatter_mutating(self, mask, source):
+    """Clone self (broadcast to the mask), then masked_scatter_ in place."""
+    self, mask = _broadcast_mask(self, mask)
+    return self.clone(memory_format=torch.contiguous_format).masked_scatter_(mask, source)
+
+
+@register("masked_scatter", "functional")
+def masked_scatter_functional(self, mask, source):
+    """cumsum of the mask picks each source element; gather and where place them."""
+    self, mask = _broadcast_mask(self, mask)
+    return scatter_in_order(self, mask, source, 0)
+
+
+@register("masked_scatter", "primitive", function=MaskedScatter)
+def masked_scatter_primitive(self, mask, source):
+    """MaskedScatter: one autograd node with its own backward, jvp and vmap rules."""
+    self, mask = _broadcast_mask(self, mask)
+    return MaskedScatter.apply(self, mask, source, 0)

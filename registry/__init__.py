@@ -1,0 +1,49 @@
+"""multicomposite: several decompositions per PyTorch op, and the one that fits the active transform stack.
+
+    with registry.use():
+        torch.func.vmap(torch.func.grad(f))(x)
+
+    registry.select("index_fill", stack="vmap,grad").reason
+"""
+
+from registry.context import Context, current_stack, parse_stack
+from registry.model import KINDS, Composite, Op
+from registry.ops import OPS
+from registry.registration import COMPOSITES, RegistrationError, load, register, unregister
+from registry.routing import routing_active, use
+from registry.selector import POLICIES, Decision, SelectionError, Verdict, clear_cache, select
+
+
+def composites(op: str) -> dict[str, Composite]:
+    """The registered composites of ``op``, by name."""
+    load()
+    if op not in OPS:
+        from registry.selector import unknown_op_message
+
+        raise SelectionError(unknown_op_message(op))
+    return dict(COMPOSITES[op])
+
+
+__all__ = [
+    "COMPOSITES",
+    "KINDS",
+    "OPS",
+    "POLICIES",
+    "Composite",
+    "Context",
+    "Decision",
+    "Op",
+    "RegistrationError",
+    "SelectionError",
+    "Verdict",
+    "clear_cache",
+    "composites",
+    "current_stack",
+    "load",
+    "parse_stack",
+    "register",
+    "routing_active",
+    "select",
+    "unregister",
+    "use",
+]

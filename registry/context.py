@@ -1,0 +1,119 @@
+"""What is active around a call: the transform stack, and which arguments are batched."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._C._functorch import TransformType, get_unwrapped, is_batchedtensor, maybe_get_level
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+TRANSFORMS = ("vmap", "grad", "jvp", "functionalize", "autograd", "compile")
+_TRANSFORM_NAMES = {
+    TransformType.Vmap: "vmap",
+    TransformType.Grad: "grad",
+    TransformType.Jvp: "jvp",
+    TransformType.Functionalize: "functionalize",
+}
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything the selector may key a decision on."""
+
+    stack: tuple[str, ...]
+    batched: tuple[str, ...] = ()  # tensor arguments batched at the innermost vmap level, by schema name
+    dtype: torch.dtype | None = None
+    device: str | None = None
+    numel: int | None = None
+    # False when, at some vmap level, another tensor argument is batched and ``self`` is not: writing that argument
+    # into a clone of ``self`` in place cannot work there.
+    self_covers_batching: bool = True
+    tensors: tuple[str, ...] = ("self",)  # which arguments are tensors (``value`` may be a Python number)
+
+
+def _functorch_stack() -> tuple[tuple[str, int], ...]:
+    interpreters = retrieve_all_functorch_interpreters()
+    return tuple((_TRANSFORM_NAMES.get(i.key(), str(i.key())), i.level()) for i in interpreters)
+
+
+def current_stack(*tensors: Any) -> tuple[str, ...]:
+    """The active transforms, outermost first.
+
+    ``compile`` while Dynamo traces; ``autograd`` when grad mode is on and one of ``tensors`` requires grad outside
+    any functorch ``grad``; then the functorch transforms (``vmap``, ``grad``, ``jvp``, ``functionalize``).
+    """
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the interpreter stack; the compiled graph is transformed as a whole.
+        return ("compile", "autograd") if _records_autograd(tensors) else ("compile",)
+    functorch = tuple(name for name, _ in _functorch_stack())
+    if "grad" not in functorch and _records_autograd(tensors):
+        return ("autograd", *functorch)
+    return functorch
+
+
+def _records_autograd(tensors: Iterable[Any]) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def vmap_levels(tensor: torch.Tensor) -> frozenset[int]:
+    """The vmap levels at which ``tensor`` carries a batch dimension."""
+    levels = set()
+    while (level := maybe_get_level(tensor)) != -1:
+        if is_batchedtensor(tensor):
+            levels.add(level)
+        try:
+            tensor = get_unwrapped(tensor)
+        except RuntimeError:  # a wrapper functorch cannot peel (functionalization): nothing batched below it
+            break
+    return frozenset(levels)
+
+
+def context_of(tensor_args: dict[str, torch.Tensor]) -> Context:
+    """The context of a call whose tensor arguments, by schema name, are ``tensor_args`` (``self`` first)."""
+    tensors = tuple(tensor_args.values())
+    stack = current_stack(*tensors)
+    first = tensors[0] if tensors else None
+    batched: tuple[str, ...] = ()
+    covers = True
+    if "vmap" in stack and "compile" not in stack:
+        vmap_level_ids = [level for name, level in _functorch_stack() if name == "vmap"]
+        innermost = max(vmap_level_ids)
+        levels = {name: vmap_levels(t) for name, t in tensor_args.items()}
+        batched = tuple(name for name, lv in levels.items() if innermost in lv)
+        self_levels = levels.get("self", frozenset())
+        covers = all(lv <= self_levels for lv in levels.values())
+    return Context(
+        stack=stack,
+        batched=batched,
+        dtype=first.dtype if first is not None else None,
+        device=first.device.type if first is not None else None,
+        numel=first.numel() if first is not None else None,
+        self_covers_batching=covers,
+        tensors=tuple(tensor_args),
+    )
+
+
+def parse_stack(text: str | Iterable[str]) -> tuple[str, ...]:
+    """``"vmap,grad"`` or ``["vmap", "grad"]`` to a validated stack tuple (aliases like ``jacrev`` expand)."""
+    parts = [p.strip() for p in (text.split(",") if isinstance(text, str) else text)]
+    parts = [p for p in parts if p]
+    stack: list[str] = []
+    for part in parts:
+        expanded = STACK_ALIASES.get(part, (part,))
+        for name in expanded:
+            if name not in TRANSFORMS:
+                valid = ", ".join((*TRANSFORMS, *STACK_ALIASES))
+                raise ValueError(f"unknown transform {part!r} in stack {','.join(parts)!r}; valid: {valid}")
+            stack.append(name)
+    return tuple(stack)
+
+
+# jacrev = vjp, then vmap over the backward; jacfwd = vmap over jvp; hessian = jacfwd(jacrev).
+STACK_ALIASES: dict[str, tuple[str, ...]] = {
+    "jacrev": ("vmap", "grad"),
+    "jacfwd": ("vmap", "jvp"),
+    "hessian": ("vmap", "jvp", "vmap", "grad"),
+}

@@ -1,0 +1,148 @@
+"""Registering composites: the ``register`` decorator, its checks, and loading built-in and third-party composites."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import TypeVar
+
+import torch
+
+from registry.model import KINDS, Composite, Kind
+from registry.ops import OPS, schema_params
+
+F = TypeVar("F", bound=Callable[..., object])
+
+ENTRY_POINT_GROUP = "multicomposite.composites"
+PRIMITIVE_STATICMETHODS = ("forward", "setup_context", "backward", "jvp", "vmap")
+
+# op name -> composite name -> Composite, in registration order.
+COMPOSITES: dict[str, dict[str, Composite]] = {name: {} for name in OPS}
+_loaded = False
+ON_CHANGE: list[Callable[[], None]] = []  # called after every change to COMPOSITES (the selector drops its cache)
+_load_lock = threading.Lock()
+
+
+class RegistrationError(TypeError):
+    """A composite does not fit its op's schema, its kind's spec, or collides with an earlier registration."""
+
+
+def _where(fn: Callable[..., object]) -> str:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return "<unknown>"
+    return f"{code.co_filename}:{code.co_firstlineno}"
+
+
+def _def_line(fn: Callable[..., object]) -> str:
+    try:
+        return f"def {fn.__name__}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return f"def {getattr(fn, '__name__', fn)}(...)"
+
+
+def _check_signature(op_name: str, fn: Callable[..., object], where: str) -> None:
+    op = OPS[op_name]
+    expected = schema_params(op_name, op.overload)
+    parameters = list(inspect.signature(fn).parameters.values())
+    got = tuple((p.name, p.kind is inspect.Parameter.KEYWORD_ONLY) for p in parameters)
+    if got != expected:
+        wanted = ", ".join(("*, " if kw and not any(k for _, k in expected[:i]) else "") + name
+                           for i, (name, kw) in enumerate(expected))
+        overload = f"aten::{op_name}.{op.overload}" if op.overload else f"aten::{op_name}"
+        raise RegistrationError(
+            f"{where}: {_def_line(fn)} does not match the schema of {overload}; "
+            f"a composite of {op_name} takes ({wanted})"
+        )
+
+
+def _check_primitive(op_name: str, fn: Callable[..., object], function: type | None, where: str) -> None:
+    if function is None:
+        raise RegistrationError(
+            f"{where}: {_def_line(fn)} is registered as a primitive of {op_name} without its torch.autograd.Function; "
+            "pass it as register(..., function=TheFunction)"
+        )
+    if not (isinstance(function, type) and issubclass(function, torch.autograd.Function)):
+        raise RegistrationError(f"{where}: function={function!r} for {op_name} is not a torch.autograd.Function")
+    # torch.autograd.Function itself has placeholders for all five: each must be the primitive's own staticmethod.
+    own = [klass for klass in function.__mro__ if not klass.__module__.startswith("torch.autograd")]
+    missing = [
+        name for name in PRIMITIVE_STATICMETHODS
+        if not any(isinstance(vars(klass).get(name), staticmethod) for klass in own)
+    ]
+    if missing:
+        raise RegistrationError(
+            f"{where}: primitive {function.__name__} for {op_name} lacks the staticmethods {', '.join(missing)}; "
+            f"a primitive defines {', '.join(PRIMITIVE_STATICMETHODS)} so that autograd, forward AD and vmap "
+            "never decompose it"
+        )
+
+
+def register(op: str, kind: Kind, *, name: str | None = None, function: type | None = None) -> Callable[[F], F]:
+    """Declare ``fn`` as a composite of ``op``; returns ``fn`` unchanged.
+
+    ``name`` defaults to the kind and must be unique per op. A ``primitive`` names its ``torch.autograd.Function``.
+    """
+    if op not in OPS:
+        raise RegistrationError(f"register: unknown op {op!r}; covered ops are {', '.join(OPS)}")
+    if kind not in KINDS:
+        raise RegistrationError(f"register({op}): unknown kind {kind!r}; kinds are {', '.join(KINDS)}")
+
+    def decorator(fn: F) -> F:
+        where = _where(fn)
+        composite_name = name or kind
+        _check_signature(op, fn, where)
+        if kind == "primitive":
+            _check_primitive(op, fn, function, where)
+        earlier = COMPOSITES[op].get(composite_name)
+        if earlier is not None:
+            raise RegistrationError(
+                f"{where}: composite {op}/{composite_name} is already registered at {earlier.where}; "
+                "give this one another name=..."
+            )
+        doc = (inspect.getdoc(fn) or "").strip().splitlines()
+        COMPOSITES[op][composite_name] = Composite(
+            op=op, name=composite_name, kind=kind, fn=fn, doc=doc[0] if doc else "", where=where
+        )
+        for listener in ON_CHANGE:
+            listener()
+        return fn
+
+    return decorator
+
+
+def unregister(op: str, name: str) -> Composite:
+    """Remove a composite (tests and plugins replacing one); returns it."""
+    if name not in COMPOSITES.get(op, {}):
+        raise KeyError(f"unregister: {op} has no composite {name!r}; it has {', '.join(COMPOSITES.get(op, {}))}")
+    removed = COMPOSITES[op].pop(name)
+    for listener in ON_CHANGE:
+        listener()
+    return removed
+
+
+def load() -> None:
+    """Import the built-in composites and every ``multicomposite.composites`` entry point, once."""
+    global _loaded
+    if _loaded:
+        return
+    with _load_lock:
+        if _loaded:
+            return
+        importlib.import_module("composites")
+        load_plugins()
+        _loaded = True
+
+
+def load_plugins() -> list[str]:
+    """Import every module named in the ``multicomposite.composites`` entry-point group; returns their names."""
+    loaded = []
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        entry_point.load()
+        loaded.append(entry_point.name)
+    for listener in ON_CHANGE:
+        listener()
+    return loaded

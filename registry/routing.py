@@ -1,0 +1,198 @@
+"""``use()``: route calls of covered ops to the selected composite, through every entry point.
+
+Only the covered entry points (``torch.Tensor.index_fill``, ``torch.index_fill``, ...) are patched, and only while
+some thread is inside ``use()``: uncovered ops never pass through Python, and outside ``use()`` PyTorch's own
+functions are back in place. The patched function checks a thread-local frame stack, so other threads see plain
+PyTorch even while one thread routes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch._C._functorch import peek_interpreter_stack
+
+from registry.context import Context, context_of
+from registry.model import KINDS, Op
+from registry.ops import OPS
+from registry.registration import COMPOSITES, load
+from registry.selector import CACHE_LISTENERS, POLICIES, SelectionError, decide, unknown_op_message
+
+
+class _Frame:
+    __slots__ = ("compiled", "pins", "policy")
+
+    def __init__(self, policy: str, pins: dict[str, str]) -> None:
+        self.policy = policy
+        self.pins = pins
+        # Decided here, eagerly, because Dynamo cannot trace the selector: what runs while torch.compile traces.
+        self.compiled: dict[str, Callable[..., Any]] = {}
+        for op in OPS:
+            try:
+                decision = decide(op, Context(stack=("compile",), tensors=OPS[op].tensor_args), policy, pins.get(op))
+            except SelectionError as error:  # raised where the op is compiled, not at use() entry
+                self.compiled[op] = functools.partial(_raise, error)
+            else:
+                self.compiled[op] = decision.fn
+
+
+_local = threading.local()
+_patch_lock = threading.Lock()
+_active_frames = 0  # over all threads; the patches are installed while it is positive
+_patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, PyTorch's original)
+
+# (op, policy, pin, stack, dtype, tensor names) -> composite function, or None for "call PyTorch's original".
+# Only contexts without a functorch transform are cached here: the common eager path costs one dict lookup.
+_eager_cache: dict[tuple, Callable[..., Any] | None] = {}
+CACHE_LISTENERS.append(_eager_cache.clear)
+
+
+def _raise(error: Exception, *args: Any, **kwargs: Any) -> Any:
+    raise error
+
+
+def _frames() -> list[_Frame]:
+    frames = getattr(_local, "frames", None)
+    if frames is None:
+        frames = _local.frames = []
+    return frames
+
+
+def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    # zip stops at the shorter: positional arguments cover a prefix of the parameters.
+    found = {name: value for name, value in zip(op.params, args, strict=False) if isinstance(value, torch.Tensor)}
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            found[name] = value
+    return found
+
+
+def _decide_fn(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any] | None:
+    """The full context, then the (cached) decision: None means PyTorch's original."""
+    decision = decide(op.name, context_of(_tensor_args(op, args, kwargs)), frame.policy, frame.pins.get(op.name))
+    return None if decision.kind == "native" else decision.fn
+
+
+def _make_router(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
+    normalize = op.normalize
+    name = op.name
+    # Where the op takes a Python number or a tensor (``value``), that choice is part of the eager cache key.
+    value_position = op.params.index("value") if "value" in op.params else None
+    # Only these can require grad (index and mask are integer and bool): the eager path checks nothing else.
+    grad_positions = tuple(op.params.index(p) for p in op.tensor_args if p not in ("index", "mask"))
+    is_tensor = torch.Tensor.__instancecheck__
+    is_grad_enabled = torch.is_grad_enabled
+    is_compiling = torch.compiler.is_compiling
+
+    @functools.wraps(original)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        frames = getattr(_local, "frames", None)
+        if not frames or frames[-1].policy == "native":
+            return original(*args, **kwargs)
+        frame = frames[-1]
+        if is_compiling():
+            call = normalize(args, kwargs)
+            return original(*args, **kwargs) if call is None else frame.compiled[name](*call[0], **call[1])
+        call = normalize(args, kwargs)
+        if call is None:  # out=, a named dim, an overload the composites do not model
+            return original(*args, **kwargs)
+        cargs, ckwargs = call
+        if peek_interpreter_stack() is None:
+            # The eager path: no functorch transform, so the context is the dtype, whether autograd records, and
+            # (for ``value``) the overload. One tuple and one dict lookup.
+            self = cargs[0] if cargs else ckwargs.get("self")
+            records = False
+            if is_grad_enabled():
+                if ckwargs:
+                    records = any(is_tensor(v) and v.requires_grad for v in (*cargs, *ckwargs.values()))
+                else:
+                    n_args = len(cargs)
+                    for position in grad_positions:
+                        if position < n_args and is_tensor(cargs[position]) and cargs[position].requires_grad:
+                            records = True
+                            break
+            value_kind = None
+            if value_position is not None:
+                value = cargs[value_position] if len(cargs) > value_position else ckwargs.get("value")
+                value_kind = is_tensor(value)
+            key = (name, frame.policy, frame.pins.get(name), records, getattr(self, "dtype", None), value_kind)
+            try:
+                composite = _eager_cache[key]
+            except KeyError:
+                composite = _eager_cache[key] = _decide_fn(op, frame, cargs, ckwargs)
+        else:
+            composite = _decide_fn(op, frame, cargs, ckwargs)
+        if composite is None:
+            return original(*args, **kwargs)
+        return composite(*cargs, **ckwargs)
+
+    routed.__multicomposite_original__ = original  # type: ignore[attr-defined]
+    return routed
+
+
+def _install() -> None:
+    for op in OPS.values():
+        for owner, attribute in op.entry_points:
+            original = getattr(owner, attribute)
+            _patched.append((owner, attribute, original))
+            setattr(owner, attribute, _make_router(op, original))
+
+
+def _uninstall() -> None:
+    while _patched:
+        owner, attribute, original = _patched.pop()
+        setattr(owner, attribute, original)
+
+
+def _validate(policy: str, pins: Mapping[str, str] | None) -> dict[str, str]:
+    if policy not in POLICIES:
+        raise SelectionError(f"use(): unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
+    checked = dict(pins or {})
+    for op, pin in checked.items():
+        if op not in OPS:
+            raise SelectionError(f"use(pins=...): {unknown_op_message(op)}")
+        if pin not in COMPOSITES[op] and pin not in KINDS:
+            raise SelectionError(
+                f"use(pins=...): {op} has no composite or kind {pin!r}; registered: {', '.join(COMPOSITES[op])}"
+            )
+    return checked
+
+
+class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `with registry.use():`
+    """Route covered ops to the selected composite: ``with use():`` or ``@use()``; nests (inner wins), per thread.
+
+    ``policy``: ``auto`` (default), ``rules``, or ``native`` (route nothing, for A/B). ``pins`` forces a kind or a
+    composite per op, ``{"index_fill": "functional"}``; a pin invalid where the op is called raises.
+    """
+
+    def __init__(self, policy: str = "auto", pins: Mapping[str, str] | None = None) -> None:
+        load()
+        self.policy = policy
+        self.pins = _validate(policy, pins)
+
+    def __enter__(self) -> use:
+        global _active_frames
+        with _patch_lock:
+            if _active_frames == 0:
+                _install()
+            _active_frames += 1
+        _frames().append(_Frame(self.policy, self.pins))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _active_frames
+        _frames().pop()
+        with _patch_lock:
+            _active_frames -= 1
+            if _active_frames == 0:
+                _uninstall()
+
+
+def routing_active() -> bool:
+    """Whether the current thread is inside ``use()``."""
+    return bool(getattr(_local, "frames", None))

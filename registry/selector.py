@@ -1,0 +1,211 @@
+"""The selector: which composite of an op to run in a context, and why."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from registry import rules
+from registry.context import Context, parse_stack
+from registry.model import KINDS, Composite
+from registry.ops import OPS
+from registry.registration import COMPOSITES, ON_CHANGE, load
+
+POLICIES = ("auto", "rules", "native")
+
+
+class SelectionError(ValueError):
+    """No composite can be chosen as asked: an unknown op or policy, an invalid pin, or nothing valid."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    composite: str
+    kind: str
+    ok: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    op: str
+    composite: str
+    kind: str
+    reason: str
+    alternatives: tuple[Verdict, ...]
+    context: Context
+    policy: str
+
+    @property
+    def fn(self):
+        return COMPOSITES[self.op][self.composite].fn
+
+
+_cache: dict[tuple, Decision] = {}
+
+
+def clear_cache() -> None:
+    """Forget every cached decision (after composites are added or removed)."""
+    _cache.clear()
+    for listener in CACHE_LISTENERS:
+        listener()
+
+
+CACHE_LISTENERS: list = []  # the router's eager cache registers here
+ON_CHANGE.append(clear_cache)
+
+
+def unknown_op_message(op: str) -> str:
+    close = difflib.get_close_matches(op, OPS, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown op {op!r}{hint} Covered ops: {', '.join(OPS)}"
+
+
+def _describe(ctx: Context) -> str:
+    where = f"({', '.join(ctx.stack)})" if ctx.stack else "(no transform)"
+    if ctx.batched:
+        where += f" with {', '.join(ctx.batched)} batched"
+    return where
+
+
+def _verdicts(op: str, ctx: Context) -> list[tuple[Composite, rules.Problem | None]]:
+    return [(composite, rules.problem(op, composite.kind, ctx)) for composite in COMPOSITES[op].values()]
+
+
+def _resolve_pin(op: str, pin: str) -> Composite:
+    composites = COMPOSITES[op]
+    if pin in composites:
+        return composites[pin]
+    by_kind = [c for c in composites.values() if c.kind == pin]
+    if by_kind:
+        return by_kind[0]
+    raise SelectionError(
+        f"pins[{op!r}] = {pin!r} names no composite or kind of {op}; registered: {', '.join(composites)}; "
+        f"kinds: {', '.join(KINDS)}"
+    )
+
+
+def decide(op: str, ctx: Context, policy: str = "auto", pin: str | None = None) -> Decision:
+    """The decision for ``op`` in ``ctx``: cached per (op, context, policy, pin)."""
+    key = (op, ctx.stack, ctx.batched, ctx.dtype, ctx.device, ctx.self_covers_batching, ctx.tensors, policy, pin)
+    decision = _cache.get(key)
+    if decision is None:
+        decision = _cache[key] = _decide(op, ctx, policy, pin)
+    return decision
+
+
+def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
+    load()
+    if op not in OPS:
+        raise SelectionError(unknown_op_message(op))
+    if policy not in POLICIES:
+        raise SelectionError(f"select({op}): unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
+    judged = _verdicts(op, ctx)
+    where = _describe(ctx)
+
+    if pin is not None:
+        chosen = _resolve_pin(op, pin)
+        problem = dict((c.name, p) for c, p in judged)[chosen.name]
+        if problem is not None:
+            valid = [c.name for c, p in judged if p is None]
+            raise SelectionError(
+                f"select({op}): pinned composite {chosen.name} ({chosen.kind}) is not valid under {where}: "
+                f"{problem.status}, {problem.evidence}; valid choices: {', '.join(valid) or 'none'}"
+            )
+        reason = f"pinned to {pin} by the caller"
+    elif policy == "native":
+        chosen = next(c for c, _ in judged if c.kind == "native")
+        reason = "policy native routes nothing: PyTorch's own op runs"
+    else:
+        order = rules.preference(ctx)
+        valid = [(c, p) for c, p in judged if p is None]
+        if not valid:
+            listed = ", ".join(f"{c.name} [{p.status}]" for c, p in judged)
+            raise SelectionError(
+                f"select({op}): no composite is valid under {where}; registered: {listed}. Register a functional "
+                "or primitive composite, or run this op outside the transform"
+            )
+        chosen = min(valid, key=lambda item: (order.index(item[0].kind), list(COMPOSITES[op]).index(item[0].name)))[0]
+        skipped = [(c, p) for c, p in judged if p is not None and order.index(c.kind) < order.index(chosen.kind)]
+        if chosen.kind == "native":
+            reason = f"PyTorch's own {op} has no known problem under {where}"
+        elif skipped:
+            worse = skipped[0]
+            reason = (f"{worse[0].name} is {worse[1].status} under {where} ({worse[1].evidence}); "
+                      f"{chosen.name} is the next choice: {rules.preference_reason(ctx)}")
+        else:
+            reason = f"{chosen.name} is preferred under {where}: {rules.preference_reason(ctx)}"
+        if policy == "auto":
+            reason += " (unverified: no measurement yet, rules decide)"
+
+    alternatives = tuple(
+        Verdict(
+            composite=c.name,
+            kind=c.kind,
+            ok=p is None,
+            reason=(f"{p.status}: {p.evidence}" if p is not None else "valid; ranked below the choice"),
+        )
+        for c, p in judged
+        if c.name != chosen.name
+    )
+    return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".", alternatives=alternatives,
+                    context=ctx, policy=policy)
+
+
+def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise SelectionError(f"unknown dtype {value!r}; use a torch dtype name such as float32, float64, int64, bool")
+    return dtype
+
+
+def select(
+    op: str,
+    *,
+    stack: str | Iterable[str] = (),
+    batched: Iterable[str] = (),
+    dtype: torch.dtype | str | None = None,
+    device: str | None = None,
+    numel: int | None = None,
+    policy: str = "auto",
+    pins: Mapping[str, str] | None = None,
+    tensors: Iterable[str] | None = None,
+) -> Decision:
+    """Which composite of ``op`` runs under ``stack`` (outermost first; ``"vmap,grad"`` or a sequence), and why.
+
+    ``batched`` names the tensor arguments batched at the innermost vmap; ``tensors`` the arguments that are tensors
+    (default: all of the op's tensor parameters, the Tensor overloads).
+    """
+    if op not in OPS:
+        raise SelectionError(unknown_op_message(op))
+    try:
+        parsed = parse_stack(stack)
+    except ValueError as error:
+        raise SelectionError(f"select({op}): {error}") from None
+    params = OPS[op].tensor_args
+    batched_names = tuple(batched)
+    unknown = [name for name in batched_names if name not in params]
+    if unknown:
+        raise SelectionError(
+            f"select({op}): batched names {', '.join(unknown)} are not tensor arguments of {op}; "
+            f"its tensor arguments are {', '.join(params)}"
+        )
+    if batched_names and "vmap" not in parsed:
+        raise SelectionError(f"select({op}): batched={','.join(batched_names)} needs vmap in the stack")
+    tensor_names = params if tensors is None else tuple(tensors)
+    ctx = Context(
+        stack=parsed,
+        batched=tuple(name for name in params if name in batched_names),
+        dtype=_dtype(dtype),
+        device=device,
+        numel=numel,
+        self_covers_batching=not batched_names or "self" in batched_names,
+        tensors=tensor_names,
+    )
+    pin = (pins or {}).get(op)
+    return decide(op, ctx, policy, pin)

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import registry
+from registry import selector
+from registry.selector import SelectionError
+
+
+def test_decision_shape_and_reason() -> None:
+    decision = registry.select("masked_scatter", stack="vmap,grad", batched=["self"])
+    assert decision.op == "masked_scatter"
+    assert (decision.composite, decision.kind) == ("primitive", "primitive")
+    assert "native is slow under (vmap, grad)" in decision.reason
+    assert "no batching rule" in decision.reason
+    by_name = {v.composite: v for v in decision.alternatives}
+    assert set(by_name) == {"native", "mutating", "functional"}
+    assert by_name["functional"].ok and not by_name["native"].ok and not by_name["mutating"].ok
+    assert by_name["native"].reason.startswith("slow:")
+
+
+def test_native_chosen_where_it_is_good() -> None:
+    for stack in ("", "vmap", "vmap,grad", "grad", "functionalize"):
+        assert registry.select("index_add", stack=stack).kind == "native"
+    assert registry.select("masked_fill", stack="vmap", tensors=("self", "mask")).kind == "native"
+    assert registry.select("masked_fill", stack="vmap").kind == "functional"  # Tensor value: no batching rule
+
+
+def test_kind_preference_by_context() -> None:
+    assert registry.select("index_fill", stack="vmap").kind == "functional"
+    assert registry.select("index_fill", stack="vmap,jvp").kind == "primitive"
+    assert registry.select("masked_scatter", stack="grad").kind == "functional"  # jacrev vmaps the backward
+    assert registry.select("to", stack="compile").kind == "functional"
+
+
+def test_primitive_never_under_functionalize() -> None:
+    decision = registry.select("masked_scatter", stack="functionalize,vmap")
+    assert decision.kind == "functional"
+    with pytest.raises(SelectionError, match="pinned composite primitive .* not valid under \\(functionalize\\)"):
+        registry.select("index_fill", stack="functionalize", pins={"index_fill": "primitive"})
+
+
+def test_policy_native_routes_nothing() -> None:
+    decision = registry.select("masked_scatter", stack="vmap", policy="native")
+    assert decision.kind == "native"
+    assert decision.reason == "policy native routes nothing: PyTorch's own op runs."
+
+
+def test_pins_by_kind_and_by_name() -> None:
+    assert registry.select("index_add", stack="", pins={"index_add": "functional"}).composite == "functional"
+    assert registry.select("index_add", stack="", pins={"index_add": "primitive"}).reason == \
+        "pinned to primitive by the caller."
+
+
+def test_invalid_pin_names_op_stack_and_valid_choices() -> None:
+    with pytest.raises(SelectionError) as error:
+        registry.select("index_fill", stack="vmap,jvp", batched=["value"], pins={"index_fill": "mutating"})
+    assert str(error.value).startswith(
+        "select(index_fill): pinned composite mutating (mutating) is not valid under (vmap, jvp) with value batched: "
+    )
+    assert str(error.value).endswith("valid choices: functional, primitive")
+
+
+def test_unknown_pin_op_policy_dtype_and_batched_name() -> None:
+    with pytest.raises(SelectionError, match="names no composite or kind of index_fill; registered: native"):
+        registry.select("index_fill", stack="vmap", pins={"index_fill": "fastest"})
+    with pytest.raises(SelectionError, match="unknown op 'masked_fil'; did you mean masked_fill"):
+        registry.select("masked_fil", stack="vmap")
+    with pytest.raises(SelectionError, match="unknown policy 'best'; policies are auto, rules, native"):
+        registry.select("index_fill", stack="vmap", policy="best")
+    with pytest.raises(SelectionError, match="unknown dtype 'float33'"):
+        registry.select("index_fill", stack="vmap", dtype="float33")
+    with pytest.raises(SelectionError, match="batched names src are not tensor arguments of index_add"):
+        registry.select("index_add", stack="vmap", batched=["src"])
+    with pytest.raises(SelectionError, match="needs vmap in the stack"):
+        registry.select("index_add", stack="grad", batched=["self"])
+
+
+def test_no_valid_composite_lists_every_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    from registry import rules
+    from registry.rules import Problem
+
+    monkeypatch.setattr(rules, "_functional", lambda ctx: Problem("error", "test"))
+    monkeypatch.setattr(rules, "KIND_RULES", {**rules.KIND_RULES, "functional": rules._functional})
+    selector.clear_cache()
+    try:
+        with pytest.raises(SelectionError) as error:
+            registry.select("index_fill", stack="functionalize,vmap,jvp", batched=["value"])
+        assert str(error.value).startswith(
+            "select(index_fill): no composite is valid under (functionalize, vmap, jvp) with value batched; "
+            "registered: native [mismatch], mutating [error], functional [error], primitive [error]."
+        )
+    finally:
+        selector.clear_cache()
+
+
+def test_decisions_are_cached_per_context() -> None:
+    first = registry.select("index_fill", stack="vmap,grad", dtype="float32")
+    assert registry.select("index_fill", stack="vmap,grad", dtype=torch.float32) is first
+    assert registry.select("index_fill", stack="vmap,grad", dtype="float64") is not first

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.cli import main
+from service.main import create_app
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    return TestClient(create_app())
+
+
+def test_healthz_and_version(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/version").json()["torch"].startswith("2.")
+
+
+def test_ops(client: TestClient) -> None:
+    ops = {op["name"]: op for op in client.get("/ops").json()}
+    assert set(ops) == {"index_add", "index_copy", "index_fill", "masked_fill", "masked_scatter", "contiguous", "to"}
+    assert [c["kind"] for c in ops["index_fill"]["composites"]] == ["native", "mutating", "functional", "primitive"]
+    detail = client.get("/ops/masked_scatter").json()
+    assert "torch.Tensor.masked_scatter" in detail["entry_points"]
+    assert "class" not in detail["composites"][2]["source"] and "def masked_scatter_functional" in \
+        detail["composites"][2]["source"]
+
+
+def test_select(client: TestClient) -> None:
+    body = client.get("/select", params={"op": "index_fill", "stack": "vmap,grad"}).json()
+    assert (body["composite"], body["kind"]) == ("primitive", "primitive")
+    assert body["stack"] == ["vmap", "grad"]
+    assert {a["composite"]: a["ok"] for a in body["alternatives"]} == {
+        "native": False, "mutating": False, "functional": True}
+
+
+def test_errors_say_what_to_fix(client: TestClient) -> None:
+    response = client.get("/ops/index_fil")
+    assert response.status_code == 404
+    assert response.json()["detail"].startswith("unknown op 'index_fil'; did you mean index_fill")
+    response = client.get("/select", params={"op": "index_fill", "stack": "vmap,gard"})
+    assert response.status_code == 422
+    assert response.json()["detail"] == (
+        "select(index_fill): unknown transform 'gard' in stack 'vmap,gard'; valid: vmap, grad, jvp, functionalize, "
+        "autograd, compile, jacrev, jacfwd, hessian"
+    )
+    response = client.get("/select", params={"op": "index_fill", "stack": "vmap", "pin": "mutating"})
+    assert response.status_code == 422
+    assert response.json()["detail"].endswith("valid choices: functional, primitive")
+
+
+def test_cli_select(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["select", "masked_scatter", "--stack", "vmap"]) == 0
+    assert '"composite": "functional"' in capsys.readouterr().out
+    assert main(["select", "nope"]) == 2
+    assert "unknown op 'nope'" in capsys.readouterr().err
