@@ -16,6 +16,7 @@ from torch import func, nn
 from torch.utils.benchmark import Timer
 
 import registry
+from bench.kinds import print_kinds
 
 
 def _median_us(stmt, min_run_time: float) -> float:
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="alternating native/routed rounds (median of them)")
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per blocked_autorange")
+    parser.add_argument("--kinds", action="store_true", help="also time every kind of composite side by side")
     args = parser.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     result = bench_mlp(args.rounds, args.min_run_time)
     print(f"(c) MLP training step: outside {result['outside_us']:.0f} us, inside use() {result['inside_us']:.0f} us "
           f"-> {result['slowdown'] * 100:+.1f}% (target <= +3%)")
+    if args.kinds:
+        print_kinds(args.min_run_time)
     return 0
 
 

@@ -3,6 +3,7 @@ with ``index_fill``."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -93,63 +94,102 @@ def masked_fill_primitive(self, mask, value):
 def scatter_in_order(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, batch_ndim: int) -> torch.Tensor:
     """masked_scatter from out-of-place ops: the k-th True of each sample's mask takes its source's k-th element.
 
-    ``mask`` has ``self``'s shape; the first ``batch_ndim`` dimensions of all three are batch dimensions.
+    ``mask`` has ``self``'s shape; the first ``batch_ndim`` dimensions of all three are batch dimensions. The running
+    count of Trues indexes a source with one spare element in front, so no position needs clamping.
     """
     lead = self.shape[:batch_ndim]
     flat_mask = mask.reshape(*lead, -1)
-    flat_source = source.reshape(*lead, -1)
-    if flat_source.shape[-1] == 0:  # nothing to scatter: the mask must be all False
-        return self.clone()
-    position = (flat_mask.long().cumsum(-1) - 1).clamp(0, flat_source.shape[-1] - 1)  # long: faster than bool
-    return torch.where(mask, flat_source.gather(-1, position).reshape(self.shape), self)
+    padded_source = torch.nn.functional.pad(source.reshape(*lead, -1), (1, 0))
+    position = flat_mask.cumsum(-1, dtype=torch.long)
+    return torch.where(mask, padded_source.gather(-1, position).reshape(self.shape), self)
 
 
-def _source_grad(grad: torch.Tensor, mask: torch.Tensor, source_shape: torch.Size, batch_ndim: int) -> torch.Tensor:
-    """The adjoint of ``scatter_in_order`` for source: gradient at each True, in order, zeros after."""
-    lead = grad.shape[:batch_ndim]
-    flat_mask = mask.reshape(*lead, -1)
-    size = source_shape[batch_ndim:].numel()
-    # Positions where the mask is False go to a spare slot at the end, which is dropped.
-    position = torch.where(flat_mask, flat_mask.long().cumsum(-1) - 1, size)
-    picked = torch.where(flat_mask, grad.reshape(*lead, -1), 0)
-    gathered = grad.new_zeros(*lead, size + 1).scatter_add(-1, position, picked)
-    return gathered[..., :size].reshape(source_shape)
+def _in_order(mask: torch.Tensor, source_size: int, batch_ndim: int) -> torch.Tensor:
+    """Per sample, True at the first (number of Trues in the mask) source positions: the source elements used."""
+    counts = mask.reshape(*mask.shape[:batch_ndim], -1).sum(-1, keepdim=True)
+    return torch.arange(source_size, device=mask.device) < counts
 
 
 class MaskedScatter(Function):
-    """masked_scatter with its own backward, jvp and vmap rules; mask has self's shape, the first ``batch_ndim``
-    dimensions are batch dimensions (the vmap rule adds one)."""
+    """masked_scatter with its own backward, jvp and vmap rules; mask has self's shape.
+
+    The first ``batch_ndim`` dimensions are batch dimensions (the vmap rule adds one). forward runs below every
+    transform on plain tensors, so it can use PyTorch's own kernels: the used source elements of every sample are
+    compacted, in order, into one flat tensor, and a single native masked_scatter places them all.
+    """
 
     generate_vmap_rule = False
 
     @staticmethod
     def forward(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, batch_ndim: int) -> torch.Tensor:
-        if batch_ndim == 0:
-            return aten.masked_scatter(self, mask, source)
-        return scatter_in_order(self, mask, source, batch_ndim)
+        if batch_ndim:
+            flat_source = source.reshape(*source.shape[:batch_ndim], -1)
+            source = flat_source[_in_order(mask, flat_source.shape[-1], batch_ndim)]
+        return aten.masked_scatter(self, mask, source)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        self, mask, source, ctx.batch_ndim = inputs
-        ctx.source_shape = source.shape
+        _, mask, source, ctx.batch_ndim = inputs
+        ctx.source_shape = tuple(source.shape)
         ctx.save_for_backward(mask)
-        ctx.save_for_forward(self, mask, source)
+        ctx.save_for_forward(mask)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         (mask,) = ctx.saved_tensors
-        grad_source = _source_grad(grad, mask, ctx.source_shape, ctx.batch_ndim)
+        grad_source = MaskedGather.apply(grad, mask, ctx.source_shape, ctx.batch_ndim)
         return torch.where(mask, 0, grad), None, grad_source, None
 
     @staticmethod
     def jvp(ctx: Any, self_t, _mask_t, source_t, _batch_ndim) -> torch.Tensor:
-        self, mask, source = ctx.saved_tensors
-        return scatter_in_order(zeros_if_none(self_t, self), mask, zeros_if_none(source_t, source), ctx.batch_ndim)
+        (mask,) = ctx.saved_tensors
+        if self_t is None:
+            self_t = torch.zeros(mask.shape, dtype=source_t.dtype, device=source_t.device)
+        if source_t is None:
+            source_t = torch.zeros(ctx.source_shape, dtype=self_t.dtype, device=self_t.device)
+        return MaskedScatter.apply(self_t, mask, source_t, ctx.batch_ndim)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, mask, source, batch_ndim):
         self, mask, source = batch_first(info, in_dims[:3], self, mask, source)
         return MaskedScatter.apply(self, mask, source, batch_ndim + 1), 0
+
+
+class MaskedGather(Function):
+    """The adjoint of masked_scatter in source: the values at the mask's Trues, in order, then zeros, shaped like
+    source. Linear, so its backward is MaskedScatter into zeros and its jvp is itself."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(values: torch.Tensor, mask: torch.Tensor, source_shape: tuple[int, ...], batch_ndim: int):
+        lead = source_shape[:batch_ndim]
+        size = math.prod(source_shape[batch_ndim:])
+        picked = values[mask]  # every sample's Trues, sample after sample
+        out = values.new_zeros(*lead, size).masked_scatter(_in_order(mask, size, batch_ndim), picked)
+        return out.reshape(source_shape)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, mask, ctx.source_shape, ctx.batch_ndim = inputs
+        ctx.save_for_backward(mask)
+        ctx.save_for_forward(mask)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        zeros = torch.zeros(mask.shape, dtype=grad.dtype, device=grad.device)
+        return MaskedScatter.apply(zeros, mask, grad, ctx.batch_ndim), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, values_t, _mask_t, _shape, _batch_ndim) -> torch.Tensor:
+        (mask,) = ctx.saved_tensors
+        return MaskedGather.apply(values_t, mask, ctx.source_shape, ctx.batch_ndim)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], values, mask, source_shape, batch_ndim):
+        values, mask = batch_first(info, in_dims[:2], values, mask)
+        return MaskedGather.apply(values, mask, (info.batch_size, *source_shape), batch_ndim + 1), 0
 
 
 def _broadcast_mask(self: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

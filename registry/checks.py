@@ -45,9 +45,15 @@ def entry_call(op: str, sample: Sample, *, entry: str = "method") -> Call:
 
 
 def native_call(op: str, sample: Sample) -> Call:
-    """PyTorch's own op, unpatched: the reference."""
+    """PyTorch's own op, unpatched: the reference.
+
+    index_fill gets its negative indices made non-negative (the same function): PyTorch's own derivative formulas
+    fail on negative indices, and the reference must not.
+    """
 
     def call(args: Args) -> Any:
+        if op == "index_fill" and args["self"].dim() and not isinstance(args["index"], list):
+            args = {**args, "index": args["index"] % args["self"].shape[args["dim"]]}
         positional = [value for name, value in args.items() if name not in sample.kwargs]
         keywords = {name: args[name] for name in sample.kwargs if name in args}
         return getattr(ORIGINAL.Tensor, op)(*positional, **keywords)

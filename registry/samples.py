@@ -75,6 +75,9 @@ def _index_add_samples() -> list[Sample]:
                 "self": _values((3, 4, 5), d, g), "dim": -1, "index": _index(5, 2, g, unique=True),
                 "source": _values((3, 4, 2), d, g), "alpha": a}, ("self", "index", "source"), diff, ("alpha",)),
         ]
+    samples.append(Sample("index_add", "dim0-repeated", torch.bool, lambda g: {
+        "self": _values((5, 4), torch.bool, g), "dim": 0, "index": _index(5, 6, g, unique=False),
+        "source": _values((6, 4), torch.bool, g)}, ("self", "index", "source"), ()))
     samples += [
         Sample("index_add", "0d", torch.float64, lambda g: {
             "self": _values((), torch.float64, g), "dim": 0, "index": torch.tensor([0]),
@@ -126,6 +129,9 @@ def _index_fill_samples() -> list[Sample]:
         Sample("index_fill", "0d", torch.float64, lambda g: {
             "self": _values((), torch.float64, g), "dim": 0, "index": torch.tensor([0]),
             "value": _fill_value(torch.float64, g, as_tensor=True)}, ("self", "value"), ("self", "value")),
+        Sample("index_fill", "negative-index", torch.float64, lambda g: {
+            "self": _values((4, 3), torch.float64, g), "dim": 1, "index": _index(3, 2, g, unique=True) - 3,
+            "value": _fill_value(torch.float64, g, as_tensor=True)}, ("self", "index", "value"), ("self", "value")),
         Sample("index_fill", "empty-index", torch.float64, lambda g: {
             "self": _values((4, 3), torch.float64, g), "dim": 1, "index": torch.zeros(0, dtype=torch.long),
             "value": _fill_value(torch.float64, g, as_tensor=True)}, ("self", "value"), ("self", "value")),

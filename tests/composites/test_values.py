@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import registry
+from registry.checks import native_call
 from registry.ops import ORIGINAL
 from registry.samples import Sample, all_samples
 
@@ -36,23 +37,34 @@ def test_values_match_native(sample: Sample, name: str) -> None:
 
 
 GRAD_CASES = [(s, n) for s, n in CASES if s.differentiable and s.dtype == torch.float64]
+# PyTorch 2.13's own index_fill derivatives (shared by the in-place op) fail on negative indices: kept as strict
+# expected failures, so that a PyTorch that fixes them turns these red.
+NATIVE_DERIVATIVE_BUGS = {("index_fill", "negative-index", "native"), ("index_fill", "negative-index", "mutating")}
 
 
-def _differentiable_function(fn, sample: Sample, args: dict):
+def _grad_param(sample: Sample, name: str):
+    marks = ()
+    if (sample.op, sample.name, name) in NATIVE_DERIVATIVE_BUGS:
+        marks = pytest.mark.xfail(strict=True, raises=RuntimeError, reason="PyTorch index_fill derivative bug")
+    return pytest.param(sample, name, marks=marks, id=f"{sample.id}-{name}")
+
+
+def _differentiable_function(fn, sample: Sample, args: dict, *, unpack: bool = True):
     def f(*tensors):
-        return _call(fn, sample, {**args, **dict(zip(sample.differentiable, tensors, strict=True))})
+        full = {**args, **dict(zip(sample.differentiable, tensors, strict=True))}
+        return _call(fn, sample, full) if unpack else fn(full)
 
     inputs = tuple(args[name].detach().clone().requires_grad_() for name in sample.differentiable)
     return f, inputs
 
 
-@pytest.mark.parametrize(("sample", "name"), GRAD_CASES, ids=[f"{s.id}-{n}" for s, n in GRAD_CASES])
+@pytest.mark.parametrize(("sample", "name"), [_grad_param(s, n) for s, n in GRAD_CASES])
 def test_gradients_match_native(sample: Sample, name: str) -> None:
     """Backward and double backward against the native op's, plus gradcheck and gradgradcheck in float64."""
     fn = registry.composites(sample.op)[name].fn
     args = sample.build(0)
     f, inputs = _differentiable_function(fn, sample, args)
-    g, native_inputs = _differentiable_function(getattr(ORIGINAL.Tensor, sample.op), sample, args)
+    g, native_inputs = _differentiable_function(native_call(sample.op, sample), sample, args, unpack=False)
     out, native_out = f(*inputs), g(*native_inputs)
     weight = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
     grads = torch.autograd.grad((weight * out * out).sum(), inputs, create_graph=True, materialize_grads=True)

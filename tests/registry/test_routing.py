@@ -156,3 +156,19 @@ def test_to_overloads_route(spy) -> None:
         assert x.to(torch.float32) is x
         assert x.to(torch.float32, copy=True) is not x
         assert x.to(torch.float32, False, True) is not x
+
+
+def test_vjp_and_jvp_route() -> None:
+    mask = torch.rand(5) > 0.5
+    x, source = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    cotangent = torch.randn(5, dtype=torch.float64)
+    with registry.use():
+        out, vjp_fn = func.vjp(lambda s, src: s.masked_scatter(mask, src), x, source)
+        grads = vjp_fn(cotangent)
+        ones = torch.ones(5, dtype=x.dtype)
+        _, tangent_out = func.jvp(lambda s: s.index_fill(0, torch.tensor([1]), 3.0), (x,), (ones,))
+    leaf_x, leaf_s = x.clone().requires_grad_(), source.clone().requires_grad_()
+    expected = torch.autograd.grad(leaf_x.masked_scatter(mask, leaf_s), (leaf_x, leaf_s), cotangent)
+    torch.testing.assert_close(out, x.masked_scatter(mask, source))
+    torch.testing.assert_close(grads, expected)
+    torch.testing.assert_close(tangent_out, torch.ones(5, dtype=x.dtype).index_fill(0, torch.tensor([1]), 0.0))

@@ -11,12 +11,13 @@ from registry.selector import SelectionError
 def test_decision_shape_and_reason() -> None:
     decision = registry.select("masked_scatter", stack="vmap,grad", batched=["self"])
     assert decision.op == "masked_scatter"
-    assert (decision.composite, decision.kind) == ("primitive", "primitive")
-    assert "native is slow under (vmap, grad)" in decision.reason
-    assert "no batching rule" in decision.reason
+    assert (decision.composite, decision.kind) == ("functional", "functional")
+    assert decision.reason.startswith("native is slow under (vmap, grad) with self batched (aten::masked_scatter has "
+                                      "no batching rule, so vmap runs a per-sample loop); functional is the next")
     by_name = {v.composite: v for v in decision.alternatives}
-    assert set(by_name) == {"native", "mutating", "functional"}
-    assert by_name["functional"].ok and not by_name["native"].ok and not by_name["mutating"].ok
+    assert set(by_name) == {"native", "mutating", "primitive"}
+    assert by_name["primitive"].ok and not by_name["native"].ok and not by_name["mutating"].ok
+    assert by_name["primitive"].reason == "valid; ranked below the choice"
     assert by_name["native"].reason.startswith("slow:")
 
 
@@ -29,7 +30,10 @@ def test_native_chosen_where_it_is_good() -> None:
 
 def test_kind_preference_by_context() -> None:
     assert registry.select("index_fill", stack="vmap").kind == "functional"
-    assert registry.select("index_fill", stack="vmap,jvp").kind == "primitive"
+    assert registry.select("index_fill", stack="vmap,jvp").kind == "functional"
+    assert registry.select("index_fill", stack="grad").kind == "functional"  # negative indices break native's
+    assert registry.select("index_fill", stack="autograd", tensors=("self", "index")).kind == "native"
+    assert registry.select("index_fill", stack="autograd").kind == "functional"
     assert registry.select("masked_scatter", stack="grad").kind == "functional"  # jacrev vmaps the backward
     assert registry.select("to", stack="compile").kind == "functional"
 

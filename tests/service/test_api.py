@@ -29,10 +29,10 @@ def test_ops(client: TestClient) -> None:
 
 def test_select(client: TestClient) -> None:
     body = client.get("/select", params={"op": "index_fill", "stack": "vmap,grad"}).json()
-    assert (body["composite"], body["kind"]) == ("primitive", "primitive")
+    assert (body["composite"], body["kind"]) == ("functional", "functional")
     assert body["stack"] == ["vmap", "grad"]
     assert {a["composite"]: a["ok"] for a in body["alternatives"]} == {
-        "native": False, "mutating": False, "functional": True}
+        "native": False, "mutating": False, "primitive": True}
 
 
 def test_errors_say_what_to_fix(client: TestClient) -> None:
