@@ -12,6 +12,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,11 +26,13 @@ from registry.selector import CACHE_LISTENERS, POLICIES, SelectionError, decide,
 
 
 class _Frame:
-    __slots__ = ("compiled", "pins", "policy")
+    __slots__ = ("compiled", "keys", "pins", "policy")
 
     def __init__(self, policy: str, pins: dict[str, str]) -> None:
         self.policy = policy
         self.pins = pins
+        # The eager cache key's prefix per op, interned to an int: hashing it costs nothing on the hot path.
+        self.keys = {op: _PREFIXES.setdefault((op, policy, pins.get(op)), len(_PREFIXES)) for op in OPS}
         # Decided here, eagerly, because Dynamo cannot trace the selector: what runs while torch.compile traces.
         self.compiled: dict[str, Callable[..., Any]] = {}
         for op in OPS:
@@ -41,14 +44,22 @@ class _Frame:
                 self.compiled[op] = decision.fn
 
 
-_local = threading.local()
+_PREFIXES: dict[tuple[str, str, str | None], int] = {}
+
+
+class _Local(threading.local):
+    frames: list[_Frame] | tuple[()] = ()  # a class default: threads that never entered use() read it directly
+
+
+_local = _Local()
 _patch_lock = threading.Lock()
 _active_frames = 0  # over all threads; the patches are installed while it is positive
 _patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, PyTorch's original)
 
-# (op, policy, pin, stack, dtype, tensor names) -> composite function, or None for "call PyTorch's original".
-# Only contexts without a functorch transform are cached here: the common eager path costs one dict lookup.
-_eager_cache: dict[tuple, Callable[..., Any] | None] = {}
+# (interned (op, policy, pin), dtype, value is a tensor) -> (composite when autograd does not record, composite when it
+# does); None means "call PyTorch's original". Only contexts without a functorch transform are cached here: the
+# common eager path costs one dict lookup, and checks requires_grad only where the two differ.
+_eager_cache: dict[tuple, tuple[Callable[..., Any] | None, Callable[..., Any] | None]] = {}
 CACHE_LISTENERS.append(_eager_cache.clear)
 
 
@@ -57,10 +68,9 @@ def _raise(error: Exception, *args: Any, **kwargs: Any) -> Any:
 
 
 def _frames() -> list[_Frame]:
-    frames = getattr(_local, "frames", None)
-    if frames is None:
-        frames = _local.frames = []
-    return frames
+    if not isinstance(_local.frames, list):
+        _local.frames = []
+    return _local.frames
 
 
 def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -78,6 +88,16 @@ def _decide_fn(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, A
     return None if decision.kind == "native" else decision.fn
 
 
+def _eager_pair(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    """The eager decisions without and with autograd recording, for the eager cache."""
+    ctx = context_of(_tensor_args(op, args, kwargs))
+    pair = []
+    for stack in ((), ("autograd",)):
+        decision = decide(op.name, replace(ctx, stack=stack), frame.policy, frame.pins.get(op.name))
+        pair.append(None if decision.kind == "native" else decision.fn)
+    return tuple(pair)
+
+
 def _make_router(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
     normalize = op.normalize
     name = op.name
@@ -88,10 +108,19 @@ def _make_router(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
     is_tensor = torch.Tensor.__instancecheck__
     is_grad_enabled = torch.is_grad_enabled
     is_compiling = torch.compiler.is_compiling
+    local = _local
+
+    def records_autograd(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if not is_grad_enabled():
+            return False
+        if kwargs:
+            return any(is_tensor(v) and v.requires_grad for v in (*args, *kwargs.values()))
+        n_args = len(args)
+        return any(p < n_args and is_tensor(args[p]) and args[p].requires_grad for p in grad_positions)
 
     @functools.wraps(original)
     def routed(*args: Any, **kwargs: Any) -> Any:
-        frames = getattr(_local, "frames", None)
+        frames = local.frames
         if not frames or frames[-1].policy == "native":
             return original(*args, **kwargs)
         frame = frames[-1]
@@ -103,28 +132,17 @@ def _make_router(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
         cargs, ckwargs = call
         if peek_interpreter_stack() is None:
-            # The eager path: no functorch transform, so the context is the dtype, whether autograd records, and
-            # (for ``value``) the overload. One tuple and one dict lookup.
             self = cargs[0] if cargs else ckwargs.get("self")
-            records = False
-            if is_grad_enabled():
-                if ckwargs:
-                    records = any(is_tensor(v) and v.requires_grad for v in (*cargs, *ckwargs.values()))
-                else:
-                    n_args = len(cargs)
-                    for position in grad_positions:
-                        if position < n_args and is_tensor(cargs[position]) and cargs[position].requires_grad:
-                            records = True
-                            break
             value_kind = None
             if value_position is not None:
                 value = cargs[value_position] if len(cargs) > value_position else ckwargs.get("value")
                 value_kind = is_tensor(value)
-            key = (name, frame.policy, frame.pins.get(name), records, getattr(self, "dtype", None), value_kind)
-            try:
-                composite = _eager_cache[key]
-            except KeyError:
-                composite = _eager_cache[key] = _decide_fn(op, frame, cargs, ckwargs)
+            key = (frame.keys[name], getattr(self, "dtype", None), value_kind)
+            pair = _eager_cache.get(key)
+            if pair is None:
+                pair = _eager_cache[key] = _eager_pair(op, frame, cargs, ckwargs)
+            plain, recording = pair
+            composite = plain if plain is recording or not records_autograd(cargs, ckwargs) else recording
         else:
             composite = _decide_fn(op, frame, cargs, ckwargs)
         if composite is None:
@@ -195,4 +213,4 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
 
 def routing_active() -> bool:
     """Whether the current thread is inside ``use()``."""
-    return bool(getattr(_local, "frames", None))
+    return bool(_local.frames)
