@@ -104,6 +104,18 @@ def scatter_in_order(self: torch.Tensor, mask: torch.Tensor, source: torch.Tenso
     return torch.where(mask, padded_source.gather(-1, position).reshape(self.shape), self)
 
 
+def gather_in_order(values: torch.Tensor, mask: torch.Tensor, source_shape: tuple[int, ...],
+                    batch_ndim: int) -> torch.Tensor:
+    """The adjoint of ``scatter_in_order`` from out-of-place ops: each sample's values at its Trues, in order, then
+    zeros, shaped like source. Positions that are False add zero to a spare slot that is dropped."""
+    lead = values.shape[:batch_ndim]
+    size = math.prod(source_shape[batch_ndim:])
+    flat_mask = mask.reshape(*lead, -1)
+    position = torch.where(flat_mask, flat_mask.cumsum(-1, dtype=torch.long) - 1, size)
+    picked = torch.where(mask, values, 0).reshape(*lead, -1)
+    return values.new_zeros(*lead, size + 1).scatter_add(-1, position, picked)[..., :size].reshape(source_shape)
+
+
 def _in_order(mask: torch.Tensor, source_size: int, batch_ndim: int) -> torch.Tensor:
     """Per sample, True at the first (number of Trues in the mask) source positions: the source elements used."""
     counts = mask.reshape(*mask.shape[:batch_ndim], -1).sum(-1, keepdim=True)
@@ -136,60 +148,26 @@ class MaskedScatter(Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
+        # Out-of-place ops, which every transform (and Dynamo, which traces no Function applied in a backward)
+        # handles; they stay differentiable for higher orders.
         (mask,) = ctx.saved_tensors
-        grad_source = MaskedGather.apply(grad, mask, ctx.source_shape, ctx.batch_ndim)
+        grad_source = gather_in_order(grad, mask, ctx.source_shape, ctx.batch_ndim)
         return torch.where(mask, 0, grad), None, grad_source, None
 
     @staticmethod
     def jvp(ctx: Any, self_t, _mask_t, source_t, _batch_ndim) -> torch.Tensor:
+        # Out-of-place ops, not apply(): Dynamo traces no Function call inside a jvp rule.
         (mask,) = ctx.saved_tensors
         if self_t is None:
             self_t = torch.zeros(mask.shape, dtype=source_t.dtype, device=source_t.device)
         if source_t is None:
             source_t = torch.zeros(ctx.source_shape, dtype=self_t.dtype, device=self_t.device)
-        return MaskedScatter.apply(self_t, mask, source_t, ctx.batch_ndim)
+        return scatter_in_order(self_t, mask, source_t, ctx.batch_ndim)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, mask, source, batch_ndim):
         self, mask, source = batch_first(info, in_dims[:3], self, mask, source)
         return MaskedScatter.apply(self, mask, source, batch_ndim + 1), 0
-
-
-class MaskedGather(Function):
-    """The adjoint of masked_scatter in source: the values at the mask's Trues, in order, then zeros, shaped like
-    source. Linear, so its backward is MaskedScatter into zeros and its jvp is itself."""
-
-    generate_vmap_rule = False
-
-    @staticmethod
-    def forward(values: torch.Tensor, mask: torch.Tensor, source_shape: tuple[int, ...], batch_ndim: int):
-        lead = source_shape[:batch_ndim]
-        size = math.prod(source_shape[batch_ndim:])
-        picked = values[mask]  # every sample's Trues, sample after sample
-        out = values.new_zeros(*lead, size).masked_scatter(_in_order(mask, size, batch_ndim), picked)
-        return out.reshape(source_shape)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, mask, ctx.source_shape, ctx.batch_ndim = inputs
-        ctx.save_for_backward(mask)
-        ctx.save_for_forward(mask)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        (mask,) = ctx.saved_tensors
-        zeros = torch.zeros(mask.shape, dtype=grad.dtype, device=grad.device)
-        return MaskedScatter.apply(zeros, mask, grad, ctx.batch_ndim), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, values_t, _mask_t, _shape, _batch_ndim) -> torch.Tensor:
-        (mask,) = ctx.saved_tensors
-        return MaskedGather.apply(values_t, mask, ctx.source_shape, ctx.batch_ndim)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[int | None, ...], values, mask, source_shape, batch_ndim):
-        values, mask = batch_first(info, in_dims[:2], values, mask)
-        return MaskedGather.apply(values, mask, (info.batch_size, *source_shape), batch_ndim + 1), 0
 
 
 def _broadcast_mask(self: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,9 +96,19 @@ def _mutating(ctx: Context) -> Problem | None:
     return None
 
 
+def _mutating_forward_ad(op: str, ctx: Context) -> Problem | None:
+    if op == "to" and "jvp" in ctx.stack:
+        return Problem("mismatch", "copy_'s forward-AD formula keeps the source's dtype, so the tangent of a "
+                                   "dtype-changing to comes out in the wrong dtype")
+    return None
+
+
 def _primitive(ctx: Context) -> Problem | None:
     if "functionalize" in ctx.stack:
         return Problem("error", "functionalize has no rule for torch.autograd.Function (NYI: custom_function_call)")
+    if "compile" in ctx.stack:
+        return Problem("error", "Dynamo does not trace a torch.autograd.Function with a custom jvp under torch.func "
+                                "transforms (measured: masked_scatter under compile(grad))")
     return None
 
 
@@ -115,7 +125,7 @@ def problem(op: str, kind: str, ctx: Context) -> Problem | None:
         rule = NATIVE_RULES.get(op)
         return rule(ctx) if rule else None
     if kind == "mutating":
-        return _mutating(ctx) or _backward_problem(op, ctx)
+        return _mutating(ctx) or _backward_problem(op, ctx) or _mutating_forward_ad(op, ctx)
     return KIND_RULES[kind](ctx)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from registry import rules
+from registry import evidence, rules
 from registry.context import Context, parse_stack
 from registry.model import KINDS, Composite
 from registry.ops import OPS
@@ -71,8 +71,22 @@ def _describe(ctx: Context) -> str:
     return where
 
 
-def _verdicts(op: str, ctx: Context) -> list[tuple[Composite, rules.Problem | None]]:
-    return [(composite, rules.problem(op, composite.kind, ctx)) for composite in COMPOSITES[op].values()]
+Judged = list[tuple[Composite, "rules.Problem | None"]]
+
+
+def _verdicts(op: str, ctx: Context, policy: str) -> tuple[Judged, dict[str, int]]:
+    """Each composite's problem in ``ctx`` (rules, and for ``auto`` the verified matrix), and how many matrix
+    entries speak for it there."""
+    judged, verified = [], {}
+    for composite in COMPOSITES[op].values():
+        problem = rules.problem(op, composite.kind, ctx)
+        if policy == "auto":
+            measured, count = evidence.evidence(op, composite.name, ctx, OPS[op].tensor_args)
+            verified[composite.name] = count
+            if problem is None and measured is not None:
+                problem = rules.Problem(measured.status, f"measured: {measured.text}")
+        judged.append((composite, problem))
+    return judged, verified
 
 
 def _resolve_pin(op: str, pin: str) -> Composite:
@@ -103,7 +117,7 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
         raise SelectionError(unknown_op_message(op))
     if policy not in POLICIES:
         raise SelectionError(f"select({op}): unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
-    judged = _verdicts(op, ctx)
+    judged, verified = _verdicts(op, ctx, policy)
     where = _describe(ctx)
 
     if pin is not None:
@@ -134,12 +148,14 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
             reason = f"PyTorch's own {op} has no known problem under {where}"
         elif skipped:
             worse = skipped[0]
-            reason = (f"{worse[0].name} is {worse[1].status} under {where} ({worse[1].evidence}); "
+            reason = (f"{worse[0].name} fails under {where} ({worse[1].status}: {worse[1].evidence}); "
                       f"{chosen.name} is the next choice: {rules.preference_reason(ctx)}")
         else:
             reason = f"{chosen.name} is preferred under {where}: {rules.preference_reason(ctx)}"
         if policy == "auto":
-            reason += " (unverified: no measurement yet, rules decide)"
+            count = verified.get(chosen.name, 0)
+            reason += (f" (verified: {count} matrix entries ok here)" if count
+                       else " (unverified: no measurement yet, rules decide)")
 
     alternatives = tuple(
         Verdict(

@@ -1,4 +1,10 @@
+import os
+import tempfile
+
 import pytest
+
+# Tests never touch the user's store: every run gets an empty SQLite file of its own.
+os.environ["MULTICOMPOSITE_DB"] = f"sqlite:///{tempfile.mkdtemp(prefix='multicomposite-tests-')}/store.db"
 
 import registry
 

@@ -12,8 +12,8 @@ def test_decision_shape_and_reason() -> None:
     decision = registry.select("masked_scatter", stack="vmap,grad", batched=["self"])
     assert decision.op == "masked_scatter"
     assert (decision.composite, decision.kind) == ("functional", "functional")
-    assert decision.reason.startswith("native is slow under (vmap, grad) with self batched (aten::masked_scatter has "
-                                      "no batching rule, so vmap runs a per-sample loop); functional is the next")
+    assert decision.reason.startswith("native fails under (vmap, grad) with self batched (slow: aten::masked_scatter "
+                                      "has no batching rule, so vmap runs a per-sample loop); functional is the next")
     by_name = {v.composite: v for v in decision.alternatives}
     assert set(by_name) == {"native", "mutating", "primitive"}
     assert by_name["primitive"].ok and not by_name["native"].ok and not by_name["mutating"].ok

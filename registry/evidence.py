@@ -1,0 +1,134 @@
+"""Measured evidence for the selector: the verified matrix, indexed by context.
+
+Policy ``auto`` treats a failing entry (``slow``, ``error``, ``mismatch``) for the current context as a problem of
+that composite, on top of the rules; ``ok`` entries make a decision "verified" but never overrule a rule, because
+an entry speaks for the samples that were run, and a rule may know of an overload they did not cover.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from registry.context import Context
+
+FAILING = ("slow", "error", "mismatch")
+
+
+class EntryLike(Protocol):
+    op: str
+    composite: str
+    stack: tuple[str, ...]
+    pattern: str
+    dtype: str
+    status: str
+    detail: str
+    max_abs_error: float | None
+
+
+@dataclass(frozen=True)
+class Evidence:
+    status: str
+    text: str  # "native: mismatch 2.0 under vmap, pattern others, float32"
+
+
+_lock = threading.Lock()
+_index: dict[tuple[str, str, tuple[str, ...]], list[Any]] | None = None
+_loader: Any = None  # a callable returning the entries to use, set by ``use_store``
+
+
+def set_entries(entries: Iterable[EntryLike]) -> None:
+    """Index ``entries`` as the evidence (replacing what was there)."""
+    global _index
+    index: dict[tuple[str, str, tuple[str, ...]], list[Any]] = {}
+    for entry in entries:
+        index.setdefault((entry.op, entry.composite, tuple(entry.stack)), []).append(entry)
+    with _lock:
+        _index = index
+    _changed()
+
+
+def clear() -> None:
+    set_entries(())
+
+
+def use_loader(loader: Any) -> None:
+    """Load evidence lazily from ``loader()`` at the first decision that needs it (the store, by default)."""
+    global _index, _loader
+    with _lock:
+        _loader, _index = loader, None
+    _changed()
+
+
+def _changed() -> None:
+    from registry.selector import clear_cache
+
+    clear_cache()
+
+
+def stored_entries() -> list[Any]:
+    """The default evidence: the store's entries that are fresh for this torch and these composites' sources.
+
+    Nothing is created: without a store (no ``MULTICOMPOSITE_DB`` and no SQLite file yet) there is no evidence.
+    """
+    import os
+
+    import torch
+
+    from registry.store import ENV_VAR, Store, default_url
+    from registry.verify import source_hashes
+
+    url = default_url()
+    if ENV_VAR not in os.environ and url.startswith("sqlite:///") and not os.path.exists(url.removeprefix("sqlite:///")):
+        return []
+    store = Store(url)
+    try:
+        return store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__)
+    finally:
+        store.close()
+
+
+def _entries(op: str, composite: str, stack: tuple[str, ...]) -> list[Any]:
+    global _index
+    if _index is None:
+        loaded = list((_loader or stored_entries)())
+        index: dict[tuple[str, str, tuple[str, ...]], list[Any]] = {}
+        for entry in loaded:
+            index.setdefault((entry.op, entry.composite, tuple(entry.stack)), []).append(entry)
+        with _lock:
+            _index = index
+    return _index.get((op, composite, stack), [])
+
+
+def patterns_of(ctx: Context, tensor_args: tuple[str, ...]) -> set[str]:
+    """The matrix patterns that describe ``ctx``'s batching."""
+    if "vmap" not in ctx.stack:
+        return {"-"}
+    batched = set(ctx.batched)
+    if batched == {"self"}:
+        return {"self"}
+    if "self" not in batched:
+        return {"others"}
+    if batched >= set(ctx.tensors) & set(tensor_args):
+        return {"all", "in_dims1"}
+    return {"all"}
+
+
+def evidence(op: str, composite: str, ctx: Context, tensor_args: tuple[str, ...]) -> tuple[Evidence | None, int]:
+    """(the worst failing entry that applies to ``ctx``, or None; how many entries apply)."""
+    stack = tuple(t for t in ctx.stack if t != "autograd")
+    applicable = [
+        e for e in _entries(op, composite, stack)
+        if (ctx.dtype is None or e.dtype == str(ctx.dtype).removeprefix("torch."))
+        and (e.pattern == "-" or e.pattern in patterns_of(ctx, tensor_args))
+    ]
+    failing = [e for e in applicable if e.status in FAILING]
+    if not failing:
+        return None, len(applicable)
+    worst = max(failing, key=lambda e: FAILING.index(e.status))
+    amount = f" {worst.max_abs_error:.3g}" if worst.status == "mismatch" and worst.max_abs_error is not None else ""
+    where = ",".join(stack)
+    text = f"{composite}: {worst.status}{amount} under {where}, pattern {worst.pattern}, {worst.dtype}"
+    return Evidence(worst.status, text), len(applicable)

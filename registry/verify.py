@@ -1,0 +1,422 @@
+"""``verify()``: every composite (native included) in every transform context, against a Python loop of native
+PyTorch outside any transform. The matrix it returns is what the store keeps and what policy ``auto`` trusts.
+
+Stacks are generated, not listed: every nesting of depth 1 to 3 over ``vmap``, ``grad`` and ``jvp``, plus
+``functionalize`` and ``compile`` as the outermost layer of the depth-1 and depth-2 ones. Each transform maps a
+function of tensors to a function of tensors, so a stack is built (and its reference computed) by composing layers:
+
+- ``vmap``: ``torch.func.vmap`` / a Python loop over the batch;
+- ``grad``: the gradient of ``sum(w * y * y)`` with respect to the first differentiable argument /
+  ``torch.autograd.grad`` with ``create_graph`` so that outer layers can differentiate it again;
+- ``jvp``: ``torch.func.jvp`` along a fixed tangent / ``torch.autograd.forward_ad`` where it is the only
+  differentiating layer, else the double-vjp identity J t = d/du <J^T u, t> (forward AD has one level only);
+- ``functionalize``, ``compile`` (``aot_eager``, ``fullgraph=True``): the whole stack below them / nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import itertools
+import multiprocessing
+import os
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import func
+from torch.autograd import forward_ad
+
+from registry.audit import audit
+from registry.checks import FALLBACK_WARNING, entry_call, native_call
+from registry.context import parse_stack
+from registry.model import Composite
+from registry.registration import COMPOSITES, RegistrationError, load
+from registry.samples import SAMPLES, Args, Sample
+from registry.store import MatrixEntry
+
+BASE_TRANSFORMS = ("vmap", "grad", "jvp")
+OUTER_TRANSFORMS = ("functionalize", "compile")
+PATTERNS = ("all", "self", "others", "in_dims1")
+NO_PATTERN = "-"  # stacks without vmap batch nothing
+# How an entry aggregates its samples, worst last: "unsupported" only when no sample could run at all.
+BAD_ORDER = ("unsupported", "ok", "slow", "mismatch", "error")
+
+
+def default_stacks() -> list[tuple[str, ...]]:
+    nested = [s for depth in (1, 2, 3) for s in itertools.product(BASE_TRANSFORMS, repeat=depth)]
+    outer = [(o, *s) for o in OUTER_TRANSFORMS for s in nested if len(s) <= 2]
+    return nested + outer
+
+
+@functools.cache
+def source_hash(composite: Composite) -> str:
+    """What makes a stored entry stale: the source of the composite's module (its helpers and Functions too)."""
+    module = inspect.getmodule(composite.fn)
+    try:
+        source = inspect.getsource(module) if module is not None else composite.source
+    except (OSError, TypeError):
+        source = composite.source
+    return hashlib.sha256(f"{composite.name}\n{source}".encode()).hexdigest()[:16]
+
+
+def source_hashes() -> dict[tuple[str, str], str]:
+    load()
+    return {(op, name): source_hash(c) for op, composites in COMPOSITES.items() for name, c in composites.items()}
+
+
+# --- the layers --------------------------------------------------------------------------------------------------
+
+
+def _weight(y: torch.Tensor) -> torch.Tensor:
+    # Deterministic, built from the shape alone: the same under any transform and in the reference.
+    return torch.linspace(0.5, 1.5, y.numel(), dtype=y.dtype, device=y.device).reshape(y.shape)
+
+
+def _tangent(x: torch.Tensor) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, x.numel(), dtype=x.dtype, device=x.device).reshape(x.shape)
+
+
+def _loss(y: torch.Tensor) -> torch.Tensor:
+    return (_weight(y) * y * y).sum()
+
+
+Fn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How inputs are batched: per vmap layer (outermost first), each input's batch dim or None."""
+
+    in_dims: tuple[tuple[int | None, ...], ...]
+    wrt: int  # the input that grad and jvp differentiate with respect to
+
+
+def _transformed(stack: Sequence[str], f: Fn, layout: _Layout) -> Fn:
+    vmap_layer = sum(1 for t in stack if t == "vmap")
+    for transform in reversed(stack):
+        if transform == "vmap":
+            vmap_layer -= 1
+            f = func.vmap(f, layout.in_dims[vmap_layer])
+        elif transform == "grad":
+            f = _func_grad(f, layout.wrt)
+        elif transform == "jvp":
+            f = _func_jvp(f, layout.wrt)
+        elif transform == "functionalize":
+            f = func.functionalize(f)
+        elif transform == "compile":
+            torch._dynamo.reset()  # each case compiles the same wrappers: without a reset they hit the limit
+            f = torch.compile(f, backend="aot_eager", fullgraph=True)
+        else:
+            raise ValueError(f"unknown transform {transform!r}")
+    return f
+
+
+def _func_grad(f: Fn, wrt: int) -> Fn:
+    return func.grad(lambda *xs: _loss(f(*xs)), argnums=wrt)
+
+
+def _func_jvp(f: Fn, wrt: int) -> Fn:
+    def jvp_f(*xs: torch.Tensor) -> torch.Tensor:
+        def along(x: torch.Tensor) -> torch.Tensor:
+            return f(*xs[:wrt], x, *xs[wrt + 1:])
+
+        return func.jvp(along, (xs[wrt],), (_tangent(xs[wrt]),))[1]
+
+    return jvp_f
+
+
+def _reference(stack: Sequence[str], f: Fn, layout: _Layout) -> Fn:
+    vmap_layer = sum(1 for t in stack if t == "vmap")
+    # Forward AD has one level and does not mix reliably with reverse mode around or inside it: it is the reference
+    # only for a jvp that is the stack's one differentiating layer; otherwise the double-vjp identity is.
+    alone = sum(1 for t in stack if t in ("grad", "jvp")) == 1
+    for transform in reversed(stack):
+        if transform == "vmap":
+            vmap_layer -= 1
+            f = _loop(f, layout.in_dims[vmap_layer])
+        elif transform == "grad":
+            f = _autograd_grad(f, layout.wrt)
+        elif transform == "jvp":
+            f = _forward_ad_jvp(f, layout.wrt) if alone else _autograd_jvp(f, layout.wrt)
+    return f
+
+
+def _loop(f: Fn, in_dims: tuple[int | None, ...]) -> Fn:
+    def looped(*xs: torch.Tensor) -> torch.Tensor:
+        size = next(x.shape[d] for x, d in zip(xs, in_dims, strict=True) if d is not None)
+        return torch.stack([
+            f(*(x if d is None else x.select(d, b) for x, d in zip(xs, in_dims, strict=True))) for b in range(size)
+        ])
+
+    return looped
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    return x if x.requires_grad else x.detach().requires_grad_()
+
+
+def _autograd_grad(f: Fn, wrt: int) -> Fn:
+    def grad_f(*xs: torch.Tensor) -> torch.Tensor:
+        x = _leaf(xs[wrt])
+        loss = _loss(f(*xs[:wrt], x, *xs[wrt + 1:]))
+        if not loss.requires_grad:  # an inner derivative of a linear op: constant in x
+            return torch.zeros_like(x)
+        (g,) = torch.autograd.grad(loss, x, create_graph=True, allow_unused=True, materialize_grads=True)
+        return g
+
+    return grad_f
+
+
+def _forward_ad_jvp(f: Fn, wrt: int) -> Fn:
+    def jvp_f(*xs: torch.Tensor) -> torch.Tensor:
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(xs[wrt], _tangent(xs[wrt]))
+            out = f(*xs[:wrt], dual, *xs[wrt + 1:])
+            tangent = forward_ad.unpack_dual(out).tangent
+        return torch.zeros_like(out) if tangent is None else tangent
+
+    return jvp_f
+
+
+def _autograd_jvp(f: Fn, wrt: int) -> Fn:
+    def jvp_f(*xs: torch.Tensor) -> torch.Tensor:
+        x = _leaf(xs[wrt])
+        y = f(*xs[:wrt], x, *xs[wrt + 1:])
+        if not y.requires_grad:  # an inner derivative of a linear op: constant in x
+            return torch.zeros_like(y)
+        u = torch.zeros_like(y, requires_grad=True)
+        (vjp,) = torch.autograd.grad(y, x, u, create_graph=True, allow_unused=True, materialize_grads=True)
+        (jvp,) = torch.autograd.grad(vjp, u, _tangent(x), create_graph=True, allow_unused=True,
+                                     materialize_grads=True)
+        return jvp
+
+    return jvp_f
+
+
+# --- inputs --------------------------------------------------------------------------------------------------------
+
+
+def _batched(sample: Sample, pattern: str) -> tuple[str, ...]:
+    if pattern == "self":
+        return ("self",)
+    if pattern == "others":
+        return tuple(name for name in sample.batchable if name != "self")
+    return sample.batchable
+
+
+def _inputs(sample: Sample, stack: Sequence[str], pattern: str, seed: int) -> tuple[Args, tuple[Any, ...], _Layout]:
+    """The fixed arguments, the physical tensor inputs (with a batch dim per vmap layer), and their layout."""
+    names = sample.batchable
+    base = sample.build(seed)
+    n_vmaps = sum(1 for t in stack if t == "vmap")
+    batched = _batched(sample, pattern) if n_vmaps else ()
+    sizes = [3, 2, 2][:n_vmaps]
+    counter = itertools.count(seed + 1)
+
+    def build(name: str, depth: int) -> torch.Tensor:
+        if depth == n_vmaps:
+            return sample.build(next(counter))[name]
+        return torch.stack([build(name, depth + 1) for _ in range(sizes[depth])])
+
+    tensors = []
+    for name in names:
+        tensor = build(name, 0) if name in batched else base[name]
+        tensors.append(tensor)
+    # in_dims1: the outermost batch dim sits at 1 (where the tensor has a dim after it), the rest at 0.
+    in_dims = []
+    for layer in range(n_vmaps):
+        dims = []
+        for i, name in enumerate(names):
+            if name not in batched:
+                dims.append(None)
+                continue
+            dim = 0
+            if pattern == "in_dims1" and layer == 0 and tensors[i].dim() >= 2:
+                dim = 1
+            dims.append(dim)
+        in_dims.append(tuple(dims))
+    if pattern == "in_dims1" and n_vmaps:
+        tensors = [t.movedim(0, 1) if in_dims[0][i] == 1 else t for i, t in enumerate(tensors)]
+    wrt = names.index(sample.differentiable[0]) if sample.differentiable else 0
+    return base, tuple(tensors), _Layout(tuple(in_dims), wrt)
+
+
+# --- one check -----------------------------------------------------------------------------------------------------
+
+
+def _errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    if actual.numel() == 0:
+        return 0.0, 0.0
+    diff = (actual.double() - expected.double()).abs()
+    rel = diff / expected.double().abs().clamp_min(1e-12)
+    return diff.max().item(), rel.max().item()
+
+
+def check_stack(sample: Sample, stack: tuple[str, ...], pattern: str, call: Callable[[Args], Any],
+                seed: int = 0) -> tuple[str, str, float | None, float | None]:
+    """(status, detail, max abs error, max rel error) of ``call`` under ``stack`` against the native loop."""
+    needs_grad = any(t in ("grad", "jvp") for t in stack)
+    if needs_grad and not sample.differentiable:
+        return "unsupported", f"{sample.dtype} has no gradients", None, None
+    base, tensors, layout = _inputs(sample, stack, pattern, seed)
+    names = sample.batchable
+
+    def with_tensors(target: Callable[[Args], Any]) -> Fn:
+        return lambda *xs: target({**base, **dict(zip(names, xs, strict=True))})
+
+    try:
+        expected = _reference(stack, with_tensors(native_call(sample.op, sample)), layout)(*tensors)
+    except Exception as error:  # the reference itself cannot be computed: nothing to judge against
+        return "unsupported", f"reference: {type(error).__name__}: {_first_line(error)}", None, None
+    expected = expected.detach()
+    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                actual = _transformed(stack, with_tensors(call), layout)(*tensors)
+            except Exception as error:  # a transform's failure is this check's result
+                return "error", f"{type(error).__name__}: {_first_line(error)}", None, None
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return ("mismatch", f"shape/dtype {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} "
+                f"{expected.dtype}", None, None)
+    abs_error, rel_error = _errors(actual.detach(), expected)
+    try:
+        torch.testing.assert_close(actual.detach(), expected, equal_nan=True)
+    except AssertionError:
+        return "mismatch", f"max abs error {abs_error:.3g}, max rel error {rel_error:.3g}", abs_error, rel_error
+    slow = [str(w.message) for w in caught if FALLBACK_WARNING in str(w.message)]
+    if slow:
+        return "slow", slow[0].splitlines()[0][:200], abs_error, rel_error
+    return "ok", "", abs_error, rel_error
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def _composite_call(composite: Composite, sample: Sample) -> Callable[[Args], Any]:
+    if composite.kind == "native":
+        return entry_call(sample.op, sample)  # PyTorch's own entry point, outside use(): native as users get it
+
+    def call(args: Args) -> Any:
+        positional = [v for k, v in args.items() if k not in sample.kwargs]
+        return composite.fn(*positional, **{k: args[k] for k in sample.kwargs if k in args})
+
+    return call
+
+
+# --- the matrix --------------------------------------------------------------------------------------------------
+
+
+def _patterns_for(sample: Sample, stack: tuple[str, ...], patterns: Sequence[str]) -> list[str]:
+    if "vmap" not in stack:
+        return [NO_PATTERN]
+    chosen = [p for p in patterns if p != "others" or set(sample.batchable) - {"self"}]
+    if "compile" in stack:  # compiling costs about half a second a case: the all-batched pattern stands for all
+        chosen = [p for p in chosen if p == "all"] or chosen[:1]
+    return chosen
+
+
+def _stack_tuple(stack: str | Sequence[str]) -> tuple[str, ...]:
+    return parse_stack(stack) if isinstance(stack, str) else tuple(stack)
+
+
+def verify(
+    ops: Iterable[str] | None = None,
+    stacks: Iterable[str | Sequence[str]] | None = None,
+    patterns: Sequence[str] | None = None,
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
+    *,
+    composites: Iterable[str] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+    workers: int | None = None,
+) -> list[MatrixEntry]:
+    """The matrix: one entry per (op, composite, stack, pattern, dtype), the worst outcome over that dtype's samples.
+
+    Stacks default to ``default_stacks()`` ("vmap,grad" strings and aliases such as "jacrev" are accepted);
+    ``compile`` stacks run for the first dtype only, and ``progress(done, total, label)`` follows each entry.
+    Large runs are split over ``workers`` forked processes (default: up to 2, one per core).
+    A composite that fails its audit (``registry.audit``) gets ``error`` entries that say why, without running.
+    """
+    load()
+    op_names = list(ops) if ops is not None else list(SAMPLES)
+    stack_list = [_stack_tuple(s) for s in stacks] if stacks is not None else default_stacks()
+    pattern_list = tuple(patterns) if patterns is not None else PATTERNS
+    wanted = set(composites) if composites is not None else None
+    work = []
+    for op in op_names:
+        for composite in COMPOSITES[op].values():
+            if wanted is not None and composite.name not in wanted:
+                continue
+            for dtype_index, dtype in enumerate(dtypes):
+                samples = [s for s in SAMPLES[op] if s.dtype == dtype]
+                for stack in stack_list:
+                    if not samples or ("compile" in stack and dtype_index):
+                        continue  # compiling is slow: one dtype and one sample stand for the rest
+                    use_samples = samples[:1] if "compile" in stack else samples
+                    for pattern in _patterns_for(samples[0], stack, pattern_list):
+                        work.append((op, composite, dtype, stack, pattern, use_samples))
+    labels = [(op, composite.name, str(dtype).removeprefix("torch."), stack, pattern,
+               tuple(SAMPLES[op].index(sample) for sample in use_samples))
+              for op, composite, dtype, stack, pattern, use_samples in work]
+    workers = workers if workers is not None else min(2, os.cpu_count() or 1)
+    if workers <= 1 or len(labels) < 64:
+        results = map(_run_item, labels)
+    else:
+        # Forked workers inherit every registration (plugins and test composites included); each takes one core.
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,))
+        results = pool.imap(_run_item, labels, chunksize=8)
+    entries = []
+    try:
+        for done, entry in enumerate(results, 1):
+            entries.append(entry)
+            if progress is not None:
+                progress(done, len(labels), f"{entry.op}/{entry.composite} {','.join(entry.stack)} {entry.pattern}")
+    finally:
+        if workers > 1 and len(labels) >= 64:
+            pool.close()
+            pool.join()
+    return entries
+
+
+_audits: dict[tuple[str, str], str | None] = {}
+
+
+def _run_item(label: tuple[str, str, str, tuple[str, ...], str, tuple[int, ...]]) -> MatrixEntry:
+    """One matrix entry: the worst outcome of ``composite`` over the samples, or its failed audit."""
+    op, name, dtype, stack, pattern, sample_ids = label
+    composite = COMPOSITES[op][name]
+    if (op, name) not in _audits:
+        try:
+            audit(op, name)
+            _audits[op, name] = None
+        except RegistrationError as error:
+            _audits[op, name] = f"audit: {error}"
+    failed_audit = _audits[op, name]
+    worst: tuple[str, str, float | None, float | None] = ("unsupported", "no sample of this dtype", None, None)
+    if failed_audit is not None:
+        worst = ("error", failed_audit[:500], None, None)
+    for sample in [SAMPLES[op][i] for i in sample_ids] if failed_audit is None else ():
+        if pattern == "others" and not set(sample.batchable) - {"self"}:
+            continue
+        outcome = check_stack(sample, stack, pattern, _composite_call(composite, sample))
+        if outcome[0] != "ok":
+            outcome = (outcome[0], f"{sample.name}: {outcome[1]}", outcome[2], outcome[3])
+        if BAD_ORDER.index(outcome[0]) > BAD_ORDER.index(worst[0]):
+            worst = outcome
+        elif worst[2] is None:
+            worst = (worst[0], worst[1], outcome[2], outcome[3])
+    return MatrixEntry(
+        op=op, composite=name, kind=composite.kind, stack=stack, pattern=pattern, dtype=dtype, status=worst[0],
+        detail=worst[1], max_abs_error=worst[2], max_rel_error=worst[3], source_hash=source_hash(composite),
+        torch_version=torch.__version__, device="cpu",
+    )
+
+
