@@ -17,6 +17,7 @@ from torch.utils.benchmark import Timer
 
 import registry
 from bench.kinds import print_kinds
+from bench.sweep import print_sweep
 
 
 def _median_us(stmt, min_run_time: float) -> float:
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9, help="alternating native/routed rounds")
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per blocked_autorange")
     parser.add_argument("--kinds", action="store_true", help="also time every kind of composite side by side")
+    parser.add_argument("--sweep", action="store_true", help="also run the profiling sweep and auto vs native")
     args = parser.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
           f"-> {result['slowdown'] * 100:+.1f}% (target <= +3%)")
     if args.kinds:
         print_kinds(args.min_run_time)
+    if args.sweep:
+        print_sweep(0.1)
     return 0
 
 

@@ -111,9 +111,10 @@ def parse_stack(text: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(stack)
 
 
-# jacrev = vjp, then vmap over the backward; jacfwd = vmap over jvp; hessian = jacfwd(jacrev).
+# What an op's forward sees under each: jacrev is vjp (grad), then a vmap over the backward only; jacfwd is vmap over
+# jvp; hessian is jacfwd(jacrev).
 STACK_ALIASES: dict[str, tuple[str, ...]] = {
-    "jacrev": ("vmap", "grad"),
+    "jacrev": ("grad",),
     "jacfwd": ("vmap", "jvp"),
-    "hessian": ("vmap", "jvp", "vmap", "grad"),
+    "hessian": ("vmap", "jvp", "grad"),
 }

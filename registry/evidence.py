@@ -7,6 +7,7 @@ an entry speaks for the samples that were run, and a rule may know of an overloa
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,7 +37,10 @@ class Evidence:
 
 _lock = threading.Lock()
 _index: dict[tuple[str, str, tuple[str, ...]], list[Any]] | None = None
-_loader: Any = None  # a callable returning the entries to use, set by ``use_store``
+_loader: Any = None  # a callable returning the entries to use, set by ``use_loader``
+# Timings: (op, stack) -> valid profile entries; loaded with the matrix.
+_profiles: dict[tuple[str, tuple[str, ...]], list[Any]] | None = None
+_profile_loader: Any = None
 
 
 def set_entries(entries: Iterable[EntryLike]) -> None:
@@ -52,6 +56,82 @@ def set_entries(entries: Iterable[EntryLike]) -> None:
 
 def clear() -> None:
     set_entries(())
+    set_profiles(())
+
+
+def set_profiles(profiles: Iterable[Any]) -> None:
+    """Index ``profiles`` (ProfileEntry-like) as the timings policy ``auto`` ranks by."""
+    global _profiles
+    index: dict[tuple[str, tuple[str, ...]], list[Any]] = {}
+    for profile in profiles:
+        if profile.valid and profile.median_us is not None:
+            index.setdefault((profile.op, tuple(profile.stack)), []).append(profile)
+    with _lock:
+        _profiles = index
+    _changed()
+
+
+def use_profile_loader(loader: Any) -> None:
+    """Load timings lazily from ``loader()`` (default: the store's fresh profiles)."""
+    global _profiles, _profile_loader
+    with _lock:
+        _profile_loader, _profiles = loader, None
+    _changed()
+
+
+def stored_profiles() -> list[Any]:
+    import os
+
+    import torch
+
+    from registry.store import ENV_VAR, Store, default_url
+    from registry.verify import source_hashes
+
+    url = default_url()
+    if ENV_VAR not in os.environ and url.startswith("sqlite:///") and not os.path.exists(url.removeprefix("sqlite:///")):
+        return []
+    store = Store(url)
+    try:
+        return store.fresh_profiles(source_hashes=source_hashes(), torch_version=torch.__version__)
+    finally:
+        store.close()
+
+
+@dataclass(frozen=True)
+class Timing:
+    composite: str
+    score_us: float  # geometric mean of the medians over the batch sizes every timed candidate shares
+    bucket: int
+    batch_sizes: tuple[int, ...]
+
+
+def timings(op: str, ctx: Context, candidates: Iterable[str]) -> dict[str, Timing]:
+    """Measured scores of ``candidates`` at the profiled size nearest to ``ctx.numel`` (same dtype and device)."""
+    global _profiles
+    if _profiles is None:
+        loaded = list((_profile_loader or stored_profiles)())
+        set_profiles(loaded)
+    stack = tuple(t for t in ctx.stack if t != "autograd")
+    dtype = str(ctx.dtype).removeprefix("torch.") if ctx.dtype is not None else None
+    rows = [p for p in (_profiles or {}).get((op, stack), [])
+            if (dtype is None or p.dtype == dtype) and (ctx.device is None or p.device == ctx.device)]
+    wanted = set(candidates)
+    rows = [p for p in rows if p.composite in wanted]
+    if not rows:
+        return {}
+    target = (ctx.numel or 1).bit_length()
+    nearest = min({p.numel_bucket for p in rows}, key=lambda b: (abs(b.bit_length() - target), b))
+    rows = [p for p in rows if p.numel_bucket == nearest]
+    by_composite: dict[str, dict[int, float]] = {}
+    for p in rows:
+        by_composite.setdefault(p.composite, {})[p.batch_size] = p.median_us
+    shared = set.intersection(*(set(v) for v in by_composite.values()))
+    result = {}
+    for name, medians in by_composite.items():
+        sizes = tuple(sorted(shared or medians))
+        logs = [math.log(medians[b]) for b in sizes if b in medians]
+        result[name] = Timing(name, math.exp(sum(logs) / len(logs)), nearest, sizes)
+    return result
 
 
 def use_loader(loader: Any) -> None:

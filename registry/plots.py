@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from registry.store import MatrixEntry
 
@@ -83,4 +84,47 @@ def render_matrix_png(
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100, bbox_inches="tight")
+    return out
+
+
+def render_speedups_png(profiles: Sequence[Any], path: str | Path, *,
+                        title: str = "multicomposite: speedup over native") -> Path:
+    """Bars of native's median over each valid composite's, per op and workload (largest batch), log scale."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    timed = [p for p in profiles if p.valid and p.median_us]
+    if not timed:
+        raise ValueError("no timed profiles to plot")
+    largest = {}
+    for p in timed:
+        key = (p.op, p.workload)
+        largest[key] = max(largest.get(key, 0), p.batch_size)
+    groups = sorted(largest)
+    native = {(p.op, p.workload): p.median_us for p in timed
+              if p.kind == "native" and p.batch_size == largest[(p.op, p.workload)]}
+    names = sorted({p.composite for p in timed if p.kind != "native"})
+    figure = Figure(figsize=(min(max(10.0, 0.35 * len(groups)), 26.0), 6.5))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        xs, ys = [], []
+        for g, key in enumerate(groups):
+            match = [p for p in timed if (p.op, p.workload) == key and p.composite == name
+                     and p.batch_size == largest[key]]
+            if match and key in native:
+                xs.append(g + i * width)
+                ys.append(native[key] / match[0].median_us)
+        axes.bar(xs, ys, width=width, label=name)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_yscale("log")
+    axes.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+    axes.set_xticklabels([f"{op}\n{workload}" for op, workload in groups], rotation=60, ha="right", fontsize=7)
+    axes.set_ylabel("speedup over native (native median / composite median)")
+    axes.set_title(title)
+    axes.legend(title="composite", fontsize=8)
+    figure.tight_layout()
+    out = Path(path)
+    figure.savefig(out, dpi=110)
     return out

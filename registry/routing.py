@@ -56,9 +56,9 @@ _patch_lock = threading.Lock()
 _active_frames = 0  # over all threads; the patches are installed while it is positive
 _patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, PyTorch's original)
 
-# (interned (op, policy, pin), dtype, value is a tensor) -> (composite when autograd does not record, composite when it
-# does); None means "call PyTorch's original". Only contexts without a functorch transform are cached here: the
-# common eager path costs one dict lookup, and checks requires_grad only where the two differ.
+# (interned (op, policy, pin), dtype, value is a tensor, size bucket) -> (composite when autograd does not record,
+# composite when it does); None means "call PyTorch's original". Only contexts without a functorch transform are
+# cached here: the common eager path costs one dict lookup, and checks requires_grad only where the two differ.
 _eager_cache: dict[tuple, tuple[Callable[..., Any] | None, Callable[..., Any] | None]] = {}
 CACHE_LISTENERS.append(_eager_cache.clear)
 
@@ -137,7 +137,9 @@ def _make_router(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
             if value_position is not None:
                 value = cargs[value_position] if len(cargs) > value_position else ckwargs.get("value")
                 value_kind = is_tensor(value)
-            key = (frame.keys[name], getattr(self, "dtype", None), value_kind)
+            # Profiles are kept per power-of-two size, so the size is part of the key.
+            size = self.numel().bit_length() if is_tensor(self) else 0
+            key = (frame.keys[name], getattr(self, "dtype", None), value_kind, size)
             pair = _eager_cache.get(key)
             if pair is None:
                 pair = _eager_cache[key] = _eager_pair(op, frame, cargs, ckwargs)

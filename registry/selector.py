@@ -14,7 +14,7 @@ from registry.model import KINDS, Composite
 from registry.ops import OPS
 from registry.registration import COMPOSITES, ON_CHANGE, load
 
-POLICIES = ("auto", "rules", "native")
+POLICIES = ("auto", "fastest", "rules", "native")
 
 
 class SelectionError(ValueError):
@@ -38,6 +38,8 @@ class Decision:
     alternatives: tuple[Verdict, ...]
     context: Context
     policy: str
+    speedup: float | None = None  # measured: native's time over the choice's, where both were profiled
+    runner_up_speedup: float | None = None  # measured: the runner-up's time over the choice's
 
     @property
     def fn(self):
@@ -80,7 +82,7 @@ def _verdicts(op: str, ctx: Context, policy: str) -> tuple[Judged, dict[str, int
     judged, verified = [], {}
     for composite in COMPOSITES[op].values():
         problem = rules.problem(op, composite.kind, ctx)
-        if policy == "auto":
+        if policy in ("auto", "fastest"):
             measured, count = evidence.evidence(op, composite.name, ctx, OPS[op].tensor_args)
             verified[composite.name] = count
             if problem is None and measured is not None:
@@ -104,7 +106,9 @@ def _resolve_pin(op: str, pin: str) -> Composite:
 
 def decide(op: str, ctx: Context, policy: str = "auto", pin: str | None = None) -> Decision:
     """The decision for ``op`` in ``ctx``: cached per (op, context, policy, pin)."""
-    key = (op, ctx.stack, ctx.batched, ctx.dtype, ctx.device, ctx.self_covers_batching, ctx.tensors, policy, pin)
+    size = (ctx.numel or 1).bit_length()  # profiles are kept per power-of-two size
+    key = (op, ctx.stack, ctx.batched, ctx.dtype, ctx.device, ctx.self_covers_batching, ctx.tensors, size, policy,
+           pin)
     decision = _cache.get(key)
     if decision is None:
         decision = _cache[key] = _decide(op, ctx, policy, pin)
@@ -144,6 +148,29 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
             )
         chosen = min(valid, key=lambda item: (order.index(item[0].kind), list(COMPOSITES[op]).index(item[0].name)))[0]
         skipped = [(c, p) for c, p in judged if p is not None and order.index(c.kind) < order.index(chosen.kind)]
+        measured = evidence.timings(op, ctx, [c.name for c, _ in judged]) if policy in ("auto", "fastest") else {}
+        timed_valid = sorted((measured[c.name].score_us, c.name) for c, _ in valid if c.name in measured)
+        if timed_valid:
+            chosen = COMPOSITES[op][timed_valid[0][1]]
+            best = measured[chosen.name]
+            native = next((c.name for c, _ in judged if c.kind == "native"), None)
+            speedup = measured[native].score_us / best.score_us if native in measured else None
+            runner_up = timed_valid[1] if len(timed_valid) > 1 else None
+            runner_up_speedup = runner_up[0] / best.score_us if runner_up else None
+            parts = []
+            if speedup is not None and chosen.kind != "native":
+                parts.append(f"{speedup:.2f}x faster than native")
+            if runner_up is not None:
+                parts.append(f"{runner_up_speedup:.2f}x faster than {runner_up[1]}")
+            batches = ",".join(str(b) for b in best.batch_sizes)
+            reason = (f"{chosen.name} is the fastest valid composite measured under {where} "
+                      f"({'; '.join(parts) or 'the only one timed'}; profiled at {best.bucket} elements, batch "
+                      f"{batches})")
+            if skipped:
+                reason += f"; {skipped[0][0].name} is invalid here ({skipped[0][1].status}: {skipped[0][1].evidence})"
+            return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
+                            alternatives=_alternatives(judged, chosen), context=ctx, policy=policy,
+                            speedup=speedup, runner_up_speedup=runner_up_speedup)
         if chosen.kind == "native":
             reason = f"PyTorch's own {op} has no known problem under {where}"
         elif skipped:
@@ -152,12 +179,19 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
                       f"{chosen.name} is the next choice: {rules.preference_reason(ctx)}")
         else:
             reason = f"{chosen.name} is preferred under {where}: {rules.preference_reason(ctx)}"
-        if policy == "auto":
+        if policy == "fastest":
+            reason += " (no profile here: rules decide)"
+        elif policy == "auto":
             count = verified.get(chosen.name, 0)
             reason += (f" (verified: {count} matrix entries ok here)" if count
                        else " (unverified: no measurement yet, rules decide)")
 
-    alternatives = tuple(
+    return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
+                    alternatives=_alternatives(judged, chosen), context=ctx, policy=policy)
+
+
+def _alternatives(judged: Judged, chosen: Composite) -> tuple[Verdict, ...]:
+    return tuple(
         Verdict(
             composite=c.name,
             kind=c.kind,
@@ -167,8 +201,6 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
         for c, p in judged
         if c.name != chosen.name
     )
-    return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".", alternatives=alternatives,
-                    context=ctx, policy=policy)
 
 
 def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:

@@ -74,6 +74,59 @@ _matrix = Table(
 _KEY = ("op", "composite", "stack", "pattern", "dtype", "device", "torch_version")
 
 
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One timing: ``composite`` of ``op`` under ``stack`` (as the op sees it) at one size, batch and dtype."""
+
+    op: str
+    composite: str
+    kind: str
+    stack: tuple[str, ...]
+    workload: str  # the user-level transform the timing ran under: "vmap(grad)", "jacrev", ...
+    dtype: str
+    device: str
+    device_name: str
+    numel_bucket: int  # the op's element count (per sample under vmap), rounded up to a power of two
+    batch_size: int
+    valid: bool
+    detail: str  # why it is invalid, or ""
+    median_us: float | None
+    iqr_us: float | None
+    runs: int
+    peak_memory: int | None  # bytes, on CUDA
+    source_hash: str
+    torch_version: str
+
+
+_profiles = Table(
+    "profiles",
+    _metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("op", String(200), nullable=False, index=True),
+    Column("composite", String(200), nullable=False),
+    Column("kind", String(100), nullable=False),
+    Column("stack", String(400), nullable=False),
+    Column("workload", String(100), nullable=False),
+    Column("dtype", String(50), nullable=False),
+    Column("device", String(50), nullable=False),
+    Column("device_name", String(200), nullable=False),
+    Column("numel_bucket", Integer, nullable=False),
+    Column("batch_size", Integer, nullable=False),
+    Column("valid", Integer, nullable=False),
+    Column("detail", Text, nullable=False),
+    Column("median_us", Float, nullable=True),
+    Column("iqr_us", Float, nullable=True),
+    Column("runs", Integer, nullable=False),
+    Column("peak_memory", Integer, nullable=True),
+    Column("source_hash", String(200), nullable=False),
+    Column("torch_version", String(100), nullable=False),
+    UniqueConstraint("op", "composite", "workload", "dtype", "device", "device_name", "numel_bucket", "batch_size",
+                     "torch_version", name="uq_profile_key"),
+)
+_PROFILE_KEY = ("op", "composite", "workload", "dtype", "device", "device_name", "numel_bucket", "batch_size",
+                "torch_version")
+
+
 def default_url() -> str:
     """``$MULTICOMPOSITE_DB`` if set, else a SQLite file in the user data dir (created if missing)."""
     url = os.environ.get(ENV_VAR)
@@ -135,6 +188,12 @@ def _from_row(row: Row[Any]) -> MatrixEntry:
         torch_version=m["torch_version"],
         device=m["device"],
     )
+
+
+def _profile_from_row(row: Row[Any]) -> ProfileEntry:
+    values = dict(row._mapping)
+    values.pop("id")
+    return ProfileEntry(**{**values, "stack": _decode_stack(values["stack"]), "valid": bool(values["valid"])})
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -213,10 +272,44 @@ class Store:
             rows = [_from_row(row) for row in conn.execute(query)]
         return [e for e in rows if source_hashes.get((e.op, e.composite)) == e.source_hash]
 
+    def write_profiles(self, profiles: Iterable[ProfileEntry]) -> int:
+        """Upsert ``profiles`` in one transaction (an interrupted run leaves earlier results intact)."""
+        rows = [{**vars(p), "stack": _encode_stack(tuple(p.stack)), "valid": int(p.valid)} for p in profiles]
+        if not rows:
+            return 0
+        unique = list({tuple(row[name] for name in _PROFILE_KEY): row for row in rows}.values())
+        key_match = and_(*(_profiles.c[name] == bindparam(f"k_{name}") for name in _PROFILE_KEY))
+        with self.engine.begin() as conn:
+            conn.execute(_profiles.delete().where(key_match),
+                         [{f"k_{name}": row[name] for name in _PROFILE_KEY} for row in unique])
+            conn.execute(_profiles.insert(), unique)
+        return len(rows)
+
+    def profiles(self, *, op: str | None = None, stack: tuple[str, ...] | None = None, dtype: str | None = None,
+                 device: str | None = None) -> list[ProfileEntry]:
+        """Stored timings matching the filters."""
+        query = select(_profiles)
+        for column, value in (("op", op), ("dtype", dtype), ("device", device)):
+            if value is not None:
+                query = query.where(_profiles.c[column] == value)
+        if stack is not None:
+            query = query.where(_profiles.c.stack == _encode_stack(tuple(stack)))
+        query = query.order_by(_profiles.c.op, _profiles.c.workload, _profiles.c.numel_bucket,
+                               _profiles.c.batch_size, _profiles.c.composite)
+        with self.engine.connect() as conn:
+            return [_profile_from_row(row) for row in conn.execute(query)]
+
+    def fresh_profiles(self, *, source_hashes: Mapping[tuple[str, str], str], torch_version: str,
+                       op: str | None = None) -> list[ProfileEntry]:
+        """Timings still valid for these composite sources and this torch."""
+        return [p for p in self.profiles(op=op)
+                if p.torch_version == torch_version and source_hashes.get((p.op, p.composite)) == p.source_hash]
+
     def clear(self) -> None:
         """Delete every row."""
         with self.engine.begin() as conn:
             conn.execute(_matrix.delete())
+            conn.execute(_profiles.delete())
 
     def integrity_ok(self) -> bool:
         """SQLite's ``PRAGMA integrity_check`` answered "ok"; always True for other backends."""

@@ -142,6 +142,64 @@ def _matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(args: argparse.Namespace) -> int:
+    import math
+    import time
+
+    import torch
+
+    from registry import evidence
+    from registry.profiling import profile
+    from registry.store import Store
+
+    try:
+        dtypes = [getattr(torch, name) for name in (args.dtype or ["float32"])]
+        start = time.perf_counter()
+        entries = profile(ops=args.op or None, workloads=args.stack or None, batch_sizes=args.batch or (1, 32, 256),
+                          dtypes=dtypes, device=args.device, min_run_time=args.min_run_time, progress=_progress)
+        elapsed = time.perf_counter() - start
+    except (ValueError, KeyError, AttributeError) as error:
+        print(f"multicomposite profile: {error}", file=sys.stderr)
+        return 2
+    store = Store()
+    store.write_profiles(entries)
+    store.close()
+    evidence.use_profile_loader(None)
+    native = {(e.op, e.workload, e.numel_bucket, e.batch_size, e.dtype): e.median_us
+              for e in entries if e.kind == "native" and e.valid}
+    print(f"{'op':15s} {'workload':11s} {'batch':>5s} {'composite':11s} {'median us':>10s} {'IQR us':>9s} "
+          f"{'vs native':>9s}")
+    for e in entries:
+        base = native.get((e.op, e.workload, e.numel_bucket, e.batch_size, e.dtype))
+        if not e.valid:
+            print(f"{e.op:15s} {e.workload:11s} {e.batch_size:5d} {e.composite:11s} invalid: {e.detail[:60]}")
+            continue
+        ratio = f"{base / e.median_us:8.2f}x" if base else "        -"
+        print(f"{e.op:15s} {e.workload:11s} {e.batch_size:5d} {e.composite:11s} {e.median_us:10.1f} {e.iqr_us:9.1f} "
+              f"{ratio}")
+    valid = [e for e in entries if e.valid]
+    print(f"{len(entries)} profiles ({len(valid)} timed) in {elapsed:.0f} s, written to {store.url}")
+    return 0 if not math.isnan(elapsed) else 1
+
+
+def _report(args: argparse.Namespace) -> int:
+    import torch
+
+    from registry.plots import render_speedups_png
+    from registry.store import Store
+    from registry.verify import source_hashes
+
+    store = Store()
+    profiles = store.fresh_profiles(source_hashes=source_hashes(), torch_version=torch.__version__)
+    store.close()
+    if not profiles:
+        print("multicomposite report: the store has no fresh profiles; run `multicomposite profile` first",
+              file=sys.stderr)
+        return 2
+    print(f"wrote {render_speedups_png(profiles, args.png)} ({len(profiles)} profiles)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="multicomposite", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     matrix.add_argument("--op", action="append")
     matrix.add_argument("--png", help="write a heatmap PNG here")
     matrix.set_defaults(run=_matrix)
+    prof = commands.add_parser("profile", help="time every composite side by side with native; fill the store")
+    prof.add_argument("--op", action="append")
+    prof.add_argument("--stack", action="append", help="vmap, grad, vmap(grad), jacrev, jacfwd, hessian")
+    prof.add_argument("--batch", action="append", type=int)
+    prof.add_argument("--dtype", action="append")
+    prof.add_argument("--device", default="cpu")
+    prof.add_argument("--min-run-time", type=float, default=0.1)
+    prof.set_defaults(run=_profile)
+    report = commands.add_parser("report", help="plot the speedup over native per op and stack")
+    report.add_argument("--png", required=True)
+    report.set_defaults(run=_report)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -71,7 +71,7 @@ def test_unknown_pin_op_policy_dtype_and_batched_name() -> None:
         registry.select("index_fill", stack="vmap", pins={"index_fill": "fastest"})
     with pytest.raises(SelectionError, match="unknown op 'masked_fil'; did you mean masked_fill"):
         registry.select("masked_fil", stack="vmap")
-    with pytest.raises(SelectionError, match="unknown policy 'best'; policies are auto, rules, native"):
+    with pytest.raises(SelectionError, match="unknown policy 'best'; policies are auto, fastest, rules, native"):
         registry.select("index_fill", stack="vmap", policy="best")
     with pytest.raises(SelectionError, match="unknown dtype 'float33'"):
         registry.select("index_fill", stack="vmap", dtype="float33")

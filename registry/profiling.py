@@ -1,0 +1,181 @@
+"""``profile()``: time every composite side by side with native in each context; the store keeps the timings and
+policy ``auto`` ranks the valid composites by them.
+
+Each workload batches the op's tensors over ``batch_size`` samples of ``numel`` elements and runs it under a
+user-level transform: ``vmap``; ``grad`` (of a loss over the whole batch, the op vmapped, so the op sees
+``grad, vmap``); ``vmap(grad)`` (per-sample gradients); per-sample ``jacrev``, ``jacfwd`` and ``hessian`` (under an
+outer vmap, at 16 elements a sample since a Jacobian is numel squared). The stack stored is the one the op's forward
+sees, which is what the selector looks up at run time. Each composite's result is first compared with the
+functional composite's (which the verified matrix shows ok in every stack): one that raises or differs is stored
+invalid and never timed.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import func
+from torch.utils.benchmark import Timer
+
+from registry import context
+from registry.ops import ORIGINAL
+from registry.registration import COMPOSITES, load
+from registry.store import ProfileEntry
+from registry.verify import source_hash
+
+WORKLOADS = ("vmap", "grad", "vmap(grad)", "jacrev", "jacfwd", "hessian")
+JACOBIAN_NUMEL = 16  # per sample: a Jacobian has numel**2 elements
+
+
+def bucket(numel: int | None) -> int:
+    """The power of two at or above ``numel``: the size key of a profile (as in Inductor's and Triton's caches)."""
+    return 1 << max(int(numel or 1) - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class _Case:
+    fn: Callable[..., torch.Tensor]  # the op on the batchable tensors, per sample
+    tensors: tuple[torch.Tensor, ...]  # batched along dim 0
+
+
+def _case(op: str, call: Callable[..., torch.Tensor], numel: int, batch: int, dtype: torch.dtype,
+          device: str) -> _Case:
+    """The op as ``call`` (a composite, or PyTorch's own) on ``batch`` samples of ``numel`` elements."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    def mask(*shape: int) -> torch.Tensor:
+        return (torch.rand(*shape, generator=g) > 0.5).to(device)
+
+    k = max(numel // 8, 1)
+    index = torch.randperm(numel, generator=g)[:k].to(device)
+    if op in ("index_add", "index_copy"):
+        return _Case(lambda s, src: call(s, 0, index, src), (rand(batch, numel), rand(batch, k)))
+    if op == "index_fill":
+        return _Case(lambda s, v: call(s, 0, index, v), (rand(batch, numel), rand(batch)))
+    if op == "masked_fill":
+        return _Case(lambda s, m, v: call(s, m, v), (rand(batch, numel), mask(batch, numel), rand(batch)))
+    if op == "masked_scatter":
+        return _Case(lambda s, m, src: call(s, m, src), (rand(batch, numel), mask(batch, numel), rand(batch, numel)))
+    if op == "contiguous":
+        width = max(math.isqrt(numel), 1)
+        return _Case(lambda s: call(s.mT), (rand(batch, numel // width, width),))
+    if op == "to":
+        other = torch.float64 if dtype != torch.float64 else torch.float32
+        return _Case(lambda s: call(s, dtype=other), (rand(batch, numel),))
+    raise ValueError(f"profile: no workload for op {op!r}")
+
+
+def _loss(y: torch.Tensor) -> torch.Tensor:
+    return (y * y).sum()
+
+
+def _runner(workload: str, case: _Case) -> Callable[[], Any]:
+    fn, tensors = case.fn, case.tensors
+    if workload == "vmap":
+        return lambda: func.vmap(fn)(*tensors)
+    if workload == "grad":  # the gradient of a loss over the whole batch, the op mapped over the samples
+        return lambda: func.grad(lambda *t: _loss(func.vmap(fn)(*t)))(*tensors)
+    if workload == "vmap(grad)":
+        return lambda: func.vmap(func.grad(lambda *t: _loss(fn(*t))))(*tensors)
+    if workload == "jacrev":
+        return lambda: func.vmap(func.jacrev(fn))(*tensors)
+    if workload == "jacfwd":
+        return lambda: func.vmap(func.jacfwd(fn))(*tensors)
+    if workload == "hessian":
+        return lambda: func.vmap(func.hessian(lambda *t: _loss(fn(*t))))(*tensors)
+    raise ValueError(f"unknown workload {workload!r}; workloads are {', '.join(WORKLOADS)}")
+
+
+def _seen_by_op(workload: str, case: _Case) -> tuple[tuple[str, ...], int]:
+    """The stack and element count the op sees in ``workload``, captured by running it once."""
+    seen: list[tuple[tuple[str, ...], int]] = []
+
+    def spy(*tensors: torch.Tensor) -> torch.Tensor:
+        if not seen:
+            seen.append((context.current_stack(*tensors), tensors[0].numel()))
+        return case.fn(*tensors)
+
+    _runner(workload, _Case(spy, case.tensors))()
+    return seen[0]
+
+
+def _close(a: Any, b: Any) -> bool:
+    try:
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        return True
+    except AssertionError:
+        return False
+
+
+def profile(
+    ops: Iterable[str] | None = None,
+    workloads: Sequence[str] | None = None,
+    numels: Sequence[int] = (1024,),
+    batch_sizes: Sequence[int] = (1, 32, 256),
+    dtypes: Sequence[torch.dtype] = (torch.float32,),
+    device: str = "cpu",
+    min_run_time: float = 0.1,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[ProfileEntry]:
+    """Time every composite of each op, side by side, in each workload, size, batch and dtype.
+
+    Composites are called directly (native through PyTorch's own entry point), so native is timed where it falls
+    back to vmap's loop too: that is the baseline of every speedup. A composite that raises or disagrees with the
+    reference is stored invalid, untimed.
+    """
+    load()
+    op_names = list(ops) if ops is not None else list(COMPOSITES)
+    workload_list = list(workloads) if workloads is not None else list(WORKLOADS)
+    unknown = [w for w in workload_list if w not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload {unknown[0]!r}; workloads are {', '.join(WORKLOADS)}")
+    device_name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    plan = [(op, w, n, b, d) for op in op_names for w in workload_list for n in numels for b in batch_sizes
+            for d in dtypes]
+    total = sum(len(COMPOSITES[op]) for op, *_ in plan)
+    done = 0
+    entries: list[ProfileEntry] = []
+    for op, workload, numel, batch, dtype in plan:
+        size = JACOBIAN_NUMEL if workload in ("jacrev", "jacfwd", "hessian") else numel
+        functional = COMPOSITES[op]["functional"].fn
+        # The reference is the functional composite, which the verified matrix shows ok in every stack.
+        reference_case = _case(op, functional, size, batch, dtype, device)
+        stack, seen_numel = _seen_by_op(workload, reference_case)
+        reference = _runner(workload, reference_case)()
+        for composite in COMPOSITES[op].values():
+            done += 1
+            call = getattr(ORIGINAL.Tensor, op) if composite.kind == "native" else composite.fn
+            run = _runner(workload, _case(op, call, size, batch, dtype, device))
+            common = dict(op=op, composite=composite.name, kind=composite.kind, stack=stack, workload=workload,
+                          dtype=str(dtype).removeprefix("torch."), device=device.split(":")[0],
+                          device_name=device_name, numel_bucket=bucket(seen_numel), batch_size=batch,
+                          source_hash=source_hash(composite), torch_version=torch.__version__)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # native's fallback loop is timed, not reported here
+                    if not _close(run(), reference):
+                        raise ValueError(f"{composite.name} differs from the functional composite in {workload}")
+                    if device.startswith("cuda"):
+                        torch.cuda.reset_peak_memory_stats()
+                    timer = Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
+                    measurement = timer.blocked_autorange(min_run_time=min_run_time)
+                peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+                entries.append(ProfileEntry(**common, valid=True, detail="", median_us=measurement.median * 1e6,
+                                            iqr_us=measurement.iqr * 1e6,
+                                            runs=len(measurement.times) * measurement.number_per_run,
+                                            peak_memory=peak))
+            except Exception as error:  # a composite that fails here is data: stored invalid, never timed
+                first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+                entries.append(ProfileEntry(**common, valid=False, detail=f"{type(error).__name__}: {first}",
+                                            median_us=None, iqr_us=None, runs=0, peak_memory=None))
+            if progress is not None:
+                progress(done, total, f"{op}/{composite.name} {workload} n={seen_numel} b={batch}")
+    return entries
