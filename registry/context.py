@@ -7,16 +7,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._C._functorch import TransformType, get_unwrapped, is_batchedtensor, maybe_get_level
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch._C._functorch import (
+    TransformType,
+    get_interpreter_stack,
+    get_unwrapped,
+    is_batchedtensor,
+    maybe_get_level,
+)
 
 TRANSFORMS = ("vmap", "grad", "jvp", "functionalize", "autograd", "compile")
+_NAMES_BY_KEY: dict[int, str] = {}  # int(TransformType) -> name: hashing the pybind enum itself costs a microsecond
 _TRANSFORM_NAMES = {
     TransformType.Vmap: "vmap",
     TransformType.Grad: "grad",
     TransformType.Jvp: "jvp",
     TransformType.Functionalize: "functionalize",
 }
+_NAMES_BY_KEY.update({int(key): name for key, name in _TRANSFORM_NAMES.items()})
+for _key in TransformType.__members__.values():
+    _NAMES_BY_KEY.setdefault(int(_key), str(_key))
 
 
 @dataclass(frozen=True)
@@ -35,8 +44,10 @@ class Context:
 
 
 def _functorch_stack() -> tuple[tuple[str, int], ...]:
-    interpreters = retrieve_all_functorch_interpreters()
-    return tuple((_TRANSFORM_NAMES.get(i.key(), str(i.key())), i.level()) for i in interpreters)
+    # The C++ interpreter list, outermost first: no Python wrapper objects (retrieve_all_functorch_interpreters
+    # builds one per level, three times the cost on the routing path).
+    interpreters = get_interpreter_stack() or ()
+    return tuple((_NAMES_BY_KEY[int(i.key())], i.level()) for i in interpreters)
 
 
 def current_stack(*tensors: Any) -> tuple[str, ...]:
@@ -71,15 +82,23 @@ def vmap_levels(tensor: torch.Tensor) -> frozenset[int]:
     return frozenset(levels)
 
 
-def context_of(tensor_args: dict[str, torch.Tensor]) -> Context:
-    """The context of a call whose tensor arguments, by schema name, are ``tensor_args`` (``self`` first)."""
+def context_of(tensor_args: dict[str, torch.Tensor], functorch: tuple[tuple[str, int], ...] | None = None) -> Context:
+    """The context of a call whose tensor arguments, by schema name, are ``tensor_args`` (``self`` first).
+
+    ``functorch``: the interpreter stack as ``_functorch_stack()`` gives it, when the caller already has it.
+    """
     tensors = tuple(tensor_args.values())
-    stack = current_stack(*tensors)
+    if functorch is None or torch.compiler.is_compiling():
+        stack = current_stack(*tensors)
+        functorch = () if "compile" in stack else _functorch_stack()
+    else:
+        names = tuple(name for name, _ in functorch)
+        stack = ("autograd", *names) if "grad" not in names and _records_autograd(tensors) else names
     first = tensors[0] if tensors else None
     batched: tuple[str, ...] = ()
     covers = True
     if "vmap" in stack and "compile" not in stack:
-        vmap_level_ids = [level for name, level in _functorch_stack() if name == "vmap"]
+        vmap_level_ids = [level for name, level in functorch if name == "vmap"]
         innermost = max(vmap_level_ids)
         levels = {name: vmap_levels(t) for name, t in tensor_args.items()}
         batched = tuple(name for name, lv in levels.items() if innermost in lv)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch._C._functorch import peek_interpreter_stack
 
-from registry.context import Context, context_of
+from registry.context import Context, _functorch_stack, context_of, vmap_levels
 from registry.model import KINDS, Op
 from registry.ops import OPS
 from registry.registration import COMPOSITES, load
@@ -82,10 +82,28 @@ def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> di
     return found
 
 
+# (interned prefix, functorch stack, each tensor argument's vmap levels, dtype, size, autograd records) -> composite
+# or None: the functorch path's cache, so that a vmap'd call pays for the context, not for a decision.
+_functorch_cache: dict[tuple, Callable[..., Any] | None] = {}
+CACHE_LISTENERS.append(_functorch_cache.clear)
+
+
 def _decide_fn(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any] | None:
-    """The full context, then the (cached) decision: None means PyTorch's original."""
-    decision = decide(op.name, context_of(_tensor_args(op, args, kwargs)), frame.policy, frame.pins.get(op.name))
-    return None if decision.kind == "native" else decision.fn
+    """The context, then the decision (both cached): None means PyTorch's original."""
+    tensors = _tensor_args(op, args, kwargs)
+    functorch = _functorch_stack()
+    self = tensors.get("self")
+    records = torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
+    levels = tuple(vmap_levels(t) for t in tensors.values())
+    key = (frame.keys[op.name], functorch, tuple(tensors), levels, getattr(self, "dtype", None),
+           self.numel().bit_length() if self is not None else 0, records)
+    try:
+        return _functorch_cache[key]
+    except KeyError:
+        pass
+    decision = decide(op.name, context_of(tensors, functorch), frame.policy, frame.pins.get(op.name))
+    fn = _functorch_cache[key] = None if decision.kind == "native" else decision.fn
+    return fn
 
 
 def _eager_pair(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]):
