@@ -80,21 +80,8 @@ def use_profile_loader(loader: Any) -> None:
 
 
 def stored_profiles() -> list[Any]:
-    import os
-
-    import torch
-
-    from registry.store import ENV_VAR, Store, default_url
-    from registry.verify import source_hashes
-
-    url = default_url()
-    if ENV_VAR not in os.environ and url.startswith("sqlite:///") and not os.path.exists(url.removeprefix("sqlite:///")):
-        return []
-    store = Store(url)
-    try:
-        return store.fresh_profiles(source_hashes=source_hashes(), torch_version=torch.__version__)
-    finally:
-        store.close()
+    """The default timings: the store's fresh profiles."""
+    return _read_default_store("fresh_profiles")
 
 
 @dataclass(frozen=True)
@@ -148,8 +135,8 @@ def _changed() -> None:
     clear_cache()
 
 
-def stored_entries() -> list[Any]:
-    """The default evidence: the store's entries that are fresh for this torch and these composites' sources.
+def _read_default_store(read: str) -> list[Any]:
+    """``Store.<read>`` of the entries fresh for this torch and these composites' sources, from the default store.
 
     Nothing is created: without a store (no ``MULTICOMPOSITE_DB`` and no SQLite file yet) there is no evidence.
     """
@@ -165,9 +152,14 @@ def stored_entries() -> list[Any]:
         return []
     store = Store(url)
     try:
-        return store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__)
+        return getattr(store, read)(source_hashes=source_hashes(), torch_version=torch.__version__)
     finally:
         store.close()
+
+
+def stored_entries() -> list[Any]:
+    """The default evidence: the store's fresh matrix entries."""
+    return _read_default_store("fresh_entries")
 
 
 def _entries(op: str, composite: str, stack: tuple[str, ...]) -> list[Any]:

@@ -62,7 +62,7 @@ ON_CHANGE.append(clear_cache)
 
 def unknown_op_message(op: str) -> str:
     close = difflib.get_close_matches(op, OPS, n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    hint = f"; did you mean {', '.join(close)}?" if close else "."
     return f"unknown op {op!r}{hint} Covered ops: {', '.join(OPS)}"
 
 
