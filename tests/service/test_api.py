@@ -55,3 +55,31 @@ def test_cli_select(capsys: pytest.CaptureFixture[str]) -> None:
     assert '"composite": "functional"' in capsys.readouterr().out
     assert main(["select", "nope"]) == 2
     assert "unknown op 'nope'" in capsys.readouterr().err
+
+
+def test_matrix_and_profiles_read_the_store(client: TestClient) -> None:
+    import torch
+
+    from registry.profiling import profile
+    from registry.store import Store
+    from registry.verify import verify
+
+    with Store() as store:
+        store.write_entries(verify(ops=["masked_fill"], stacks=["vmap"], dtypes=(torch.float32,),
+                                   composites=["native", "functional"]))
+        store.write_profiles(profile(ops=["masked_fill"], workloads=["vmap"], batch_sizes=(4,), numels=(64,),
+                                     min_run_time=0.01))
+    matrix = client.get("/matrix", params={"op": "masked_fill", "stack": "vmap"}).json()
+    assert {(e["composite"], e["pattern"]) for e in matrix} >= {("functional", "all"), ("native", "others")}
+    assert all(e["status"] == "ok" for e in matrix if e["composite"] == "functional")
+    profiles = client.get("/profiles", params={"op": "masked_fill", "dtype": "float32"}).json()
+    assert {p["composite"] for p in profiles} == {"native", "mutating", "functional", "primitive"}
+    assert all(p["median_us"] > 0 for p in profiles if p["valid"])
+    assert client.get("/matrix", params={"op": "mask"}).status_code == 404
+    response = client.get("/profiles", params={"stack": "vmap,bad"})
+    assert response.status_code == 422
+    assert response.json()["detail"].startswith("unknown transform 'bad'")
+    from registry import evidence
+
+    evidence.use_loader(None)
+    evidence.use_profile_loader(None)
