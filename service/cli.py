@@ -13,8 +13,12 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.main import create_app
+    from service.settings import Settings
 
-    uvicorn.run(create_app(), host=args.host, port=args.port, log_level="info")
+    settings = Settings()
+    host = args.host or settings.host
+    port = args.port or settings.port
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
     return 0
 
 
@@ -204,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="multicomposite", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the HTTP API")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default=None, help="default: MULTICOMPOSITE_HOST or 127.0.0.1")
+    serve.add_argument("--port", type=int, default=None, help="default: MULTICOMPOSITE_PORT or 8000")
     serve.set_defaults(run=_serve)
     select = commands.add_parser("select", help="print the decision for an op under a stack")
     select.add_argument("op")

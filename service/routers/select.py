@@ -2,7 +2,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Body, HTTPException, Query
+from pydantic import BaseModel, Field
 
 import registry
 from registry.selector import SelectionError, unknown_op_message
@@ -13,6 +14,32 @@ router = APIRouter(tags=["select"])
 
 def _names(text: str | None) -> list[str]:
     return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+class SelectQuery(BaseModel):
+    op: str
+    stack: str = ""
+    batched: list[str] = []
+    dtype: str | None = None
+    device: str | None = None
+    numel: int | None = Field(default=None, ge=0, le=2**40)
+    policy: str = "auto"
+    pin: str | None = None
+
+
+@router.post("/select")
+def select_many(queries: Annotated[list[SelectQuery], Body(max_length=256)]) -> list[DecisionPublic]:
+    """Up to 256 queries in one call; the first bad one answers for the request, named by its index."""
+    if len(queries) > 256:
+        raise HTTPException(status_code=422, detail=f"{len(queries)} queries is over the limit of 256 per call")
+    answers = []
+    for index, query in enumerate(queries):
+        try:
+            answers.append(select(query.op, query.stack, ",".join(query.batched), query.dtype, query.device,
+                                  query.numel, query.policy, query.pin))
+        except HTTPException as error:
+            raise HTTPException(status_code=error.status_code, detail=f"query {index}: {error.detail}") from None
+    return answers
 
 
 @router.get("/select")

@@ -1,0 +1,35 @@
+"""Shared dependencies: settings, the job runner, and the bearer-token check for POST and DELETE."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Header, HTTPException, Request
+
+from service.jobs import JobRunner
+from service.settings import Settings
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_runner(request: Request) -> JobRunner:
+    return request.app.state.runner
+
+
+def require_token(settings: Annotated[Settings, Depends(get_settings)],
+                  authorization: Annotated[str | None, Header()] = None) -> None:
+    """With MULTICOMPOSITE_TOKEN set, ``Authorization: Bearer <token>`` (compared in constant time)."""
+    if settings.token is None:
+        return
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), settings.token.encode()):
+        raise HTTPException(status_code=401, detail="this route needs the header Authorization: Bearer <token>",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+RunnerDep = Annotated[JobRunner, Depends(get_runner)]
+Authorized = Depends(require_token)

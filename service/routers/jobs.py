@@ -1,0 +1,127 @@
+"""Verification and profiling jobs: POST /verify, POST /profiles (202 + Location), GET and DELETE /jobs/{id}."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, HTTPException, Response
+from pydantic import BaseModel, Field
+
+import registry
+from registry.context import parse_stack
+from registry.profiling import WORKLOADS
+from registry.selector import unknown_op_message
+from service.deps import Authorized, RunnerDep, SettingsDep
+from service.jobs import Job, QueueFullError
+
+router = APIRouter(tags=["jobs"])
+
+Dtype = Literal["float32", "float64"]
+
+
+class VerifyCreate(BaseModel):
+    ops: list[str] | None = Field(default=None, description="default: every covered op")
+    stacks: list[str] | None = Field(default=None, description='e.g. ["vmap", "vmap,grad"]; default: all generated')
+    dtypes: list[Dtype] = ["float32"]
+
+
+class ProfileCreate(BaseModel):
+    ops: list[str] | None = None
+    workloads: list[Literal["vmap", "grad", "vmap(grad)", "jacrev", "jacfwd", "hessian"]] | None = None
+    batch_sizes: list[int] = Field(default=[32], min_length=1)
+    numels: list[int] = Field(default=[1024], min_length=1)
+    dtypes: list[Dtype] = ["float32"]
+    device: Literal["cpu", "cuda"] = "cpu"
+    min_run_time: float = Field(default=0.05, gt=0, le=5)
+
+
+class JobPublic(BaseModel):
+    id: str
+    kind: str
+    state: str
+    done: int
+    total: int
+    params: dict
+    result: dict | None
+    error: str | None
+
+
+def _public(job: Job) -> JobPublic:
+    return JobPublic(id=job.id, kind=job.kind, state=job.state, done=job.done, total=job.total, params=job.params,
+                     result=job.result, error=job.error)
+
+
+def _check_ops(ops: list[str] | None) -> list[str]:
+    for op in ops or []:
+        if op not in registry.OPS:
+            raise HTTPException(status_code=404, detail=unknown_op_message(op))
+    return ops or list(registry.OPS)
+
+
+def _submit(runner: RunnerDep, kind: str, params: dict, response: Response) -> JobPublic:
+    try:
+        job = runner.submit(kind, params)
+    except QueueFullError:
+        raise HTTPException(status_code=429, detail="the job queue is full; retry later",
+                            headers={"Retry-After": "30"}) from None
+    response.status_code = 202
+    response.headers["Location"] = f"/jobs/{job.id}"
+    return _public(job)
+
+
+@router.post("/verify", status_code=202, dependencies=[Authorized])
+def post_verify(body: VerifyCreate, runner: RunnerDep, settings: SettingsDep, response: Response) -> JobPublic:
+    ops = _check_ops(body.ops)
+    try:
+        stacks = [list(parse_stack(s)) for s in body.stacks] if body.stacks is not None else None
+    except ValueError as error:
+        raise HTTPException(status_code=422, detail=str(error)) from None
+    contexts = len(ops) * (len(stacks) if stacks is not None else 63) * len(body.dtypes)
+    if contexts > settings.max_contexts:
+        raise HTTPException(status_code=422, detail=f"{contexts} (op, stack, dtype) contexts is over the limit of "
+                                                    f"{settings.max_contexts} per job; name fewer ops or stacks")
+    params = {"ops": ops, "stacks": stacks, "dtypes": body.dtypes}
+    return _submit(runner, "verify", params, response)
+
+
+@router.post("/profiles", status_code=202, dependencies=[Authorized])
+def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep, response: Response) -> JobPublic:
+    ops = _check_ops(body.ops)
+    for batch in body.batch_sizes:
+        if not 1 <= batch <= settings.max_batch:
+            raise HTTPException(status_code=422, detail=f"batch size {batch} is outside 1..{settings.max_batch} "
+                                                        "(max_batch)")
+    for numel in body.numels:
+        if not 1 <= numel <= settings.max_numel:
+            raise HTTPException(status_code=422, detail=f"numel {numel} is outside 1..{settings.max_numel} "
+                                                        "elements per tensor (max_numel)")
+        if max(body.batch_sizes) * numel > settings.max_numel:
+            raise HTTPException(status_code=422, detail=f"batch {max(body.batch_sizes)} x numel {numel} is over "
+                                                        f"{settings.max_numel} elements per tensor (max_numel)")
+    workloads = body.workloads or list(WORKLOADS)
+    contexts = len(ops) * len(workloads) * len(body.batch_sizes) * len(body.numels) * len(body.dtypes)
+    if contexts > settings.max_contexts:
+        raise HTTPException(status_code=422, detail=f"{contexts} profiling contexts is over the limit of "
+                                                    f"{settings.max_contexts} per job (max_contexts)")
+    params = {"ops": ops, "workloads": workloads, "batch_sizes": body.batch_sizes, "numels": body.numels,
+              "dtypes": body.dtypes, "device": body.device, "min_run_time": body.min_run_time}
+    return _submit(runner, "profile", params, response)
+
+
+@router.get("/jobs/{job_id}")
+def get_job(job_id: str, runner: RunnerDep) -> JobPublic:
+    job = runner.get(job_id)
+    if job is None:
+        raise HTTPException(status_code=404, detail=f"no job {job_id!r}")
+    return _public(job)
+
+
+@router.delete("/jobs/{job_id}", dependencies=[Authorized])
+def delete_job(job_id: str, runner: RunnerDep) -> JobPublic:
+    job = runner.cancel(job_id)
+    if job is None:
+        raise HTTPException(status_code=404, detail=f"no job {job_id!r}")
+    if job.state != "cancelled":
+        raise HTTPException(status_code=409, detail=f"job {job_id} is {job.state}; only a queued job can be "
+                                                    "cancelled")
+    return _public(job)
