@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 
 lint: $(STAMP)
 	$(PY) -m ruff check registry composites service tests bench
+	$(VENV)/bin/hadolint Dockerfile
 
 test: $(STAMP) lint
 	$(PY) -m pytest

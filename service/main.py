@@ -8,11 +8,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 import registry
 from service.jobs import Job, JobRunner
 from service.metrics import Metrics
+from service.models import ErrorPublic
 from service.routers import jobs, meta, ops, select, store
 from service.settings import Settings
 
@@ -54,7 +56,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.db:
         os.environ["MULTICOMPOSITE_DB"] = settings.db  # the registry's store and evidence read it
     registry.load()
-    app = FastAPI(title="multicomposite", description="Which decomposition of a PyTorch op fits a transform stack")
+    app = FastAPI(title="multicomposite", description="Which decomposition of a PyTorch op fits a transform stack",
+                  responses={code: {"model": ErrorPublic} for code in (401, 404, 409, 413, 422, 429)})
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
+        # One readable string, like every other error of this API: where, and what is wrong.
+        parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()]
+        return JSONResponse(status_code=422, content={"detail": "; ".join(parts)})
     app.state.settings = settings
     app.state.runner = JobRunner(_run_job, settings.queue_size, settings.job_timeout_s)
     app.state.metrics = metrics = Metrics(app.state.runner)

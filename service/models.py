@@ -5,6 +5,10 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 
+class ErrorPublic(BaseModel):
+    detail: str = Field(description="what is wrong and what to fix")
+
+
 class Health(BaseModel):
     status: str = "ok"
 

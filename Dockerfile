@@ -1,0 +1,44 @@
+# multicomposite HTTP service. Multi-stage: the build stage makes a venv with CPU-only torch; the runtime stage copies
+# it. BASE_IMAGE defaults to python:3.11-slim; a bare Debian works too (python3 and python3-venv are installed when
+# missing). Behind a TLS-intercepting proxy or with a local wheel directory, pass PIP_CERT / PIP_FIND_LINKS.
+ARG BASE_IMAGE=python:3.11-slim
+
+FROM ${BASE_IMAGE} AS build
+ARG PIP_CERT
+ARG PIP_FIND_LINKS
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+SHELL ["/bin/sh", "-eu", "-c"]
+RUN if ! command -v python3 >/dev/null || ! python3 -c "import venv, ensurepip" 2>/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+RUN python3 -m venv /opt/venv
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY registry ./registry
+COPY composites ./composites
+COPY service ./service
+# torch first, pinned and CPU-only (no CUDA wheels in the image), so the project's torch>=2.4 keeps it.
+RUN /opt/venv/bin/pip install --extra-index-url "${TORCH_INDEX_URL}" torch==2.13.0 \
+    && /opt/venv/bin/pip install . torch==2.13.0
+
+FROM ${BASE_IMAGE} AS runtime
+SHELL ["/bin/sh", "-eu", "-c"]
+RUN if ! command -v python3 >/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends python3 \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && (getent passwd multicomposite >/dev/null || useradd --create-home --uid 10001 multicomposite) \
+    && mkdir -p /data && chown multicomposite /data
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    MULTICOMPOSITE_DB=sqlite:////data/multicomposite.db \
+    MULTICOMPOSITE_HOST=0.0.0.0 \
+    MULTICOMPOSITE_PORT=8000
+VOLUME ["/data"]
+USER 10001
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"]
+CMD ["multicomposite", "serve"]
