@@ -20,7 +20,7 @@ COPY registry ./registry
 COPY composites ./composites
 COPY service ./service
 # torch first, pinned and CPU-only (no CUDA wheels in the image), so the project's torch>=2.4 keeps it.
-RUN /opt/venv/bin/pip install --extra-index-url "${TORCH_INDEX_URL}" torch==2.13.0 \
+RUN /opt/venv/bin/pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch==2.13.0 \
     && /opt/venv/bin/pip install . torch==2.13.0
 
 FROM ${BASE_IMAGE} AS runtime

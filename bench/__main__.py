@@ -16,6 +16,7 @@ from torch import func, nn
 from torch.utils.benchmark import Timer
 
 import registry
+from bench.api import print_api
 from bench.kinds import print_kinds
 from bench.sweep import print_sweep
 
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per blocked_autorange")
     parser.add_argument("--kinds", action="store_true", help="also time every kind of composite side by side")
     parser.add_argument("--sweep", action="store_true", help="also run the profiling sweep and auto vs native")
+    parser.add_argument("--api", action="store_true", help="also load-test GET /select against hello-world")
     args = parser.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
@@ -129,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         print_kinds(args.min_run_time)
     if args.sweep:
         print_sweep(0.1)
+    if args.api:
+        print_api()
     return 0
 
 
