@@ -22,7 +22,7 @@ if ! podman --runtime runc image exists "$BASE"; then
 fi
 CERT=$(pip config list 2>/dev/null | sed -n "s/^global.cert='\(.*\)'/\1/p")
 WHEELS=$(pip config list 2>/dev/null | sed -n "s/^global.find-links='\(.*\)'/\1/p")
-podman --runtime runc build --network=host \
+podman --runtime runc build --format docker --network=host \
     -v "${WHEELS:-/opt/wheels}:/wheels:ro" -v "${CERT:-/etc/ssl/certs/ca-certificates.crt}:/host-ca.crt:ro" \
     --build-arg PIP_FIND_LINKS=/wheels --build-arg PIP_CERT=/host-ca.crt --build-arg BASE_IMAGE="$BASE" \
     --build-arg TORCH_INDEX_URL= \
