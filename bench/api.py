@@ -75,7 +75,7 @@ async def _load(url: str, requests: int, concurrency: int) -> tuple[float, float
     return requests / elapsed, p99, errors
 
 
-def bench_api(requests: int = 2000, concurrency: int = 16) -> dict[str, float]:
+def bench_api(requests: int = 2000, concurrency: int = 4) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "hello_app.py").write_text(HELLO)
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{folder}",

@@ -28,22 +28,23 @@ class SelectQuery(BaseModel):
 
 
 @router.post("/select")
-def select_many(queries: Annotated[list[SelectQuery], Body(max_length=256)]) -> list[DecisionPublic]:
+async def select_many(queries: Annotated[list[SelectQuery], Body(max_length=256)]) -> list[DecisionPublic]:
     """Up to 256 queries in one call; the first bad one answers for the request, named by its index."""
     if len(queries) > 256:
         raise HTTPException(status_code=422, detail=f"{len(queries)} queries is over the limit of 256 per call")
     answers = []
     for index, query in enumerate(queries):
         try:
-            answers.append(select(query.op, query.stack, ",".join(query.batched), query.dtype, query.device,
+            answers.append(await select(query.op, query.stack, ",".join(query.batched), query.dtype, query.device,
                                   query.numel, query.policy, query.pin))
         except HTTPException as error:
             raise HTTPException(status_code=error.status_code, detail=f"query {index}: {error.detail}") from None
     return answers
 
 
+# async: a decision is a cached dict lookup, cheaper than the hop to a worker thread that a sync route costs.
 @router.get("/select")
-def select(
+async def select(
     op: Annotated[str, Query(description="ATen op packet name, e.g. index_fill")],
     stack: Annotated[str, Query(description="transforms, outermost first: vmap,grad")] = "",
     batched: Annotated[str | None, Query(description="tensor arguments batched at the innermost vmap")] = None,
