@@ -28,6 +28,8 @@ class CompositeBase(BaseModel):
 class CompositePublic(CompositeBase):
     where: str = Field(description="file:line of the registration")
     source: str
+    verified: list[str] = Field(description="stacks (outermost first, comma-joined) where every stored matrix entry "
+                                            "of this composite is ok")
 
 
 class OpBase(BaseModel):

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import torch
 from fastapi import APIRouter, HTTPException
 
 import registry
 from registry.selector import unknown_op_message
+from registry.store import Store
+from registry.verify import source_hashes
 from service.models import CompositeBase, CompositePublic, OpPublic, OpSummary
 
 router = APIRouter(prefix="/ops", tags=["ops"])
@@ -27,8 +30,16 @@ def list_ops() -> list[OpSummary]:
 def get_op(op: str) -> OpPublic:
     if op not in registry.OPS:
         raise HTTPException(status_code=404, detail=unknown_op_message(op))
+    with Store() as store:
+        entries = store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__, op=op)
+    statuses: dict[tuple[str, tuple[str, ...]], set[str]] = {}
+    for entry in entries:
+        statuses.setdefault((entry.composite, entry.stack), set()).add(entry.status)
     return OpPublic(
         **_base(registry.OPS[op]),
-        composites=[CompositePublic(name=c.name, kind=c.kind, doc=c.doc, where=c.where, source=c.source)
+        composites=[CompositePublic(name=c.name, kind=c.kind, doc=c.doc, where=c.where, source=c.source,
+                                    verified=sorted(",".join(stack) for (name, stack), seen in statuses.items()
+                                                    if name == c.name and seen <= {"ok", "unsupported"}
+                                                    and "ok" in seen))
                     for c in registry.composites(op).values()],
     )

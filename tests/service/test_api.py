@@ -69,6 +69,8 @@ def test_matrix_and_profiles_read_the_store(client: TestClient) -> None:
                                    composites=["native", "functional"]))
         store.write_profiles(profile(ops=["masked_fill"], workloads=["vmap"], batch_sizes=(4,), numels=(64,),
                                      min_run_time=0.01))
+    functional = client.get("/ops/masked_fill").json()["composites"][2]
+    assert functional["name"] == "functional" and "vmap" in functional["verified"]
     matrix = client.get("/matrix", params={"op": "masked_fill", "stack": "vmap"}).json()
     assert {(e["composite"], e["pattern"]) for e in matrix} >= {("functional", "all"), ("native", "others")}
     assert all(e["status"] == "ok" for e in matrix if e["composite"] == "functional")

@@ -113,6 +113,17 @@ def test_queue_full_cancel_and_metrics() -> None:
     assert 'multicomposite_requests_total{method="POST",route="/verify",status="429"} 1.0' in metrics
 
 
+def test_healthz_says_when_the_store_is_unreachable(tmp_path) -> None:
+    previous = os.environ.get("MULTICOMPOSITE_DB")
+    try:
+        app = create_app(Settings(db=f"sqlite:///{tmp_path / 'missing' / 'dir' / 'x.db'}"))
+        response = TestClient(app).get("/healthz")
+        assert response.status_code == 503
+        assert response.json()["detail"].startswith("the store is unreachable: OperationalError")
+    finally:
+        os.environ["MULTICOMPOSITE_DB"] = previous or ""
+
+
 def test_batch_select(client: TestClient) -> None:
     queries = [{"op": "masked_scatter", "stack": "vmap"}, {"op": "index_add", "stack": "grad"}]
     answers = client.post("/select", json=queries).json()
