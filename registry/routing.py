@@ -82,8 +82,8 @@ def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> di
     return found
 
 
-# (interned prefix, functorch stack, each tensor argument's vmap levels, dtype, size, autograd records) -> composite
-# or None: the functorch path's cache, so that a vmap'd call pays for the context, not for a decision.
+# (interned prefix, functorch stack, tensor arguments, their vmap levels, dtype, device, size, autograd records) ->
+# composite or None: the functorch path's cache, so that a vmap'd call pays for the context, not for a decision.
 _functorch_cache: dict[tuple, Callable[..., Any] | None] = {}
 CACHE_LISTENERS.append(_functorch_cache.clear)
 
@@ -96,7 +96,7 @@ def _decide_fn(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, A
     records = torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
     levels = tuple(vmap_levels(t) for t in tensors.values())
     key = (frame.keys[op.name], functorch, tuple(tensors), levels, getattr(self, "dtype", None),
-           self.numel().bit_length() if self is not None else 0, records)
+           getattr(self, "device", None), self.numel().bit_length() if self is not None else 0, records)
     try:
         return _functorch_cache[key]
     except KeyError:
@@ -155,7 +155,8 @@ def _make_router(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
             if value_position is not None:
                 value = cargs[value_position] if len(cargs) > value_position else ckwargs.get("value")
                 value_kind = is_tensor(value)
-            # Profiles are kept per power-of-two size, so the size is part of the key.
+            # Profiles are kept per power-of-two size, so the size is part of the key. The device is not: reading it
+            # costs a fifth of the 2 us budget, and validity never depends on it (only which valid one is fastest).
             size = self.numel().bit_length() if is_tensor(self) else 0
             key = (frame.keys[name], getattr(self, "dtype", None), value_kind, size)
             pair = _eager_cache.get(key)
