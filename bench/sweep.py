@@ -17,10 +17,11 @@ import torch
 from torch.utils.benchmark import Timer
 
 import registry
-from registry import evidence, rules
-from registry.context import Context
-from registry.ops import ORIGINAL
-from registry.profiling import WORKLOADS, _case, _runner, _seen_by_op, profile
+from registry.core import rules
+from registry.core.context import Context
+from registry.core.ops import ORIGINAL
+from registry.profiling.timing import WORKLOADS, _case, _runner, _seen_by_op, profile
+from registry.store import evidence
 
 
 def _median_us(run, min_run_time: float) -> float:

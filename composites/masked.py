@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from registry.primitive import batch_first, zeros_if_none
-from registry.registration import register
+from registry.core.primitive import batch_first, zeros_if_none
+from registry.core.registration import register
 
 # Composites call the dispatcher directly, never a covered entry point that use() may have patched,
 # and Dynamo traces it under torch.compile.

@@ -6,19 +6,19 @@
     registry.select("index_fill", stack="vmap,grad").reason
 """
 
-from registry.context import Context, current_stack, parse_stack
-from registry.model import KINDS, Composite, Op
-from registry.ops import OPS
-from registry.registration import COMPOSITES, RegistrationError, load, register, unregister
-from registry.routing import routing_active, use
-from registry.selector import POLICIES, Decision, SelectionError, Verdict, clear_cache, select
+from registry.core.context import Context, current_stack, parse_stack
+from registry.core.model import KINDS, Composite, Op
+from registry.core.ops import OPS
+from registry.core.registration import COMPOSITES, RegistrationError, load, register, unregister
+from registry.core.routing import routing_active, use
+from registry.core.selector import POLICIES, Decision, SelectionError, Verdict, clear_cache, select
 
 
 def composites(op: str) -> dict[str, Composite]:
     """The registered composites of ``op``, by name."""
     load()
     if op not in OPS:
-        from registry.selector import unknown_op_message
+        from registry.core.selector import unknown_op_message
 
         raise SelectionError(unknown_op_message(op))
     return dict(COMPOSITES[op])

@@ -47,8 +47,8 @@ def _progress(done: int, total: int, label: str) -> None:
 
 def _claim_failures(entries) -> list:
     """Built-in non-native composites that mismatch or err where the rules say they work."""
-    from registry import rules
-    from registry.context import Context
+    from registry.core import rules
+    from registry.core.context import Context
 
     failures = []
     for entry in entries:
@@ -65,9 +65,9 @@ def _verify(args: argparse.Namespace) -> int:
 
     import torch
 
-    from registry import evidence
-    from registry.store import Store
-    from registry.verify import verify
+    from registry.harness.verify import verify
+    from registry.store import evidence
+    from registry.store.db import Store
 
     dtypes = [getattr(torch, name) for name in (args.dtype or ["float32", "float64"])]
     try:
@@ -96,8 +96,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _print_table(entries) -> None:
     """ops x stacks: the composite auto chooses there (all patterns batched) and its worst status."""
-    from registry import evidence
-    from registry.plots import stack_label
+    from registry.reports.plots import stack_label
+    from registry.store import evidence
 
     evidence.set_entries(entries)
     stacks = sorted({e.stack for e in entries}, key=lambda s: (len(s), s))
@@ -125,9 +125,9 @@ def _print_table(entries) -> None:
 def _matrix(args: argparse.Namespace) -> int:
     import torch
 
-    from registry.plots import render_matrix_png
-    from registry.store import Store
-    from registry.verify import source_hashes
+    from registry.harness.verify import source_hashes
+    from registry.reports.plots import render_matrix_png
+    from registry.store.db import Store
 
     store = Store()
     entries = store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__)
@@ -152,9 +152,9 @@ def _profile(args: argparse.Namespace) -> int:
 
     import torch
 
-    from registry import evidence
-    from registry.profiling import profile
-    from registry.store import Store
+    from registry.profiling.timing import profile
+    from registry.store import evidence
+    from registry.store.db import Store
 
     try:
         dtypes = [getattr(torch, name) for name in (args.dtype or ["float32"])]
@@ -189,9 +189,9 @@ def _profile(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     import torch
 
-    from registry.plots import render_speedups_png
-    from registry.store import Store
-    from registry.verify import source_hashes
+    from registry.harness.verify import source_hashes
+    from registry.reports.plots import render_speedups_png
+    from registry.store.db import Store
 
     store = Store()
     profiles = store.fresh_profiles(source_hashes=source_hashes(), torch_version=torch.__version__)

@@ -22,10 +22,10 @@ from service.settings import Settings
 def _run_job(job: Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
     import torch
 
-    from registry import evidence
-    from registry.profiling import profile
-    from registry.store import Store
-    from registry.verify import verify
+    from registry.harness.verify import verify
+    from registry.profiling.timing import profile
+    from registry.store import evidence
+    from registry.store.db import Store
 
     params = job.params
     dtypes = [getattr(torch, name) for name in params["dtypes"]]

@@ -8,9 +8,9 @@ from fastapi import APIRouter, HTTPException, Response
 from pydantic import BaseModel, Field
 
 import registry
-from registry.context import parse_stack
-from registry.profiling import WORKLOADS
-from registry.selector import unknown_op_message
+from registry.core.context import parse_stack
+from registry.core.selector import unknown_op_message
+from registry.profiling.timing import WORKLOADS
 from service.deps import Authorized, RunnerDep, SettingsDep
 from service.jobs import Job, QueueFullError
 

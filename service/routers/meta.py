@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 from fastapi import APIRouter, HTTPException
 
-from registry.store import Store
+from registry.store.db import Store
 from service.models import ErrorPublic, Health, VersionPublic
 
 router = APIRouter(tags=["meta"])

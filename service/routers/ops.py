@@ -4,9 +4,9 @@ import torch
 from fastapi import APIRouter, HTTPException
 
 import registry
-from registry.selector import unknown_op_message
-from registry.store import Store
-from registry.verify import source_hashes
+from registry.core.selector import unknown_op_message
+from registry.harness.verify import source_hashes
+from registry.store.db import Store
 from service.models import CompositeBase, CompositePublic, OpPublic, OpSummary
 
 router = APIRouter(prefix="/ops", tags=["ops"])

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Body, HTTPException, Query
 from pydantic import BaseModel, Field
 
 import registry
-from registry.selector import SelectionError, unknown_op_message
+from registry.core.selector import SelectionError, unknown_op_message
 from service.models import DecisionPublic, VerdictPublic
 
 router = APIRouter(tags=["select"])

@@ -9,10 +9,10 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel
 
 import registry
-from registry.context import parse_stack
-from registry.selector import unknown_op_message
-from registry.store import Store
-from registry.verify import source_hashes
+from registry.core.context import parse_stack
+from registry.core.selector import unknown_op_message
+from registry.harness.verify import source_hashes
+from registry.store.db import Store
 
 router = APIRouter(tags=["store"])
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import registry
-from registry import rules
-from registry.checks import PATTERNS, STACKS, check, entry_call, skip_reason
-from registry.context import Context
-from registry.samples import SAMPLES
+from registry.core import rules
+from registry.core.context import Context
+from registry.harness.checks import PATTERNS, STACKS, check, entry_call, skip_reason
+from registry.harness.samples import SAMPLES
 
 FAST_STACKS = [stack for stack in STACKS if stack != "compile"]
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import registry
-from registry.checks import native_call
-from registry.ops import ORIGINAL
-from registry.samples import Sample, all_samples
+from registry.core.ops import ORIGINAL
+from registry.harness.checks import native_call
+from registry.harness.samples import Sample, all_samples
 
 CASES = [(sample, name) for sample in all_samples() for name in registry.composites(sample.op)]
 

@@ -60,9 +60,9 @@ def test_cli_select(capsys: pytest.CaptureFixture[str]) -> None:
 def test_matrix_and_profiles_read_the_store(client: TestClient) -> None:
     import torch
 
-    from registry.profiling import profile
-    from registry.store import Store
-    from registry.verify import verify
+    from registry.harness.verify import verify
+    from registry.profiling.timing import profile
+    from registry.store.db import Store
 
     with Store() as store:
         store.write_entries(verify(ops=["masked_fill"], stacks=["vmap"], dtypes=(torch.float32,),
@@ -81,7 +81,7 @@ def test_matrix_and_profiles_read_the_store(client: TestClient) -> None:
     response = client.get("/profiles", params={"stack": "vmap,bad"})
     assert response.status_code == 422
     assert response.json()["detail"].startswith("unknown transform 'bad'")
-    from registry import evidence
+    from registry.store import evidence
 
     evidence.use_loader(None)
     evidence.use_profile_loader(None)

@@ -22,11 +22,11 @@ import torch
 from torch import func
 from torch.utils.benchmark import Timer
 
-from registry import context
-from registry.ops import ORIGINAL
-from registry.registration import COMPOSITES, load
-from registry.store import ProfileEntry
-from registry.verify import source_hash
+from registry.core import context
+from registry.core.ops import ORIGINAL
+from registry.core.registration import COMPOSITES, load
+from registry.harness.verify import source_hash
+from registry.store.db import ProfileEntry
 
 WORKLOADS = ("vmap", "grad", "vmap(grad)", "jacrev", "jacfwd", "hessian")
 JACOBIAN_NUMEL = 16  # per sample: a Jacobian has numel**2 elements

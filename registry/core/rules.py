@@ -1,6 +1,6 @@
 """What is known, without running anything, about where a composite works: the rules behind policy ``rules``.
 
-Each rule was measured on torch 2.13 with ``registry.checks`` against a Python loop of native PyTorch (the tests
+Each rule was measured on torch 2.13 with ``registry.harness.checks`` against a Python loop of native PyTorch (the tests
 re-measure every one of them); the evidence string says what was seen.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from registry.context import Context
+from registry.core.context import Context
 
 
 @dataclass(frozen=True)

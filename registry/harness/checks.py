@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import func
 
-from registry.ops import ORIGINAL
-from registry.samples import Args, Sample
+from registry.core.ops import ORIGINAL
+from registry.harness.samples import Args, Sample
 
 STACKS: tuple[str, ...] = (
     "vmap", "grad", "vmap(grad)", "grad(vmap)", "jacrev", "jacfwd", "vmap(jacfwd)", "hessian", "vmap(vmap)",

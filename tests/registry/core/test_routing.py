@@ -7,8 +7,8 @@ import torch
 from torch import func
 
 import registry
-from registry.registration import register, unregister
-from registry.selector import SelectionError
+from registry.core.registration import register, unregister
+from registry.core.selector import SelectionError
 
 ORIGINAL_METHOD = torch.Tensor.index_fill
 ORIGINAL_FUNCTION = torch.index_fill

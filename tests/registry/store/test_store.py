@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from registry.plots import render_matrix_png, stack_label
-from registry.store import STATUSES, MatrixEntry, Store, default_url
+from registry.reports.plots import render_matrix_png, stack_label
+from registry.store.db import STATUSES, MatrixEntry, Store, default_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -215,7 +215,7 @@ BATCH = 25
 WRITER = textwrap.dedent(
     """
     import sys
-    from registry.store import MatrixEntry, Store
+    from registry.store.db import MatrixEntry, Store
 
     store = Store(sys.argv[1])
     batch = 0
@@ -309,7 +309,7 @@ def test_render_matrix_png_rejects_empty(tmp_path: Path) -> None:
 
 
 def test_importing_registry_store_does_not_import_matplotlib() -> None:
-    code = "import sys, registry.store, registry.plots; print('matplotlib' in sys.modules)"
+    code = "import sys, registry.store.db, registry.reports.plots; print('matplotlib' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr

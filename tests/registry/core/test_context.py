@@ -5,7 +5,7 @@ import torch
 from torch import func
 
 import registry
-from registry.context import context_of, parse_stack
+from registry.core.context import context_of, parse_stack
 
 
 def _seen(fn, *args):

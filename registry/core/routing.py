@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch._C._functorch import peek_interpreter_stack
 
-from registry.context import Context, _functorch_stack, context_of, vmap_levels
-from registry.model import KINDS, Op
-from registry.ops import OPS
-from registry.registration import COMPOSITES, load
-from registry.selector import CACHE_LISTENERS, POLICIES, SelectionError, decide, unknown_op_message
+from registry.core.context import Context, _functorch_stack, context_of, vmap_levels
+from registry.core.model import KINDS, Op
+from registry.core.ops import OPS
+from registry.core.registration import COMPOSITES, load
+from registry.core.selector import CACHE_LISTENERS, POLICIES, SelectionError, decide, unknown_op_message
 
 
 class _Frame:

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import registry
-from registry import evidence
-from registry.profiling import bucket, profile
-from registry.store import ProfileEntry, Store
-from registry.verify import source_hashes
+from registry.harness.verify import source_hashes
+from registry.profiling.timing import bucket, profile
+from registry.store import evidence
+from registry.store.db import ProfileEntry, Store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,8 +114,8 @@ def test_killed_profiling_run_leaves_a_consistent_store(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'killed.db'}"
     script = textwrap.dedent(f"""
         import sys
-        from registry.profiling import profile
-        from registry.store import Store
+        from registry.profiling.timing import profile
+        from registry.store.db import Store
         store = Store({url!r})
         print("ready", flush=True)
         while True:

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from registry import evidence, rules
-from registry.context import Context, parse_stack
-from registry.model import KINDS, Composite
-from registry.ops import OPS
-from registry.registration import COMPOSITES, ON_CHANGE, load
+from registry.core import rules
+from registry.core.context import Context, parse_stack
+from registry.core.model import KINDS, Composite
+from registry.core.ops import OPS
+from registry.core.registration import COMPOSITES, ON_CHANGE, load
+from registry.store import evidence
 
 POLICIES = ("auto", "fastest", "rules", "native")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from registry.checks import check, entry_call
-from registry.samples import SAMPLES
+from registry.harness.checks import check, entry_call
+from registry.harness.samples import SAMPLES
 
 MASKED_FILL = next(s for s in SAMPLES["masked_fill"] if s.name == "scalar" and s.dtype == torch.float64)
 

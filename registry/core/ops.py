@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from registry.model import Op
+from registry.core.model import Op
 
 _PACKETS = ("index_add", "index_copy", "index_fill", "masked_fill", "masked_scatter", "contiguous", "to")
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from registry.registration import COMPOSITES, RegistrationError, load
-from registry.samples import SAMPLES, Sample
+from registry.core.registration import COMPOSITES, RegistrationError, load
+from registry.harness.samples import SAMPLES, Sample
 
 
 class _Recorder(TorchDispatchMode):

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from registry.context import Context
+from registry.core.context import Context
 
 FAILING = ("slow", "error", "mismatch")
 
@@ -130,7 +130,7 @@ def use_loader(loader: Any) -> None:
 
 
 def _changed() -> None:
-    from registry.selector import clear_cache
+    from registry.core.selector import clear_cache
 
     clear_cache()
 
@@ -144,8 +144,8 @@ def _read_default_store(read: str) -> list[Any]:
 
     import torch
 
-    from registry.store import ENV_VAR, Store, default_url
-    from registry.verify import source_hashes
+    from registry.harness.verify import source_hashes
+    from registry.store.db import ENV_VAR, Store, default_url
 
     url = default_url()
     if ENV_VAR not in os.environ and url.startswith("sqlite:///") and not os.path.exists(url.removeprefix("sqlite:///")):

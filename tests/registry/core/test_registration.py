@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import registry
-from registry.registration import RegistrationError, load_plugins, register, unregister
+from registry.core.registration import RegistrationError, load_plugins, register, unregister
 
 
 def test_every_seed_op_has_all_four_kinds() -> None:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import registry
-from registry import selector
-from registry.selector import SelectionError
+from registry.core import selector
+from registry.core.selector import SelectionError
 
 
 def test_decision_shape_and_reason() -> None:
@@ -82,8 +82,8 @@ def test_unknown_pin_op_policy_dtype_and_batched_name() -> None:
 
 
 def test_no_valid_composite_lists_every_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
-    from registry import rules
-    from registry.rules import Problem
+    from registry.core import rules
+    from registry.core.rules import Problem
 
     monkeypatch.setattr(rules, "_functional", lambda ctx: Problem("error", "test"))
     monkeypatch.setattr(rules, "KIND_RULES", {**rules.KIND_RULES, "functional": rules._functional})

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import registry
-from registry import evidence, rules
-from registry.audit import audit
-from registry.context import Context
-from registry.registration import RegistrationError, register, unregister
-from registry.store import Store
-from registry.verify import default_stacks, source_hash, source_hashes, verify
+from registry.core import rules
+from registry.core.context import Context
+from registry.core.registration import RegistrationError, register, unregister
+from registry.harness.audit import audit
+from registry.harness.verify import default_stacks, source_hash, source_hashes, verify
+from registry.store import evidence
+from registry.store.db import Store
 
 
 def test_stacks_are_generated() -> None:

@@ -30,13 +30,13 @@ import torch
 from torch import func
 from torch.autograd import forward_ad
 
-from registry.audit import audit
-from registry.checks import FALLBACK_WARNING, entry_call, native_call
-from registry.context import parse_stack
-from registry.model import Composite
-from registry.registration import COMPOSITES, RegistrationError, load
-from registry.samples import SAMPLES, Args, Sample
-from registry.store import MatrixEntry
+from registry.core.context import parse_stack
+from registry.core.model import Composite
+from registry.core.registration import COMPOSITES, RegistrationError, load
+from registry.harness.audit import audit
+from registry.harness.checks import FALLBACK_WARNING, entry_call, native_call
+from registry.harness.samples import SAMPLES, Args, Sample
+from registry.store.db import MatrixEntry
 
 BASE_TRANSFORMS = ("vmap", "grad", "jvp")
 OUTER_TRANSFORMS = ("functionalize", "compile")
@@ -343,7 +343,7 @@ def verify(
     Stacks default to ``default_stacks()`` ("vmap,grad" strings and aliases such as "jacrev" are accepted);
     ``compile`` stacks run for the first dtype only, and ``progress(done, total, label)`` follows each entry.
     Large runs are split over ``workers`` forked processes (default: up to 2, one per core).
-    A composite that fails its audit (``registry.audit``) gets ``error`` entries that say why, without running.
+    A composite that fails its audit (``registry.harness.audit``) gets ``error`` entries that say why, without running.
     """
     load()
     op_names = list(ops) if ops is not None else list(SAMPLES)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from registry.store import MatrixEntry
+from registry.store.db import MatrixEntry
 
 # Worst last: a cell shows the worst status over its patterns and dtypes.
 SEVERITY: tuple[str, ...] = ("ok", "unsupported", "slow", "mismatch", "error")

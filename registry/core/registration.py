@@ -11,8 +11,8 @@ from typing import TypeVar
 
 import torch
 
-from registry.model import KINDS, Composite, Kind
-from registry.ops import OPS, schema_params
+from registry.core.model import KINDS, Composite, Kind
+from registry.core.ops import OPS, schema_params
 
 F = TypeVar("F", bound=Callable[..., object])
 

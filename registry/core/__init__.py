@@ -1,0 +1,1 @@
+"""The core: operators, composites, transform-stack detection, rules, the selector and routing."""

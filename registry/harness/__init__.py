@@ -1,0 +1,1 @@
+"""The checking harness: sample inputs, the transform-stack interpreter, audits and the verified matrix."""

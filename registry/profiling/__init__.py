@@ -1,0 +1,1 @@
+"""Profiling: timing composites side by side with native."""

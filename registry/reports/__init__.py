@@ -1,0 +1,1 @@
+"""Reports: plots and tables shared by the CLI, the API and the dashboard."""
