@@ -10,7 +10,7 @@ import torch
 from torch.autograd import Function
 
 from registry.core.primitive import batch_first, zeros_if_none
-from registry.core.registration import register
+from registry.core.registration import register, register_derivative
 
 # Composites call the dispatcher directly, never a covered entry point that use() may have patched,
 # and Dynamo traces it under torch.compile.
@@ -23,7 +23,7 @@ def scalar_or_tensor(value: Any, like: torch.Tensor) -> torch.Tensor:
         if value.dtype == like.dtype and value.device == like.device:
             return value
         return aten._to_copy(value, device=like.device, dtype=like.dtype)
-    return torch.tensor(value, dtype=like.dtype, device=like.device)
+    return torch.scalar_tensor(value, dtype=like.dtype, device=like.device)  # functional under graph capture
 
 
 class Fill(Function):
@@ -200,3 +200,10 @@ def masked_scatter_primitive(self, mask, source):
     """MaskedScatter: one autograd node with its own backward, jvp and vmap rules."""
     self, mask = _broadcast_mask(self, mask)
     return MaskedScatter.apply(self, mask, source, 0)
+
+
+@register_derivative("masked_scatter", "masked_scatter_backward")
+def masked_scatter_backward_functional(grad_output, mask, sizes):
+    """grad_output's elements where mask is True, in order, zero-padded to sizes: cumsum and scatter_add."""
+    grad, mask = _broadcast_mask(grad_output, mask)
+    return gather_in_order(grad, mask, tuple(sizes), 0)

@@ -7,10 +7,11 @@
 """
 
 from registry.core.context import Context, current_stack, parse_stack
+from registry.core.decompositions import decomposition_table
 from registry.core.model import KINDS, Composite, Op
 from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES, RegistrationError, load, register, unregister
-from registry.core.routing import routing_active, use
+from registry.core.routing import register_kernels, routing_active, use
 from registry.core.selector import POLICIES, Decision, SelectionError, Verdict, clear_cache, select
 
 
@@ -39,9 +40,11 @@ __all__ = [
     "clear_cache",
     "composites",
     "current_stack",
+    "decomposition_table",
     "load",
     "parse_stack",
     "register",
+    "register_kernels",
     "routing_active",
     "select",
     "unregister",

@@ -43,7 +43,7 @@ class Context:
     tensors: tuple[str, ...] = ("self",)  # which arguments are tensors (``value`` may be a Python number)
 
 
-def _functorch_stack() -> tuple[tuple[str, int], ...]:
+def functorch_stack() -> tuple[tuple[str, int], ...]:
     # The C++ interpreter list, outermost first: no Python wrapper objects (retrieve_all_functorch_interpreters
     # builds one per level, three times the cost on the routing path).
     interpreters = get_interpreter_stack() or ()
@@ -59,7 +59,7 @@ def current_stack(*tensors: Any) -> tuple[str, ...]:
     if torch.compiler.is_compiling():
         # Dynamo cannot trace the interpreter stack; the compiled graph is transformed as a whole.
         return ("compile", "autograd") if _records_autograd(tensors) else ("compile",)
-    functorch = tuple(name for name, _ in _functorch_stack())
+    functorch = tuple(name for name, _ in functorch_stack())
     if "grad" not in functorch and _records_autograd(tensors):
         return ("autograd", *functorch)
     return functorch
@@ -82,24 +82,36 @@ def vmap_levels(tensor: torch.Tensor) -> frozenset[int]:
     return frozenset(levels)
 
 
-def context_of(tensor_args: dict[str, torch.Tensor], functorch: tuple[tuple[str, int], ...] | None = None) -> Context:
+def context_of(
+    tensor_args: dict[str, torch.Tensor],
+    functorch: tuple[tuple[str, int], ...] | None = None,
+    *,
+    compiling: bool | None = None,
+    records: bool | None = None,
+) -> Context:
     """The context of a call whose tensor arguments, by schema name, are ``tensor_args`` (``self`` first).
 
-    ``functorch``: the interpreter stack as ``_functorch_stack()`` gives it, when the caller already has it.
+    ``functorch``: the interpreter stack as ``functorch_stack()`` gives it; ``compiling``: whether torch.compile is
+    tracing; ``records``: whether autograd records the call — each computed here when the caller does not have it.
+    Under torch.compile the routing kernels run while AOTAutograd traces, with the functorch stack in place: the
+    stack is then ``compile`` followed by the transforms inside the compiled function.
     """
     tensors = tuple(tensor_args.values())
-    if functorch is None or torch.compiler.is_compiling():
-        stack = current_stack(*tensors)
-        functorch = () if "compile" in stack else _functorch_stack()
-    else:
-        names = tuple(name for name, _ in functorch)
-        stack = ("autograd", *names) if "grad" not in names and _records_autograd(tensors) else names
+    if functorch is None:
+        functorch = functorch_stack()
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    if records is None:
+        records = _records_autograd(tensors)
+    names = tuple(name for name, _ in functorch)
+    stack = ("autograd", *names) if "grad" not in names and records else names
+    if compiling:
+        stack = ("compile", *stack)
     first = tensors[0] if tensors else None
     batched: tuple[str, ...] = ()
     covers = True
-    if "vmap" in stack and "compile" not in stack:
-        vmap_level_ids = [level for name, level in functorch if name == "vmap"]
-        innermost = max(vmap_level_ids)
+    if "vmap" in names:
+        innermost = max(level for name, level in functorch if name == "vmap")
         levels = {name: vmap_levels(t) for name, t in tensor_args.items()}
         batched = tuple(name for name, lv in levels.items() if innermost in lv)
         self_levels = levels.get("self", frozenset())

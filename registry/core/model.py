@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 Kind = Literal["native", "mutating", "functional", "primitive"]
 KINDS: tuple[Kind, ...] = ("native", "mutating", "functional", "primitive")
 
@@ -17,11 +19,31 @@ KIND_DOCS: dict[str, str] = {
     "primitive": "a torch.autograd.Function with its own backward, jvp and vmap rules",
 }
 
-# An entry point is (owner, attribute): ``(torch, "index_fill")`` or ``(torch.Tensor, "index_fill")``.
+# An entry point is (owner, attribute): ``(torch, "index_fill")`` or ``(torch.Tensor, "index_fill")``. Entry points
+# are documentation (``/ops`` lists them): calls are routed at the dispatcher, whichever entry point made them.
 EntryPoint = tuple[Any, str]
-# Turns the arguments an entry point received into the composite's (args, kwargs), or None when this call must go
-# straight to PyTorch (an ``out=`` tensor, a named dimension, an overload the composites do not model).
-Normalizer = Callable[[tuple[Any, ...], dict[str, Any]], "tuple[tuple[Any, ...], dict[str, Any]] | None"]
+# Turns the arguments a dispatcher kernel received for one aten overload into the composite's (args, kwargs), in the
+# parameters of the op's own overload.
+Adapter = Callable[[tuple[Any, ...], dict[str, Any]], "tuple[tuple[Any, ...], dict[str, Any]]"]
+
+
+@dataclass(frozen=True)
+class Overload:
+    """One aten overload that routes to an op's composites: ``aten::index_fill_.int_Scalar``, say."""
+
+    name: str  # "index_fill_.int_Scalar": the packet, then the overload name after the dot
+    inplace: bool  # the composite computes the result, which is then copied into ``self``
+    adapt: Adapter | None = None  # None: the overload's parameters are the op's own, in the same order
+
+    @property
+    def qualified_name(self) -> str:
+        return f"aten::{self.name}"
+
+    @property
+    def op_overload(self) -> Any:
+        """The ``torch.ops.aten`` OpOverload object."""
+        packet, _, overload = self.name.partition(".")
+        return getattr(getattr(torch.ops.aten, packet), overload or "default")
 
 
 @dataclass(frozen=True)
@@ -33,8 +55,12 @@ class Op:
     entry_points: tuple[EntryPoint, ...]
     tensor_args: tuple[str, ...]  # schema names of the tensor parameters, ``self`` first
     doc: str
-    normalize: Normalizer | None = None
     params: tuple[str, ...] = field(default=())  # filled in from the schema by ``ops.define``
+    # Every aten overload routed to the composites, in-place variants included.
+    overloads: tuple[Overload, ...] = field(default=())
+    # Overloads whose derivative formula PyTorch gets wrong in eager autograd too (no transform): these also get a
+    # kernel at the Autograd key, which routes them while autograd records.
+    eager_autograd: tuple[str, ...] = field(default=())
 
     @property
     def qualified_entry_points(self) -> tuple[str, ...]:

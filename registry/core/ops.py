@@ -1,7 +1,8 @@
-"""The operators multicomposite covers: their entry points, tensor parameters and call normalization.
+"""The operators multicomposite covers: their aten overloads, tensor parameters and entry points.
 
-PyTorch's unpatched entry points are captured here, at import, before ``use()`` can patch anything: composites call
-them through ``ORIGINAL`` so that a native composite never re-enters the router.
+``use()`` routes every overload listed here at PyTorch's dispatcher. ``ORIGINAL`` keeps PyTorch's own Python entry
+points as captured at import: ``Tensor.contiguous`` is the one entry point ``use()`` wraps at the Python level (it
+fails inside C++ under vmap before any dispatch), and references outside any transform call these.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from typing import Any
 
 import torch
 
-from registry.core.model import Op
+from registry.core.model import Op, Overload
 
 _PACKETS = ("index_add", "index_copy", "index_fill", "masked_fill", "masked_scatter", "contiguous", "to")
 
-# ORIGINAL.Tensor.index_fill and ORIGINAL.torch.index_fill are PyTorch's own, whatever use() has patched since.
+# ORIGINAL.Tensor.contiguous is PyTorch's own, captured before use() wraps it (the one Python-level path).
 ORIGINAL = SimpleNamespace(
     Tensor=SimpleNamespace(**{name: getattr(torch.Tensor, name) for name in _PACKETS}),
     torch=SimpleNamespace(**{name: getattr(torch, name) for name in _PACKETS if hasattr(torch, name)}),
@@ -31,68 +32,52 @@ def schema_params(name: str, overload: str) -> tuple[tuple[str, bool], ...]:
     raise ValueError(f"aten::{name} has no overload {overload!r}; it has {known}")
 
 
-def _default_normalizer(params: tuple[str, ...], dim_param: str | None):
-    """Pass the call through as the composite's (args, kwargs); None for what only PyTorch itself handles."""
-    n_params = len(params)
-    allowed = frozenset(params)
-    dim_position = params.index(dim_param) if dim_param is not None else n_params
-
-    def normalize(args: tuple[Any, ...], kwargs: dict[str, Any]):
-        if kwargs:
-            if "input" in kwargs:  # torch.index_fill(input=...) names self "input"
-                kwargs = dict(kwargs)
-                kwargs["self"] = kwargs.pop("input")
-            if not allowed.issuperset(kwargs):  # out=, or a typo PyTorch should report in its own words
-                return None
-        if len(args) > n_params:
-            return None
-        if dim_param is not None:
-            dim = args[dim_position] if len(args) > dim_position else kwargs.get(dim_param)
-            if dim.__class__ is str:  # a named dimension: the Dimname overloads stay PyTorch's
-                return None
-        return args, kwargs
-
-    return normalize
+def _to_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``to.device(self, device, dtype, non_blocking=False, copy=False, memory_format=None)``."""
+    return _to_keywords(args[0], ("device", "dtype", "non_blocking", "copy", "memory_format"), args[1:], kwargs)
 
 
-def _normalize_to(args: tuple[Any, ...], kwargs: dict[str, Any]):
-    """Fold every ``Tensor.to`` overload into the keyword form ``to.dtype_layout``.
+def _to_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``to.dtype(self, dtype, non_blocking=False, copy=False, memory_format=None)``."""
+    return _to_keywords(args[0], ("dtype", "non_blocking", "copy", "memory_format"), args[1:], kwargs)
 
-    Plain Python (no ``_parse_to``) so that Dynamo can trace it under ``torch.compile``.
+
+def _to_other(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``to.other(self, other, non_blocking=False, copy=False, memory_format=None)``: other's dtype and device."""
+    self, other, *rest = args
+    call = _to_keywords(self, ("non_blocking", "copy", "memory_format"), tuple(rest), kwargs)
+    call[1].update(dtype=other.dtype, device=other.device)
+    return call
+
+
+def _to_keywords(self: Any, names: tuple[str, ...], positional: tuple[Any, ...], kwargs: dict[str, Any]):
+    """The keyword form of ``to.dtype_layout``, which every composite of ``to`` takes."""
+    keywords = dict(zip(names, positional, strict=False))
+    keywords.update(kwargs)
+    return (self,), keywords
+
+
+def _overloads(name: str, *extra: str, adapters: dict[str, Any] | None = None) -> tuple[Overload, ...]:
+    """The functional and in-place overloads of ``name`` whose parameters are the composites' own.
+
+    ``extra`` names more overloads (``to.dtype``) and ``adapters`` maps an overload to what translates its arguments.
+    ``out=`` and Dimname overloads are left to PyTorch: functorch cannot batch into an ``out`` tensor, and named
+    tensors do not work under functorch transforms.
     """
-    if not args or kwargs.get("layout") is not None or kwargs.get("pin_memory"):
-        return None
-    self, rest = args[0], args[1:]
-    dtype, device = kwargs.get("dtype"), kwargs.get("device")
-    non_blocking, copy = kwargs.get("non_blocking", False), kwargs.get("copy", False)
-    if not set(kwargs) <= {"dtype", "device", "non_blocking", "copy", "memory_format", "layout", "pin_memory"}:
-        return None
-    flags = []
-    for arg in rest:
-        if isinstance(arg, bool):  # positional non_blocking, then copy
-            flags.append(arg)
-        elif flags:
-            return None
-        elif isinstance(arg, torch.dtype):
-            dtype = arg
-        elif isinstance(arg, torch.Tensor):  # to(other)
-            device, dtype = arg.device, arg.dtype
-        elif isinstance(arg, (str, torch.device, int)):
-            device = arg
-        else:
-            return None
-    if len(flags) > 2:
-        return None
-    if flags:
-        non_blocking = flags[0]
-        copy = flags[1] if len(flags) > 1 else copy
-    return (self,), {
-        "dtype": dtype,
-        "device": None if device is None else torch.device(device),
-        "non_blocking": non_blocking,
-        "copy": copy,
-        "memory_format": kwargs.get("memory_format"),
-    }
+    found = []
+    for packet in (name, f"{name}_"):
+        for schema in torch._C._jit_get_schemas_for_operator(f"aten::{packet}"):
+            overload = schema.overload_name
+            if overload == "out" or overload.endswith("_out") or "imname" in overload:
+                continue
+            found.append(f"{packet}.{overload}" if overload else packet)
+    adapters = adapters or {}
+    found += [overload for overload in extra if overload not in found]
+    return tuple(
+        Overload(name=overload, inplace=overload.partition(".")[0].endswith("_"), adapt=adapters.get(overload))
+        for overload in found
+        if not overload.startswith("to.prim")  # TorchScript's own overloads: never reached from Python or ATen
+    )
 
 
 def define(
@@ -101,8 +86,8 @@ def define(
     tensor_args: tuple[str, ...],
     doc: str,
     *,
-    dim_param: str | None = None,
-    normalize=None,
+    overloads: tuple[Overload, ...] | None = None,
+    eager_autograd: tuple[str, ...] = (),
 ) -> Op:
     params = tuple(param for param, _ in schema_params(name, overload))
     entry_points: list[tuple[Any, str]] = [(torch.Tensor, name)]
@@ -116,25 +101,27 @@ def define(
         entry_points=tuple(entry_points),
         tensor_args=tensor_args,
         doc=doc,
-        normalize=normalize or _default_normalizer(params, dim_param),
         params=params,
+        overloads=overloads if overloads is not None else _overloads(name),
+        eager_autograd=eager_autograd,
     )
 
 
 OPS: dict[str, Op] = {
     op.name: op
     for op in (
-        define("index_add", "", ("self", "index", "source"), "self with alpha * source added at index along dim",
-               dim_param="dim"),
-        define("index_copy", "", ("self", "index", "source"), "self with source copied to index along dim",
-               dim_param="dim"),
+        define("index_add", "", ("self", "index", "source"), "self with alpha * source added at index along dim"),
+        define("index_copy", "", ("self", "index", "source"), "self with source copied to index along dim"),
+        # index_fill's formulas index with the raw, possibly negative, index: a tensor value's gradient fails
+        # ("index out of range") even in eager autograd.
         define("index_fill", "int_Tensor", ("self", "index", "value"), "self with value written at index along dim",
-               dim_param="dim"),
+               eager_autograd=("index_fill.int_Tensor", "index_fill_.int_Tensor")),
         define("masked_fill", "Tensor", ("self", "mask", "value"), "self with value where mask is True"),
         define("masked_scatter", "", ("self", "mask", "source"),
                "self with source's elements, in order, where mask is True"),
         define("contiguous", "", ("self",), "self laid out in memory_format, self itself when it already is"),
         define("to", "dtype_layout", ("self",), "self converted to dtype, device and memory_format",
-               normalize=_normalize_to),
+               overloads=_overloads("to", adapters={"to.device": _to_device, "to.dtype": _to_dtype,
+                                                    "to.other": _to_other})),
     )
 }

@@ -57,7 +57,7 @@ def laid_out(tensor: torch.Tensor, memory_format: torch.memory_format | None, ba
     inverse = [0] * len(permutation)
     for position, dim in enumerate(permutation):
         inverse[dim] = position
-    # clone, not contiguous(): composites never call a covered entry point, which use() may have patched.
+    # clone, not contiguous(): a composite calling a covered op would re-enter the router (it passes through).
     return tensor.permute(permutation).clone(memory_format=torch.contiguous_format).permute(inverse)
 
 

@@ -21,6 +21,9 @@ PRIMITIVE_STATICMETHODS = ("forward", "setup_context", "backward", "jvp", "vmap"
 
 # op name -> composite name -> Composite, in registration order.
 COMPOSITES: dict[str, dict[str, Composite]] = {name: {} for name in OPS}
+# op -> aten overload of one of its derivative ops (``masked_scatter_backward``, which autograd calls for the
+# native op's gradient) -> a functional form of it: routed under vmap, where PyTorch's kernel has no batching rule.
+DERIVATIVES: dict[str, dict[str, Callable[..., object]]] = {name: {} for name in OPS}
 _loaded = False
 ON_CHANGE: list[Callable[[], None]] = []  # called after every change to COMPOSITES (the selector drops its cache)
 _load_lock = threading.Lock()
@@ -109,6 +112,33 @@ def register(op: str, kind: Kind, *, name: str | None = None, function: type | N
         )
         for listener in ON_CHANGE:
             listener()
+        return fn
+
+    return decorator
+
+
+def register_derivative(op: str, overload: str) -> Callable[[F], F]:
+    """Declare ``fn`` as the functional form of ``aten::<overload>``, a derivative op of ``op``; returns ``fn``.
+
+    ``fn`` takes the overload's own parameters. ``use()`` runs it in place of PyTorch's kernel under vmap, and
+    ``decomposition_table()`` lists it wherever ``op`` itself is decomposed.
+    """
+    if op not in OPS:
+        raise RegistrationError(f"register_derivative: unknown op {op!r}; covered ops are {', '.join(OPS)}")
+    name, _, overload_name = overload.partition(".")
+
+    def decorator(fn: F) -> F:
+        where = _where(fn)
+        expected = tuple(param for param, _ in schema_params(name, overload_name))
+        got = tuple(inspect.signature(fn).parameters)
+        if got != expected:
+            raise RegistrationError(
+                f"{where}: {_def_line(fn)} does not match the schema of aten::{overload}; "
+                f"it takes ({', '.join(expected)})"
+            )
+        if overload in DERIVATIVES[op]:
+            raise RegistrationError(f"{where}: a derivative {overload} of {op} is already registered")
+        DERIVATIVES[op][overload] = fn
         return fn
 
     return decorator

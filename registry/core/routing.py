@@ -1,76 +1,80 @@
-"""``use()``: route calls of covered ops to the selected composite, through every entry point.
+"""``use()``: route every call of a covered op to the selected composite, at PyTorch's dispatcher.
 
-Only the covered entry points (``torch.Tensor.index_fill``, ``torch.index_fill``, ...) are patched, and only while
-some thread is inside ``use()``: uncovered ops never pass through Python, and outside ``use()`` PyTorch's own
-functions are back in place. The patched function checks a thread-local frame stack, so other threads see plain
-PyTorch even while one thread routes.
+A Python kernel is registered once, process-wide, for every aten overload of every covered op (in-place variants
+included) at the ``FuncTorchDynamicLayerFrontMode`` dispatch key. The dispatcher reaches that key only while some
+functorch transform is active (``vmap``, ``grad``, ``jvp``, ``functionalize``, and the transforms ``jacrev``,
+``jacfwd`` and ``hessian`` are made of), before autograd and batching see the call. So every caller is routed: a
+function object captured before ``use()`` (``from torch import masked_scatter``), a C++ caller (``index_select``'s
+backward calls ``index_add``), an in-place variant. A composite run there sends its own ops through every transform
+layer, so its derivative and its batching come from those ops.
+
+``use()`` itself only pushes a frame (policy, pins) on a thread-local stack that the kernels read: the kernels of a
+thread outside ``use()`` fall straight through to PyTorch's own, and eager code (no transform) never reaches them.
+
+One entry point cannot be reached at the dispatcher: ``Tensor.contiguous(memory_format=...)`` asks
+``is_contiguous(memory_format)`` in C++ before dispatching, which raises under vmap. A Python wrapper sends a call
+with a memory format other than ``contiguous_format`` to ``aten::contiguous`` (same result outside transforms), where
+the kernel routes it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 
 import torch
-from torch._C._functorch import peek_interpreter_stack
+from torch._C._functorch import maybe_current_level
 
-from registry.core.context import Context, _functorch_stack, context_of, vmap_levels
-from registry.core.model import KINDS, Op
-from registry.core.ops import OPS
-from registry.core.registration import COMPOSITES, load
+from registry.core.context import context_of, functorch_stack, vmap_levels
+from registry.core.model import KINDS, Op, Overload
+from registry.core.ops import OPS, ORIGINAL
+from registry.core.registration import COMPOSITES, DERIVATIVES, load
 from registry.core.selector import CACHE_LISTENERS, POLICIES, SelectionError, decide, unknown_op_message
+
+DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 
 
 class _Frame:
-    __slots__ = ("compiled", "keys", "pins", "policy")
+    """What ``use()`` pushed: the policy and pins the kernels read. Interned per (policy, pins)."""
+
+    __slots__ = ("pins", "policy", "prefixes", "signature")
 
     def __init__(self, policy: str, pins: dict[str, str]) -> None:
         self.policy = policy
         self.pins = pins
-        # The eager cache key's prefix per op, interned to an int: hashing it costs nothing on the hot path.
-        self.keys = {op: _PREFIXES.setdefault((op, policy, pins.get(op)), len(_PREFIXES)) for op in OPS}
-        # Decided here, eagerly, because Dynamo cannot trace the selector: what runs while torch.compile traces.
-        self.compiled: dict[str, Callable[..., Any]] = {}
-        for op in OPS:
-            try:
-                decision = decide(op, Context(stack=("compile",), tensors=OPS[op].tensor_args), policy, pins.get(op))
-            except SelectionError as error:  # raised where the op is compiled, not at use() entry
-                self.compiled[op] = functools.partial(_raise, error)
-            else:
-                self.compiled[op] = decision.fn
+        self.signature = (policy, tuple(sorted(pins.items())))
+        # The decision cache key's prefix per op, interned to an int: hashing it costs nothing on the hot path.
+        self.prefixes = {op: _PREFIXES.setdefault((op, policy, pins.get(op)), len(_PREFIXES)) for op in OPS}
 
 
 _PREFIXES: dict[tuple[str, str, str | None], int] = {}
+_FRAMES: dict[tuple[str, tuple[tuple[str, str], ...]], _Frame] = {}
 
 
 class _Local(threading.local):
-    frames: list[_Frame] | tuple[()] = ()  # a class default: threads that never entered use() read it directly
+    # Class defaults: a thread that never entered use() reads them without creating anything.
+    frames: list[_Frame] | tuple[()] = ()
+    busy = False  # inside a composite or a native call this thread's kernel already decided: pass through
 
 
 _local = _Local()
-_patch_lock = threading.Lock()
-_active_frames = 0  # over all threads; the patches are installed while it is positive
-_patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, PyTorch's original)
 
-# (interned (op, policy, pin), dtype, value is a tensor, size bucket) -> (composite when autograd does not record,
-# composite when it does); None means "call PyTorch's original". Only contexts without a functorch transform are
-# cached here: the common eager path costs one dict lookup, and checks requires_grad only where the two differ.
-_eager_cache: dict[tuple, tuple[Callable[..., Any] | None, Callable[..., Any] | None]] = {}
-CACHE_LISTENERS.append(_eager_cache.clear)
+# (interned (op, policy, pin), functorch stack, compiling, tensor argument names, their vmap levels, dtype, device
+# type, size bucket, autograd records) -> (composite, kind, whether self is batched wherever another argument is).
+_decisions: dict[tuple, tuple[Callable[..., Any], str, bool]] = {}
+CACHE_LISTENERS.append(_decisions.clear)
 
+# Routing signatures ((policy, pins), or None outside use()) under which torch.compile traced through a kernel. A
+# graph bakes in the composite chosen while it was traced, and Dynamo does not guard on use(): when the routing
+# changes, compiled graphs traced under another routing are dropped so that they are traced again.
+_traced_signatures: set[tuple[str, tuple[tuple[str, str], ...]] | None] = set()
 
-def _raise(error: Exception, *args: Any, **kwargs: Any) -> Any:
-    raise error
-
-
-def _frames() -> list[_Frame]:
-    if not isinstance(_local.frames, list):
-        _local.frames = []
-    return _local.frames
+_register_lock = threading.Lock()
+_libraries: list[torch.library.Library] = []
+KERNEL_CALLS: dict[str, int] = {}  # overload name -> calls that a routing kernel decided; tests read it
 
 
 def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -82,110 +86,157 @@ def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> di
     return found
 
 
-# (interned prefix, functorch stack, tensor arguments, their vmap levels, dtype, device, size, autograd records) ->
-# composite or None: the functorch path's cache, so that a vmap'd call pays for the context, not for a decision.
-_functorch_cache: dict[tuple, Callable[..., Any] | None] = {}
-CACHE_LISTENERS.append(_functorch_cache.clear)
-
-
-def _decide_fn(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any] | None:
-    """The context, then the decision (both cached): None means PyTorch's original."""
+def _decide(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Callable[..., Any], str,
+                                                                                               bool]:
+    """(composite, kind, self covers the batching) for this call: the context, then the cached decision."""
     tensors = _tensor_args(op, args, kwargs)
-    functorch = _functorch_stack()
+    functorch = functorch_stack()
+    compiling = torch.compiler.is_compiling()
     self = tensors.get("self")
     records = torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
     levels = tuple(vmap_levels(t) for t in tensors.values())
-    key = (frame.keys[op.name], functorch, tuple(tensors), levels, getattr(self, "dtype", None),
-           getattr(self, "device", None), self.numel().bit_length() if self is not None else 0, records)
+    key = (frame.prefixes[op.name], functorch, compiling, tuple(tensors), levels,
+           None if self is None else self.dtype, None if self is None else self.device.type,
+           0 if self is None else self.numel().bit_length(), records)
     try:
-        return _functorch_cache[key]
+        return _decisions[key]
     except KeyError:
         pass
-    decision = decide(op.name, context_of(tensors, functorch), frame.policy, frame.pins.get(op.name))
-    fn = _functorch_cache[key] = None if decision.kind == "native" else decision.fn
-    return fn
+    ctx = context_of(tensors, functorch, compiling=compiling, records=records)
+    decision = decide(op.name, ctx, frame.policy, frame.pins.get(op.name))
+    chosen = _decisions[key] = (decision.fn, decision.kind, ctx.self_covers_batching)
+    return chosen
 
 
-def _eager_pair(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]):
-    """The eager decisions without and with autograd recording, for the eager cache."""
-    ctx = context_of(_tensor_args(op, args, kwargs))
-    pair = []
-    for stack in ((), ("autograd",)):
-        decision = decide(op.name, replace(ctx, stack=stack), frame.policy, frame.pins.get(op.name))
-        pair.append(None if decision.kind == "native" else decision.fn)
-    return tuple(pair)
-
-
-def _make_router(op: Op, original: Callable[..., Any]) -> Callable[..., Any]:
-    normalize = op.normalize
-    name = op.name
-    # Where the op takes a Python number or a tensor (``value``), that choice is part of the eager cache key.
-    value_position = op.params.index("value") if "value" in op.params else None
-    # Only these can require grad (index and mask are integer and bool): the eager path checks nothing else.
-    grad_positions = tuple(op.params.index(p) for p in op.tensor_args if p not in ("index", "mask"))
-    is_tensor = torch.Tensor.__instancecheck__
-    is_grad_enabled = torch.is_grad_enabled
-    is_compiling = torch.compiler.is_compiling
+def _make_kernel(op: Op, overload: Overload, native: Any, *, eager_autograd: bool = False) -> Callable[..., Any]:
+    """The routing kernel of one overload; ``eager_autograd``: the one at the Autograd key, which routes only while
+    autograd records (outside transforms, where the functorch kernel is never reached)."""
+    call_native = native.call_boxed
+    adapt = overload.adapt
+    inplace = overload.inplace
     local = _local
+    is_compiling = torch.compiler.is_compiling
+    name = overload.name
+    packet = name.partition(".")[0]
 
-    def records_autograd(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        if not is_grad_enabled():
-            return False
-        if kwargs:
-            return any(is_tensor(v) and v.requires_grad for v in (*args, *kwargs.values()))
-        n_args = len(args)
-        return any(p < n_args and is_tensor(args[p]) and args[p].requires_grad for p in grad_positions)
-
-    @functools.wraps(original)
-    def routed(*args: Any, **kwargs: Any) -> Any:
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         frames = local.frames
-        if not frames or frames[-1].policy == "native":
-            return original(*args, **kwargs)
+        if not frames or local.busy:
+            if not frames and is_compiling():
+                _traced_signatures.add(None)
+            return call_native(keyset, *args, **kwargs)
         frame = frames[-1]
         if is_compiling():
-            call = normalize(args, kwargs)
-            return original(*args, **kwargs) if call is None else frame.compiled[name](*call[0], **call[1])
-        call = normalize(args, kwargs)
-        if call is None:  # out=, a named dim, an overload the composites do not model
-            return original(*args, **kwargs)
-        cargs, ckwargs = call
-        if peek_interpreter_stack() is None:
-            self = cargs[0] if cargs else ckwargs.get("self")
-            value_kind = None
-            if value_position is not None:
-                value = cargs[value_position] if len(cargs) > value_position else ckwargs.get("value")
-                value_kind = is_tensor(value)
-            # Profiles are kept per power-of-two size, so the size is part of the key. The device is not: reading it
-            # costs a fifth of the 2 us budget, and validity never depends on it (only which valid one is fastest).
-            size = self.numel().bit_length() if is_tensor(self) else 0
-            key = (frame.keys[name], getattr(self, "dtype", None), value_kind, size)
-            pair = _eager_cache.get(key)
-            if pair is None:
-                pair = _eager_cache[key] = _eager_pair(op, frame, cargs, ckwargs)
-            plain, recording = pair
-            composite = plain if plain is recording or not records_autograd(cargs, ckwargs) else recording
-        else:
-            composite = _decide_fn(op, frame, cargs, ckwargs)
-        if composite is None:
-            return original(*args, **kwargs)
-        return composite(*cargs, **ckwargs)
+            _traced_signatures.add(frame.signature)
+        if frame.policy == "native":
+            return call_native(keyset, *args, **kwargs)
+        if eager_autograd and not _records_autograd(args, kwargs):
+            return call_native(keyset, *args, **kwargs)
+        cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
+        composite, kind, self_covers = _decide(op, frame, cargs, ckwargs)
+        KERNEL_CALLS[name] = KERNEL_CALLS.get(name, 0) + 1
+        if inplace and not self_covers:
+            raise RuntimeError(_inplace_message(packet))
+        # The layers below this one reach this kernel again with the same call: it is decided here, once.
+        local.busy = True
+        try:
+            if kind == "native" and not inplace:
+                return call_native(keyset, *args, **kwargs)
+            if inplace and kind == "mutating":  # clone-then-in-place is what PyTorch's in-place op does already
+                return call_native(keyset, *args, **kwargs)
+            # An in-place variant computes the new value out of place (PyTorch's own out-of-place op where the
+            # decision is native: in-place variants lack batching rules that the out-of-place ones have), then
+            # writes it into self.
+            result = composite(*cargs, **ckwargs)
+            return args[0].copy_(result) if inplace else result
+        finally:
+            local.busy = False
 
-    routed.__multicomposite_original__ = original  # type: ignore[attr-defined]
-    return routed
+    kernel.__name__ = f"multicomposite_{name.replace('.', '_')}"
+    return kernel
 
 
-def _install() -> None:
-    for op in OPS.values():
-        for owner, attribute in op.entry_points:
-            original = getattr(owner, attribute)
-            _patched.append((owner, attribute, original))
-            setattr(owner, attribute, _make_router(op, original))
+def _records_autograd(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(value, torch.Tensor) and value.requires_grad for value in (*args, *kwargs.values()))
 
 
-def _uninstall() -> None:
-    while _patched:
-        owner, attribute, original = _patched.pop()
-        setattr(owner, attribute, original)
+def _make_derivative_kernel(name: str, functional: Callable[..., Any], native: Any) -> Callable[..., Any]:
+    """A derivative op (``masked_scatter_backward``): its functional form under vmap, where PyTorch's kernel has no
+    batching rule and loops; PyTorch's own kernel everywhere else."""
+    call_native = native.call_boxed
+    local = _local
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        frames = local.frames
+        if not frames or local.busy or frames[-1].policy == "native":
+            return call_native(keyset, *args, **kwargs)
+        if not any(transform == "vmap" for transform, _ in functorch_stack()):
+            return call_native(keyset, *args, **kwargs)
+        KERNEL_CALLS[name] = KERNEL_CALLS.get(name, 0) + 1
+        local.busy = True
+        try:
+            return functional(*args, **kwargs)
+        finally:
+            local.busy = False
+
+    kernel.__name__ = f"multicomposite_{name.replace('.', '_')}"
+    return kernel
+
+
+def _inplace_message(packet: str) -> str:
+    """PyTorch's own error for an in-place op under vmap that would write a batched value into an unbatched self."""
+    return (f"vmap: {packet}(self, *extra_args) is not possible because there exists a Tensor `other` in extra_args "
+            "that has more elements than `self`. This happened due to `other` being vmapped over but `self` not being "
+            f"vmapped over in a vmap. Please try to use out-of-place operators instead of {packet}. If said operator "
+            "is being called inside the PyTorch framework, please file a bug report instead.")
+
+
+def _contiguous(self: torch.Tensor, *, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """Tensor.contiguous, with other memory formats sent through ``aten::contiguous`` where ``use()`` routes them.
+
+    PyTorch's binding asks ``self.is_contiguous(memory_format)`` before it dispatches, which raises under vmap for
+    channels_last; ``aten::contiguous`` asks the same question after dispatch, so outside any transform the result is
+    the same (``self`` itself when it is laid out already, else a copy).
+    """
+    if memory_format is torch.contiguous_format and not torch.compiler.is_compiling():
+        return _original_contiguous(self)  # Dynamo cannot trace the C method when it is called unbound
+    return torch.ops.aten.contiguous.default(self, memory_format=memory_format)
+
+
+_original_contiguous = ORIGINAL.Tensor.contiguous
+_contiguous.__doc__ = _original_contiguous.__doc__
+
+
+def register_kernels() -> None:
+    """Register the routing kernels, once per process (``use()`` calls it; it costs about 12 us an overload)."""
+    if _libraries:
+        return
+    with _register_lock:
+        if _libraries:
+            return
+        load()
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            # PyTorch warns once that a kernel overrides FuncTorchDynamicLayerFrontMode's: that is the point here.
+            warnings.filterwarnings("ignore", message="Warning only once for all operators")
+            for op in OPS.values():
+                for overload in op.overloads:
+                    native = torch.library.get_kernel(overload.qualified_name, DISPATCH_KEY)
+                    library.impl(overload.name, _make_kernel(op, overload, native), DISPATCH_KEY, with_keyset=True)
+                    if overload.name in op.eager_autograd:
+                        # The Autograd alias key: one registration for every backend's autograd key. The native
+                        # kernel there is VariableType's, the same function for every backend.
+                        native = torch.library.get_kernel(overload.qualified_name, "AutogradCPU")
+                        library.impl(overload.name, _make_kernel(op, overload, native, eager_autograd=True),
+                                     "Autograd", with_keyset=True)
+                for name, functional in DERIVATIVES[op.name].items():
+                    native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
+                    library.impl(name, _make_derivative_kernel(name, functional, native), DISPATCH_KEY,
+                                 with_keyset=True)
+        torch.Tensor.contiguous = _contiguous  # type: ignore[method-assign]
+        _libraries.append(library)
 
 
 def _validate(policy: str, pins: Mapping[str, str] | None) -> dict[str, str]:
@@ -202,36 +253,67 @@ def _validate(policy: str, pins: Mapping[str, str] | None) -> dict[str, str]:
     return checked
 
 
+def _frame(policy: str, pins: Mapping[str, str] | None) -> _Frame:
+    key = (policy, tuple(sorted(pins.items())) if pins else ())
+    frame = _FRAMES.get(key)
+    if frame is None:
+        frame = _FRAMES[key] = _Frame(policy, _validate(policy, pins))
+    return frame
+
+
+def _drop_graphs_traced_elsewhere(signature: tuple[str, tuple[tuple[str, str], ...]] | None) -> None:
+    """Forget compiled graphs traced under a routing other than ``signature`` (they baked in its composites)."""
+    if _traced_signatures - {signature}:
+        torch._dynamo.reset()
+        _traced_signatures.clear()
+
+
 class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `with registry.use():`
     """Route covered ops to the selected composite: ``with use():`` or ``@use()``; nests (inner wins), per thread.
 
-    ``policy``: ``auto`` (default), ``rules``, or ``native`` (route nothing, for A/B). ``pins`` forces a kind or a
-    composite per op, ``{"index_fill": "functional"}``; a pin invalid where the op is called raises.
+    ``policy``: ``auto`` (default), ``fastest``, ``rules``, or ``native`` (route nothing, for A/B). ``pins`` forces a
+    kind or a composite per op, ``{"index_fill": "functional"}``; a pin invalid where the op is called raises there.
+    Calls are routed under torch.func transforms, where PyTorch's own kernels raise, loop or go wrong; outside any
+    transform PyTorch's own kernel runs.
     """
 
+    __slots__ = ("_frame",)
+
     def __init__(self, policy: str = "auto", pins: Mapping[str, str] | None = None) -> None:
-        load()
-        self.policy = policy
-        self.pins = _validate(policy, pins)
+        if not _libraries:
+            register_kernels()
+        self._frame = _frame(policy, pins)
+
+    @property
+    def policy(self) -> str:
+        return self._frame.policy
+
+    @property
+    def pins(self) -> dict[str, str]:
+        return dict(self._frame.pins)
 
     def __enter__(self) -> use:
-        global _active_frames
-        with _patch_lock:
-            if _active_frames == 0:
-                _install()
-            _active_frames += 1
-        _frames().append(_Frame(self.policy, self.pins))
+        local = _local
+        frames = local.frames
+        if frames.__class__ is tuple:
+            frames = local.frames = []
+        frames.append(self._frame)
+        if _traced_signatures:
+            _drop_graphs_traced_elsewhere(self._frame.signature)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        global _active_frames
-        _frames().pop()
-        with _patch_lock:
-            _active_frames -= 1
-            if _active_frames == 0:
-                _uninstall()
+        frames = _local.frames
+        frames.pop()
+        if _traced_signatures:
+            _drop_graphs_traced_elsewhere(frames[-1].signature if frames else None)
 
 
 def routing_active() -> bool:
     """Whether the current thread is inside ``use()``."""
     return bool(_local.frames)
+
+
+def under_transform() -> bool:
+    """Whether some functorch transform is active on this thread (where the routing kernels are reached)."""
+    return maybe_current_level() is not None

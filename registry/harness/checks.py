@@ -12,6 +12,7 @@ import torch
 from torch import func
 
 from registry.core.ops import ORIGINAL
+from registry.core.routing import use
 from registry.harness.samples import Args, Sample
 
 STACKS: tuple[str, ...] = (
@@ -32,7 +33,7 @@ class Outcome:
 
 
 def entry_call(op: str, sample: Sample, *, entry: str = "method") -> Call:
-    """Call ``op`` through a public entry point, looked up at call time (so ``use()``'s patches apply)."""
+    """Call ``op`` through a public entry point, as users do (inside ``use()`` the dispatcher routes it)."""
 
     def call(args: Args) -> Any:
         positional = [value for name, value in args.items() if name not in sample.kwargs]
@@ -45,7 +46,8 @@ def entry_call(op: str, sample: Sample, *, entry: str = "method") -> Call:
 
 
 def native_call(op: str, sample: Sample) -> Call:
-    """PyTorch's own op, unpatched: the reference.
+    """PyTorch's own op, called outside any transform with routing off (``use(policy="native")``, which counts when
+    a check runs inside ``use()``): the reference.
 
     index_fill gets its negative indices made non-negative (the same function): PyTorch's own derivative formulas
     fail on negative indices, and the reference must not.
@@ -56,7 +58,8 @@ def native_call(op: str, sample: Sample) -> Call:
             args = {**args, "index": args["index"] % args["self"].shape[args["dim"]]}
         positional = [value for name, value in args.items() if name not in sample.kwargs]
         keywords = {name: args[name] for name in sample.kwargs if name in args}
-        return getattr(ORIGINAL.Tensor, op)(*positional, **keywords)
+        with use(policy="native"):
+            return getattr(ORIGINAL.Tensor, op)(*positional, **keywords)
 
     return call
 

@@ -1,3 +1,5 @@
+"""use() routes at PyTorch's dispatcher: every caller, under every transform, and nothing else."""
+
 from __future__ import annotations
 
 import threading
@@ -7,11 +9,16 @@ import torch
 from torch import func
 
 import registry
+from registry.core import routing
 from registry.core.registration import register, unregister
 from registry.core.selector import SelectionError
+from registry.harness.checks import check
+from registry.harness.samples import SAMPLES
+from tests.registry.core.captured import CAPTURED, fill_rows
 
-ORIGINAL_METHOD = torch.Tensor.index_fill
+ORIGINAL_METHOD = torch._C.TensorBase.index_fill
 ORIGINAL_FUNCTION = torch.index_fill
+FALLBACK = "There is a performance drop"
 
 
 @pytest.fixture
@@ -29,72 +36,235 @@ def spy():
     unregister("index_fill", "test-spy")
 
 
-def test_pytorch_untouched_outside_use() -> None:
-    assert torch.Tensor.index_fill is ORIGINAL_METHOD
+@pytest.fixture
+def add_spy():
+    calls: list[int] = []
+
+    @register("index_add", "functional", name="test-add-spy")
+    def index_add_spy(self, dim, index, source, *, alpha=1):
+        """Records the call, then computes like the functional composite."""
+        calls.append(dim)
+        return registry.composites("index_add")["functional"].fn(self, dim, index, source, alpha=alpha)
+
+    yield calls
+    unregister("index_add", "test-add-spy")
+
+
+@pytest.fixture
+def fallback_warnings():
+    """Turns on vmap's fallback warning and yields the warnings caught."""
+    import warnings
+
+    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield caught
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+
+
+def _loop(fn, *batched):
+    return torch.stack([fn(*row) for row in zip(*batched, strict=True)])
+
+
+def test_nothing_is_patched_but_contiguous() -> None:
     with registry.use():
-        assert torch.Tensor.index_fill is not ORIGINAL_METHOD
-        assert torch.add is torch.add and torch.Tensor.add is torch._C.TensorBase.add  # uncovered: untouched
-    assert torch.Tensor.index_fill is ORIGINAL_METHOD
-    assert torch.index_fill is ORIGINAL_FUNCTION
+        assert torch.Tensor.index_fill is ORIGINAL_METHOD
+        assert torch.index_fill is ORIGINAL_FUNCTION
+        assert torch.Tensor.add is torch._C.TensorBase.add
+    assert torch.Tensor.contiguous is routing._contiguous  # the one Python-level path, listed in the README
 
 
-def test_every_entry_point_is_routed(spy) -> None:
+def test_eager_calls_run_pytorchs_own_kernel(spy) -> None:
+    """Outside any transform the routing kernels are never reached: even a pinned op runs PyTorch's kernel."""
     x, index = torch.randn(4, 3), torch.tensor([1, 3])
-    expected = ORIGINAL_METHOD(x, 0, index, 2.0)
     with registry.use(pins={"index_fill": "test-spy"}):
-        torch.testing.assert_close(x.index_fill(0, index, 2.0), expected)
-        torch.testing.assert_close(torch.index_fill(x, 0, index, 2.0), expected)
-        torch.testing.assert_close(torch.index_fill(input=x, dim=0, index=index, value=2.0), expected)
-    assert len(spy) == 3
+        torch.testing.assert_close(x.index_fill(0, index, 2.0), ORIGINAL_METHOD(x, 0, index, 2.0))
+    assert spy == []
 
 
-def test_out_and_unknown_keywords_go_to_pytorch(spy) -> None:
+def test_every_entry_point_is_routed_under_vmap(spy) -> None:
+    x, index = torch.randn(5, 4, 3), torch.tensor([1, 3])
+    expected = _loop(lambda row: ORIGINAL_METHOD(row, 0, index, 2.0), x)
+    calls = [
+        lambda r: r.index_fill(0, index, 2.0),
+        lambda r: torch.index_fill(r, 0, index, 2.0),
+        lambda r: torch.index_fill(input=r, dim=0, index=index, value=2.0),
+        lambda r: CAPTURED["index_fill"](r, 0, index, 2.0),
+        lambda r: fill_rows(r, index=index, value=2.0),
+        lambda r: torch.ops.aten.index_fill.int_Scalar(r, 0, index, 2.0),
+    ]
+    with registry.use(pins={"index_fill": "test-spy"}):
+        for call in calls:
+            torch.testing.assert_close(func.vmap(call)(x), expected)
+    assert len(spy) == len(calls)
+
+
+@pytest.mark.parametrize("stack", ["vmap", "vmap(grad)", "jacrev", "jacfwd", "hessian"])
+@pytest.mark.parametrize(
+    ("op", "sample_name"),
+    [("masked_scatter", "same-shape"), ("index_fill", "tensor-negdim"), ("masked_fill", "tensor-broadcast-mask")],
+)
+def test_captured_references_are_routed(op: str, sample_name: str, stack: str) -> None:
+    """Function objects captured at import run inside use() with no fallback and the values of the native loop."""
+    sample = next(s for s in SAMPLES[op] if s.name == sample_name and s.dtype == torch.float64)
+    captured = CAPTURED[op]
+
+    def call(args):
+        return captured(*args.values())
+
+    native = check(sample, stack, "all", call)
+    with registry.use():
+        routed = check(sample, stack, "all", call)
+    assert routed.status == "ok", routed.detail
+    if op == "masked_scatter":  # PyTorch alone loops there, forward or backward: routing is what fixes it
+        assert native.status == "slow", native
+
+
+def test_cpp_caller_index_select_backward_reaches_index_add(add_spy) -> None:
+    """jacrev(index_select): index_select_backward (C++) calls index_add under vmap."""
+    x, index = torch.randn(5, dtype=torch.float64), torch.tensor([1, 1, 3])
+    with registry.use(pins={"index_add": "test-add-spy"}):
+        jacobian = func.jacrev(lambda a: a.index_select(0, index))(x)
+    assert add_spy == [0]
+    torch.testing.assert_close(jacobian, torch.eye(5, dtype=torch.float64)[index])
+
+
+def test_cpp_caller_norm_backward_reaches_masked_fill_() -> None:
+    """hessian(norm): norm_backward (C++) calls masked_fill_ in place; it is routed and the values hold."""
+    x = torch.randn(5, dtype=torch.float64)
+    routing.KERNEL_CALLS.clear()
+    with registry.use():
+        hessian = func.hessian(torch.linalg.vector_norm)(x)
+    assert routing.KERNEL_CALLS.get("masked_fill_.Scalar", 0) >= 1
+    norm = x.norm()
+    expected = (torch.eye(5, dtype=torch.float64) - torch.outer(x, x) / norm**2) / norm
+    torch.testing.assert_close(hessian, expected)
+
+
+@pytest.mark.parametrize(
+    ("name", "inplace"),
+    [
+        ("masked_scatter_", lambda s, m, v, i: s.masked_scatter_(m, v)),
+        ("masked_fill_.Tensor", lambda s, m, v, i: s.masked_fill_(m, v.sum())),
+        ("index_fill_.int_Tensor", lambda s, m, v, i: s.index_fill_(0, i, v.sum())),
+        ("index_add_", lambda s, m, v, i: s.index_add_(0, i, v[: len(i)])),
+        ("index_copy_", lambda s, m, v, i: s.index_copy_(0, i, v[: len(i)])),
+    ],
+)
+def test_inplace_variants_under_vmap_with_batched_self(name, inplace, fallback_warnings) -> None:
+    x, source = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    mask, index = torch.rand(4, 6) > 0.5, torch.tensor([4, 1])
+
+    def f(s, m, v):
+        out = s.clone()
+        result = inplace(out, m, v, index)
+        assert result is out  # in-place: self itself comes back
+        return out
+
+    with registry.use():
+        batched = func.vmap(f)(x, mask, source)
+    assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
+    torch.testing.assert_close(batched, _loop(f, x, mask, source))
+
+
+def test_inplace_into_unbatched_self_raises_like_pytorch() -> None:
+    """Writing a batched value into an unbatched tensor in place cannot work: the same error inside use()."""
+    base, index = torch.zeros(5), torch.tensor([1])
+    with pytest.raises(RuntimeError) as native:
+        func.vmap(lambda v: base.clone().index_fill_(0, index, v))(torch.randn(3))
+    with registry.use(), pytest.raises(RuntimeError) as routed:
+        func.vmap(lambda v: base.clone().index_fill_(0, index, v))(torch.randn(3))
+    assert str(routed.value) == str(native.value)
+    assert str(native.value).startswith("vmap: index_fill_(self, *extra_args) is not possible")
+
+
+def test_vmap_grad_masked_scatter_has_no_backward_fallback(fallback_warnings) -> None:
+    mask = torch.rand(8, 5) > 0.5
+    x, source = torch.randn(8, 5), torch.randn(8, 5)
+
+    def loss(s, m, v):
+        return s.masked_scatter(m, v).pow(2).sum()
+
+    func.vmap(func.grad(loss, argnums=(0, 2)))(x, mask, source)  # outside use(): PyTorch's loops
+    native = [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)]
+    assert any("masked_scatter" in message for message in native)
+    fallback_warnings.clear()
+    with registry.use():
+        grads = func.vmap(func.grad(loss, argnums=(0, 2)))(x, mask, source)
+    assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
+    expected = _loop(lambda s, m, v: torch.stack(func.grad(loss, argnums=(0, 2))(s, m, v)), x, mask, source)
+    torch.testing.assert_close(torch.stack(grads, 1), expected)
+
+
+def test_out_and_named_overloads_go_to_pytorch(spy) -> None:
     x, index = torch.randn(4, 3), torch.tensor([1])
     out = torch.empty(4, 3)
     with registry.use(pins={"index_fill": "test-spy", "index_add": "functional"}):
         torch.index_add(x, 1, index, torch.ones(4, 1), out=out)
         with pytest.raises(TypeError, match="index_fill"):  # PyTorch's own message for a bad keyword
-            x.index_fill(1, index, valu=0.0)
+            func.vmap(lambda r: r.index_fill(0, index, valu=0.0))(x)
     torch.testing.assert_close(out, torch.index_add(x, 1, index, torch.ones(4, 1)))
     assert spy == []
 
 
 def test_nesting_inner_wins_and_restores(spy) -> None:
-    x, index = torch.randn(4, 3), torch.tensor([0])
+    x, index = torch.randn(2, 4, 3), torch.tensor([0])
+    fill = func.vmap(lambda r: r.index_fill(0, index, 1.0))
     with registry.use(pins={"index_fill": "test-spy"}):
         with registry.use(policy="native"):
-            x.index_fill(0, index, 1.0)
+            fill(x)
         assert spy == []
-        x.index_fill(0, index, 1.0)
+        fill(x)
         assert len(spy) == 1
+
+
+def test_an_exception_inside_use_restores_the_outer_frame(spy) -> None:
+    x, index = torch.randn(2, 4, 3), torch.tensor([0])
+    fill = func.vmap(lambda r: r.index_fill(0, index, 1.0))
+    with registry.use(pins={"index_fill": "test-spy"}):
+        with pytest.raises(ValueError, match="boom"), registry.use(policy="native"):
+            raise ValueError("boom")
+        fill(x)
+    assert len(spy) == 1
+    fill(x)
+    assert len(spy) == 1
 
 
 def test_decorator_form(spy) -> None:
     @registry.use(pins={"index_fill": "test-spy"})
     def f(x):
-        return x.index_fill(0, torch.tensor([0]), 1.0)
+        return func.vmap(lambda r: r.index_fill(0, torch.tensor([0]), 1.0))(x)
 
-    f(torch.randn(2, 2))
-    f(torch.randn(2, 2))
+    f(torch.randn(2, 2, 2))
+    f(torch.randn(2, 2, 2))
     assert len(spy) == 2
     assert not registry.routing_active()
 
 
 def test_thread_local(spy) -> None:
+    """Another thread, under vmap while this one is inside use(), runs PyTorch's own op."""
     inside, outside_done = threading.Event(), threading.Event()
+    results = []
 
     def other_thread():
-        inside.wait()
-        torch.randn(3, 3).index_fill(0, torch.tensor([1]), 5.0)  # not inside use() in this thread
+        inside.wait(10)
+        x = torch.randn(3, 3, 3)
+        results.append(func.vmap(lambda r: r.index_fill(0, torch.tensor([1]), 5.0))(x))
+        assert not registry.routing_active()
         outside_done.set()
 
     thread = threading.Thread(target=other_thread)
     thread.start()
     with registry.use(pins={"index_fill": "test-spy"}):
         inside.set()
-        outside_done.wait(10)
+        assert outside_done.wait(10), "the other thread did not run"
+        func.vmap(lambda r: r.index_fill(0, torch.tensor([1]), 5.0))(torch.randn(3, 3, 3))  # this thread routes
     thread.join()
-    assert spy == []
+    assert len(results) == 1
+    assert results[0][:, 1].eq(5.0).all()
+    assert len(spy) == 1
 
 
 def test_invalid_pin_raises_where_the_op_runs() -> None:
@@ -109,7 +279,6 @@ def test_use_validates_its_arguments() -> None:
         registry.use(pins={"index_fil": "functional"})
     with pytest.raises(SelectionError, match="index_fill has no composite or kind 'fused'"):
         registry.use(pins={"index_fill": "fused"})
-
 
 
 def test_headline_vmap_grad_index_fill_with_batched_value() -> None:
@@ -146,16 +315,41 @@ def test_chunk_size_and_eager_autograd_through_vmap() -> None:
     torch.testing.assert_close(x.grad, loop_grad)
 
 
-def test_to_overloads_route(spy) -> None:
-    x = torch.randn(2, 3, 4, 5)
+def test_to_overloads_route() -> None:
+    """Every Tensor.to overload reaches a kernel (to.dtype, to.device, to.dtype_layout) and keeps its meaning."""
+    x = torch.randn(3, 2, 3, 4, 5)
+    seen = []
+
+    def f(r):
+        seen.append(r.to(torch.float64).dtype)
+        seen.append(r.to("cpu", torch.float64).dtype)
+        seen.append(r.to(torch.zeros(1, dtype=torch.int32)).dtype)
+        seen.append(r.to(memory_format=torch.channels_last).dtype)
+        seen.append(r.to(torch.float32, False, True).dtype)
+        return r.to(memory_format=torch.channels_last)
+
+    routing.KERNEL_CALLS.clear()
     with registry.use(pins={"to": "functional"}):
-        assert x.to(torch.float64).dtype == torch.float64
-        assert x.to("cpu", torch.float64).dtype == torch.float64
-        assert x.to(torch.zeros(1, dtype=torch.int32)).dtype == torch.int32
-        assert x.to(memory_format=torch.channels_last).is_contiguous(memory_format=torch.channels_last)
-        assert x.to(torch.float32) is x
-        assert x.to(torch.float32, copy=True) is not x
-        assert x.to(torch.float32, False, True) is not x
+        out = func.vmap(f)(x)
+    assert seen == [torch.float64, torch.float64, torch.int32, torch.float32, torch.float32]
+    assert {"to.dtype", "to.device", "to.dtype_layout"} <= set(routing.KERNEL_CALLS)
+    torch.testing.assert_close(out, x)
+    with pytest.raises(RuntimeError, match="rank 4 tensor to use channels_last"):  # PyTorch alone: the 5-d batch
+        func.vmap(lambda r: r.to(memory_format=torch.channels_last))(x)
+
+
+def test_contiguous_channels_last_under_vmap() -> None:
+    x = torch.randn(3, 2, 3, 4, 5)
+    with pytest.raises(RuntimeError, match="NYI: querying is_contiguous"):
+        func.vmap(lambda r: r.contiguous(memory_format=torch.channels_last))(x)
+    with registry.use():
+        out = func.vmap(lambda r: r.contiguous(memory_format=torch.channels_last))(x)
+    torch.testing.assert_close(out, x)
+    plain = torch.randn(2, 3, 4, 5)
+    laid_out = plain.contiguous(memory_format=torch.channels_last)  # the Python path, outside any transform
+    assert laid_out.is_contiguous(memory_format=torch.channels_last)
+    assert laid_out.contiguous(memory_format=torch.channels_last) is laid_out
+    assert plain.contiguous() is plain
 
 
 def test_vjp_and_jvp_route() -> None:
@@ -172,3 +366,93 @@ def test_vjp_and_jvp_route() -> None:
     torch.testing.assert_close(out, x.masked_scatter(mask, source))
     torch.testing.assert_close(grads, expected)
     torch.testing.assert_close(tangent_out, torch.ones(5, dtype=x.dtype).index_fill(0, torch.tensor([1]), 0.0))
+
+
+
+def test_compiled_inside_use_is_retraced_outside(fallback_warnings) -> None:
+    """A graph traced inside use() baked in a composite: called outside use(), it is traced again (and loops)."""
+    torch._dynamo.reset()
+    mask = torch.rand(4, 5) > 0.5
+    x, source = torch.randn(4, 5), torch.randn(4, 5)
+    compiled = torch.compile(func.vmap(lambda s, m, v: s.masked_scatter(m, v)), backend="aot_eager",
+                             fullgraph=True)
+    expected = _loop(lambda s, m, v: s.masked_scatter(m, v), x, mask, source)
+    with registry.use():
+        torch.testing.assert_close(compiled(x, mask, source), expected)
+    assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
+    torch.testing.assert_close(compiled(x, mask, source), expected)  # outside: PyTorch's own, traced again
+    assert any("masked_scatter" in str(w.message) for w in fallback_warnings if FALLBACK in str(w.message))
+    torch._dynamo.reset()
+
+
+def test_compiled_outside_use_is_retraced_inside(fallback_warnings) -> None:
+    torch._dynamo.reset()
+    mask = torch.rand(4, 5) > 0.5
+    x, source = torch.randn(4, 5), torch.randn(4, 5)
+    compiled = torch.compile(func.vmap(lambda s, m, v: s.masked_scatter(m, v)), backend="aot_eager",
+                             fullgraph=True)
+    compiled(x, mask, source)
+    assert any("masked_scatter" in str(w.message) for w in fallback_warnings if FALLBACK in str(w.message))
+    fallback_warnings.clear()
+    routing.KERNEL_CALLS.clear()
+    with registry.use():
+        out = compiled(x, mask, source)
+    assert routing.KERNEL_CALLS.get("masked_scatter", 0) >= 1  # traced again, through the kernel, inside use()
+    assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
+    torch.testing.assert_close(out, _loop(lambda s, m, v: s.masked_scatter(m, v), x, mask, source))
+    torch._dynamo.reset()
+
+
+def test_derivative_op_masked_scatter_backward_under_vmap(capfd) -> None:
+    """autograd calls masked_scatter_backward for the native op's gradient; under vmap it has no batching rule.
+
+    Called through torch.ops, PyTorch reports its fallback as a C++ warning on stderr, not a Python warning.
+    """
+    grads = torch.randn(6, 3, 4, dtype=torch.float64)
+    masks = torch.rand(6, 4) > 0.5  # broadcast against each sample's (3, 4)
+    backward = func.vmap(torch.ops.aten.masked_scatter_backward, in_dims=(0, 0, None))
+    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+    try:
+        capfd.readouterr()
+        native = backward(grads, masks, [12])
+        assert "batching rule for aten::masked_scatter_backward" in capfd.readouterr().err
+        routing.KERNEL_CALLS.clear()
+        with registry.use():
+            routed = backward(grads, masks, [12])
+        assert FALLBACK not in capfd.readouterr().err
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    assert routing.KERNEL_CALLS["masked_scatter_backward"] == 1
+    torch.testing.assert_close(routed, native)
+    torch.testing.assert_close(routed, _loop(lambda g, m: torch.ops.aten.masked_scatter_backward(g, m, [12]),
+                                             grads, masks))
+
+
+def test_eager_autograd_index_fill_negative_index_with_tensor_value() -> None:
+    """PyTorch's own derivative of a tensor value fails on a negative index, even in eager autograd."""
+
+    def grads():
+        x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        value = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+        out = x.index_fill(0, torch.tensor([-1]), value)
+        (out * out).sum().backward()
+        return x, value
+
+    with pytest.raises(IndexError, match="index out of range"):
+        grads()
+    routing.KERNEL_CALLS.clear()
+    with registry.use():
+        x, value = grads()
+    assert routing.KERNEL_CALLS["index_fill.int_Tensor"] == 1
+    expected_x = 2 * x.detach()
+    expected_x[-1] = 0
+    torch.testing.assert_close(x.grad, expected_x)
+    torch.testing.assert_close(value.grad, torch.tensor(2 * 2.0 * 3, dtype=torch.float64))
+
+
+def test_eager_autograd_kernel_passes_through_without_grad(spy) -> None:
+    x, value = torch.randn(4, 3), torch.tensor(2.0)
+    routing.KERNEL_CALLS.clear()
+    with registry.use(pins={"index_fill": "test-spy"}):
+        x.index_fill(0, torch.tensor([-1]), value)
+    assert spy == [] and routing.KERNEL_CALLS == {}
