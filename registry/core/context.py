@@ -69,17 +69,18 @@ def _records_autograd(tensors: Iterable[Any]) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def vmap_levels(tensor: torch.Tensor) -> frozenset[int]:
-    """The vmap levels at which ``tensor`` carries a batch dimension."""
-    levels = set()
+def vmap_levels(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The vmap levels at which ``tensor`` carries a batch dimension, outermost wrapper first (so innermost level
+    first). A tuple: the router hashes it on every routed call."""
+    levels: tuple[int, ...] = ()
     while (level := maybe_get_level(tensor)) != -1:
         if is_batchedtensor(tensor):
-            levels.add(level)
+            levels += (level,)
         try:
             tensor = get_unwrapped(tensor)
         except RuntimeError:  # a wrapper functorch cannot peel (functionalization): nothing batched below it
             break
-    return frozenset(levels)
+    return levels
 
 
 def context_of(
@@ -112,7 +113,7 @@ def context_of(
     covers = True
     if "vmap" in names:
         innermost = max(level for name, level in functorch if name == "vmap")
-        levels = {name: vmap_levels(t) for name, t in tensor_args.items()}
+        levels = {name: frozenset(vmap_levels(t)) for name, t in tensor_args.items()}
         batched = tuple(name for name, lv in levels.items() if innermost in lv)
         self_levels = levels.get("self", frozenset())
         covers = all(lv <= self_levels for lv in levels.values())

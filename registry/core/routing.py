@@ -86,18 +86,18 @@ def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> di
     return found
 
 
-def _decide(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Callable[..., Any], str,
-                                                                                               bool]:
-    """(composite, kind, self covers the batching) for this call: the context, then the cached decision."""
+def _decide(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any], compiling: bool,
+            ) -> tuple[Callable[..., Any], str, bool]:
+    """(composite, kind, self covers the batching) for this call: the cache key, then on a miss the context and the
+    decision. The key costs a few reads of C++ state: the interpreter stack and each tensor's wrapper levels."""
     tensors = _tensor_args(op, args, kwargs)
     functorch = functorch_stack()
-    compiling = torch.compiler.is_compiling()
-    self = tensors.get("self")
-    records = torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
-    levels = tuple(vmap_levels(t) for t in tensors.values())
-    key = (frame.prefixes[op.name], functorch, compiling, tuple(tensors), levels,
-           None if self is None else self.dtype, None if self is None else self.device.type,
-           0 if self is None else self.numel().bit_length(), records)
+    values = tuple(tensors.values())
+    first = values[0] if values else None
+    records = torch.is_grad_enabled() and any(t.requires_grad for t in values)
+    key = (frame.prefixes[op.name], functorch, compiling, tuple(tensors), tuple(map(vmap_levels, values)),
+           None if first is None else first.dtype, None if first is None else first.device.type,
+           0 if first is None else first.numel().bit_length(), records)
     try:
         return _decisions[key]
     except KeyError:
@@ -108,10 +108,37 @@ def _decide(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]
     return chosen
 
 
+_PYTHON_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+def _tensor_positions(qualified_name: str) -> tuple[int, ...]:
+    """Positions of the Tensor parameters of an overload's schema."""
+    packet, _, overload = qualified_name.removeprefix("aten::").partition(".")
+    schema = getattr(getattr(torch.ops.aten, packet), overload or "default")._schema
+    return tuple(i for i, arg in enumerate(schema.arguments) if str(arg.type) == "Tensor" and not arg.kwarg_only)
+
+
+def _rewrapped(args: tuple[Any, ...], positions: tuple[int, ...]) -> tuple[Any, ...] | None:
+    """``args`` with Python numbers at Tensor positions made tensors again, or None when there are none.
+
+    A "wrapped number" (the 0-d tensor C++ makes of a Python scalar, ``x * 2`` under vmap calls ``to`` on one) reaches
+    a Python kernel as a Python number, and ``call_boxed`` then refuses it where the schema says Tensor. It goes back
+    as a 0-d tensor of the dtype a wrapped number has (int64, float64, bool, complex128).
+    """
+    fixed = None
+    count = len(args)
+    for p in positions:
+        if p < count and args[p].__class__ in _PYTHON_NUMBER_DTYPES:
+            fixed = fixed or list(args)
+            fixed[p] = torch.tensor(args[p], dtype=_PYTHON_NUMBER_DTYPES[args[p].__class__])
+    return None if fixed is None else tuple(fixed)
+
+
 def _make_kernel(op: Op, overload: Overload, native: Any, *, eager_autograd: bool = False) -> Callable[..., Any]:
     """The routing kernel of one overload; ``eager_autograd``: the one at the Autograd key, which routes only while
     autograd records (outside transforms, where the functorch kernel is never reached)."""
     call_native = native.call_boxed
+    tensor_positions = _tensor_positions(overload.qualified_name)
     adapt = overload.adapt
     inplace = overload.inplace
     local = _local
@@ -120,20 +147,24 @@ def _make_kernel(op: Op, overload: Overload, native: Any, *, eager_autograd: boo
     packet = name.partition(".")[0]
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        rewrapped = _rewrapped(args, tensor_positions)
+        if rewrapped is not None:  # a wrapped number: PyTorch's own kernel, never a composite
+            return call_native(keyset, *rewrapped, **kwargs)
         frames = local.frames
         if not frames or local.busy:
             if not frames and is_compiling():
                 _traced_signatures.add(None)
             return call_native(keyset, *args, **kwargs)
         frame = frames[-1]
-        if is_compiling():
+        compiling = is_compiling()
+        if compiling:
             _traced_signatures.add(frame.signature)
         if frame.policy == "native":
             return call_native(keyset, *args, **kwargs)
         if eager_autograd and not _records_autograd(args, kwargs):
             return call_native(keyset, *args, **kwargs)
         cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
-        composite, kind, self_covers = _decide(op, frame, cargs, ckwargs)
+        composite, kind, self_covers = _decide(op, frame, cargs, ckwargs, compiling)
         KERNEL_CALLS[name] = KERNEL_CALLS.get(name, 0) + 1
         if inplace and not self_covers:
             raise RuntimeError(_inplace_message(packet))
@@ -167,8 +198,12 @@ def _make_derivative_kernel(name: str, functional: Callable[..., Any], native: A
     batching rule and loops; PyTorch's own kernel everywhere else."""
     call_native = native.call_boxed
     local = _local
+    tensor_positions = _tensor_positions(name)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        rewrapped = _rewrapped(args, tensor_positions)
+        if rewrapped is not None:
+            return call_native(keyset, *rewrapped, **kwargs)
         frames = local.frames
         if not frames or local.busy or frames[-1].policy == "native":
             return call_native(keyset, *args, **kwargs)

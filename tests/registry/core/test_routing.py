@@ -456,3 +456,20 @@ def test_eager_autograd_kernel_passes_through_without_grad(spy) -> None:
     with registry.use(pins={"index_fill": "test-spy"}):
         x.index_fill(0, torch.tensor([-1]), value)
     assert spy == [] and routing.KERNEL_CALLS == {}
+
+
+def test_wrapped_numbers_reach_pytorchs_kernel() -> None:
+    """C++ wraps Python scalars in 0-d tensors that reach a Python kernel as numbers (``to`` on one, under nested
+    vmap after Dynamo has been imported): they go back to PyTorch's kernel as tensors, inside use() and outside."""
+    from registry.core.routing import _rewrapped
+
+    assert _rewrapped((2, torch.float32), (0,))[0].dtype == torch.int64
+    assert _rewrapped((2.5,), (0,))[0].dtype == torch.float64
+    assert _rewrapped((True,), (0,))[0].dtype == torch.bool
+    x = torch.randn(3)
+    assert _rewrapped((x, 1), (0,)) is None
+    fill = torch.ops.aten.to.dtype
+    out = func.vmap(lambda r: fill(r, torch.float64))(torch.randn(2, 3))
+    assert out.dtype == torch.float64
+    with registry.use():
+        assert func.vmap(func.vmap(lambda r: r * 2))(torch.ones(2, 3, 4)).eq(2).all()
