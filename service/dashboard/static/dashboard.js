@@ -434,10 +434,11 @@ function profileGroups() {
   return [...groups.values()].sort((a, b) => a.op.localeCompare(b.op) || a.workload.localeCompare(b.workload));
 }
 
-// Native's time over the composite's, and the range the two interquartile ranges allow.
+// Native's time over the composite's, and the range the two interquartile ranges allow. Native against itself is 1x
+// by definition; its bar shows its own spread only.
 function speedupOf(native, p) {
   const value = native.median_us / p.median_us;
-  const nIqr = native.iqr_us || 0;
+  const nIqr = p === native ? 0 : native.iqr_us || 0;
   const pIqr = p.iqr_us || 0;
   const low = Math.max(native.median_us - nIqr / 2, 0) / (p.median_us + pIqr / 2);
   const highDenominator = p.median_us - pIqr / 2;
@@ -486,7 +487,9 @@ function profileChart(group, width) {
   const title = `${group.op} under ${group.workload} (stack ${safeStackLabel(group.stack)})`;
   const chart = svg("svg", {width, height, viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": `Speedup over native: ${title}`, class: "chart"});
   const ticks = [];
-  for (let e = -span; e <= span; e += span > 4 ? 2 : 1) ticks.push(2 ** e);
+  // Powers of two at least 44 px apart, 1x always among them.
+  const step = Math.max(1, Math.ceil((2 * span * 44) / (plotRight - plotLeft)));
+  for (let e = -span; e <= span; e++) if (e % step === 0) ticks.push(2 ** e);
   for (const t of ticks) {
     chart.append(svg("line", {x1: x(t), x2: x(t), y1: top - 6, y2: height - 6, class: t === 1 ? "axis-one" : "grid"}),
       svg("text", {x: x(t), y: top - 10, class: "tick", "text-anchor": "middle", text: t >= 1 ? `${t}x` : `1/${1 / t}x`}));
