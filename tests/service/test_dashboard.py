@@ -446,7 +446,7 @@ def test_profiles_are_speedup_charts_over_native(server: str, browser: WebDriver
     open_view(browser, server, "profiles")
     profiles = api(server, "/profiles", op="masked_fill")
     figure = browser.find_element(By.CSS_SELECTOR, 'figure[data-op="masked_fill"][data-workload="vmap"]')
-    assert figure.find_element(By.TAG_NAME, "figcaption").text == "masked_fill under vmap (stack vmap)"
+    assert figure.find_element(By.TAG_NAME, "figcaption").text == "masked_fill under vmap"
     values = {t.get_attribute("data-composite"): t.text for t in figure.find_elements(By.CSS_SELECTOR, "text.value")}
     native = next(p for p in profiles if p["kind"] == "native")
     assert native["valid"], "the seeded native timing is the baseline of every bar"
@@ -533,6 +533,11 @@ def test_jobs_run_to_completion_and_cancel_from_the_page(server: str, browser: W
     wait_for(browser, lambda d: ("index_fill/functional", "grad") in rendered_grid(d), "the new matrix rows")
     assert {stack for (row, stack) in rendered_grid(browser) if row.startswith("index_fill/")} == {
         "grad", "vmap(grad)"}
+    # A mismatch's detail states its errors; the evidence says them once.
+    mismatch = next(e for e in api(server, "/matrix", op="index_fill") if e["status"] == "mismatch")
+    assert "max abs error" in mismatch["detail"]
+    cell_button(browser, f"index_fill/{mismatch['composite']}", _label(mismatch["stack"])).click()
+    assert [r[4] for r in evidence_rows(browser) if r[0] == mismatch["pattern"]] == [mismatch["detail"].strip()]
     go(browser, "profiles")
     wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, 'figure[data-op="index_fill"]'), "the new chart")
     assert console_errors(browser) == []

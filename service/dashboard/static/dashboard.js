@@ -313,7 +313,8 @@ function showEvidence(rowKey, label, focus) {
 function evidenceText(entry) {
   const errors = entry.max_abs_error === null || entry.max_abs_error === undefined
     ? "" : `max abs error ${formatNumber(entry.max_abs_error)}, max rel error ${formatNumber(entry.max_rel_error)}`;
-  if (entry.detail && errors) return `${entry.detail} (${errors})`;
+  // A mismatch's detail already states its errors; say them once.
+  if (entry.detail && errors && !entry.detail.includes("max abs error")) return `${entry.detail} (${errors})`;
   return entry.detail || errors || "no detail recorded";
 }
 
@@ -455,7 +456,12 @@ function renderProfiles() {
   $("profiles-summary").textContent = state.profiles.length
     ? `${state.profiles.length} timings in ${groups.length} chart${groups.length === 1 ? "" : "s"}.`
     : "The store holds no profiles for this torch and these composites yet: start a profile job.";
-  const width = Math.max(280, Math.min(container.clientWidth || 800, 1100) - 2);
+  // Two charts side by side where each still gets about 500 px, else one; a chart fills its card's content box.
+  const available = container.clientWidth || 800;
+  const columns = available >= 1040 && groups.length > 1 ? 2 : 1;
+  container.classList.toggle("two-up", columns === 2);
+  const cardChrome = 34; // the card's padding and border, left and right
+  const width = Math.max(260, Math.floor((available - (columns - 1) * 16) / columns) - cardChrome);
   container.replaceChildren(...groups.map((group) => profileChart(group, width)));
 }
 
@@ -484,7 +490,9 @@ function profileChart(group, width) {
   const span = Math.min(Math.max(1, ...extremes.map((v) => Math.ceil(Math.abs(Math.log2(v)) + 0.01))), 10);
   const x = (v) => plotLeft + ((Math.log2(Math.min(Math.max(v, 2 ** -span), 2 ** span)) + span) / (2 * span)) * (plotRight - plotLeft);
   const one = x(1);
-  const title = `${group.op} under ${group.workload} (stack ${safeStackLabel(group.stack)})`;
+  // A workload such as jacrev shows the op another stack (grad); say so where they differ.
+  const stack = safeStackLabel(group.stack);
+  const title = `${group.op} under ${group.workload}${stack === group.workload ? "" : ` (the op sees ${stack})`}`;
   const chart = svg("svg", {width, height, viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": `Speedup over native: ${title}`, class: "chart"});
   const ticks = [];
   // Powers of two at least 44 px apart, 1x always among them.
