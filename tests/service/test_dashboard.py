@@ -22,6 +22,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from http import HTTPStatus
 from importlib.resources import files
 from pathlib import Path
@@ -278,6 +279,29 @@ def _label(stack: list[str] | str) -> str:
     return "(".join(parts) + ")" * (len(parts) - 1) if parts else "eager"
 
 
+def measured_text(entry: dict[str, Any]) -> str:
+    """What the page shows for when ``entry`` was measured: the first timestamp field the API gives, in UTC."""
+    for name in ("measured_at", "updated_at", "created_at", "timestamp"):
+        value = entry.get(name)
+        if value is None or value == "":
+            continue
+        if isinstance(value, (int, float)):
+            moment = datetime.fromtimestamp(value, tz=timezone.utc)
+        else:
+            moment = datetime.fromisoformat(str(value).strip().replace("Z", "+00:00"))
+            moment = moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
+        return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return "not recorded"
+
+
+def expected_grid(entries: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    """(op/composite, stack label) -> the worst status over the entries of that cell."""
+    statuses: dict[tuple[str, str], list[str]] = {}
+    for entry in entries:
+        statuses.setdefault((f"{entry['op']}/{entry['composite']}", _label(entry["stack"])), []).append(entry["status"])
+    return {key: _worst(found) for key, found in statuses.items()}
+
+
 def rendered_grid(driver: WebDriver) -> dict[tuple[str, str], str]:
     """(op/composite, stack label) -> the status a heatmap cell shows, for every measured cell on the page."""
     return {(cell["row"], cell["stack"]): cell["text"] for cell in driver.execute_script("""
@@ -315,11 +339,8 @@ def test_matrix_heatmap_shows_each_cell_and_its_evidence(server: str, browser: W
     viewport(browser, WIDE)
     open_view(browser, server, "matrix")
     entries = api(server, "/matrix")
-    expected: dict[tuple[str, str], list[str]] = {}
-    for entry in entries:
-        expected.setdefault((f"{entry['op']}/{entry['composite']}", _label(entry["stack"])), []).append(entry["status"])
     grid = rendered_grid(browser)
-    assert grid == {key: _worst(statuses) for key, statuses in expected.items()}
+    assert grid == expected_grid(entries)
     # What PyTorch 2.13 does under vmap: the in-place composite raises, native falls back to the slow loop.
     assert grid[("masked_fill/functional", "vmap")] == "ok"
     assert grid[("masked_fill/functional", "vmap(grad)")] == "ok"
@@ -337,8 +358,7 @@ def test_matrix_heatmap_shows_each_cell_and_its_evidence(server: str, browser: W
     assert row[:4] == [failing["pattern"], "float32", failing["device"], "error"]
     assert row[4] == failing["detail"].strip() and "RuntimeError: vmap: inplace arithmetic" in row[4]
     assert row[5] == torch.__version__
-    assert row[6] == ("not recorded" if not any(failing.get(k) for k in ("measured_at", "updated_at", "created_at"))
-                      else row[6]) and row[6]
+    assert row[6] == measured_text(failing)
     passing = next(e for e in stored if e["status"] != "error")
     assert next(r for r in shown if r[0] == passing["pattern"])[4] == (
         f"{passing['detail']} (max abs error 0, max rel error 0)" if passing["detail"]
@@ -559,4 +579,51 @@ def test_every_view_fits_400_px(server: str, browser: WebDriver) -> None:
         shoot(browser, f"{view}-400w")
     chart = browser.find_element(By.CSS_SELECTOR, "#profile-charts svg")
     assert int(chart.get_attribute("width")) <= NARROW[0]
+    assert console_errors(browser) == []
+
+
+def test_script_takes_either_shape_of_the_api(server: str, browser: WebDriver) -> None:
+    """What the page must also read: stacks spelled `vmap(grad)`, paged lists, timestamps (issue 11's API shapes)."""
+    viewport(browser, WIDE)
+    open_view(browser, server, "matrix")
+    parts = browser.execute_script("""return [["vmap", "grad"], "vmap,grad", "vmap(grad)", " vmap( grad ) ",
+        "vmap(jvp(grad))", "", "eager", "grad"].map((s) => stackParts(s));""")
+    assert parts == [["vmap", "grad"]] * 4 + [["vmap", "jvp", "grad"], [], [], ["grad"]]
+    assert browser.execute_script("return [[], ['grad'], ['vmap', 'jvp', 'grad']].map(stackLabel)") == [
+        "eager", "grad", "vmap(jvp(grad))"]
+    errors = browser.execute_script("""return ["vmap(grad", "vmap)grad(", "vmap(,grad)", "vmap,,grad"].map((s) => {
+        try { stackParts(s); return null; } catch (error) { return error.message; } });""")
+    assert errors == [
+        'stack "vmap(grad": write nested calls like vmap(grad) or a list like vmap,grad',
+        'stack "vmap)grad(": write nested calls like vmap(grad) or a list like vmap,grad',
+        'stack "vmap(,grad)": write nested calls like vmap(grad) or a list like vmap,grad',
+        'stack "vmap,,grad" has an empty transform name',
+    ]
+    entries = [{"updated_at": "2026-11-30T17:05:09"}, {"updated_at": "2026-11-30 17:05:09.5+01:00"},
+               {"measured_at": 1764522309}, {"created_at": "2026-11-30T17:05:09Z"}, {"updated_at": None}, {}]
+    assert browser.execute_script("return arguments[0].map(measuredAt)", entries) == [
+        measured_text(e) for e in entries]
+    assert [measured_text(e) for e in entries] == ["2026-11-30 17:05:09 UTC", "2026-11-30 16:05:09 UTC",
+                                                   "2025-11-30 17:05:09 UTC", "2026-11-30 17:05:09 UTC",
+                                                   "not recorded", "not recorded"]
+    # Paged answers are followed through next_cursor; the page asks with ?cursor=.
+    paged = browser.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        const pages = {"": {items: [1, 2], next_cursor: "c1"}, "c1": {items: [3], next_cursor: "c 2"},
+                       "c 2": {items: [], next_cursor: null}};
+        const asked = [];
+        const realFetch = window.fetch;
+        window.fetch = async (url) => {
+            asked.push(url);
+            const cursor = new URL(url, location.href).searchParams.get("cursor") || "";
+            return new Response(JSON.stringify(pages[cursor]), {status: 200});
+        };
+        getAll("/matrix", {op: "index_fill"}).then((items) => done({items, asked}))
+            .catch((error) => done({error: error.message})).finally(() => { window.fetch = realFetch; });""")
+    assert paged == {"items": [1, 2, 3], "asked": ["/matrix?op=index_fill", "/matrix?op=index_fill&cursor=c1",
+                                                   "/matrix?op=index_fill&cursor=c+2"]}
+    # A matrix whose stacks come spelled as text renders in the same columns.
+    browser.execute_script("""state.matrix = state.matrix.map((e) => ({...e, stack: stackLabel(e.stack)}));
+        renderMatrix();""")
+    assert rendered_grid(browser) == expected_grid(api(server, "/matrix"))
     assert console_errors(browser) == []

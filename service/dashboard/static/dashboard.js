@@ -161,12 +161,20 @@ function formatSpeedup(value) {
   return `${value.toFixed(2)}x`;
 }
 
-// When the API tells when an entry was measured, under whichever name it uses; epoch seconds or ISO text.
+// When the API tells when an entry was measured, under whichever name it uses: epoch seconds or ISO 8601 text (UTC
+// unless it names its zone; the browser's own zone would make the same entry read differently on each machine).
+const MEASURED_FIELDS = ["measured_at", "updated_at", "created_at", "timestamp"];
+
 function measuredAt(entry) {
-  for (const name of ["measured_at", "updated_at", "created_at", "timestamp"]) {
+  for (const name of MEASURED_FIELDS) {
     const value = entry[name];
     if (value === null || value === undefined || value === "") continue;
-    const date = typeof value === "number" ? new Date(value * 1000) : new Date(value);
+    let date;
+    if (typeof value === "number") date = new Date(value * 1000);
+    else {
+      const text = String(value).trim().replace(" ", "T");
+      date = new Date(/(Z|[+-]\d\d:?\d\d)$/i.test(text) || !text.includes("T") ? text : `${text}Z`);
+    }
     return Number.isNaN(date.getTime()) ? String(value) : date.toISOString().replace("T", " ").slice(0, 19) + " UTC";
   }
   return "not recorded";
