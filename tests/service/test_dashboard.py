@@ -364,8 +364,18 @@ def test_matrix_heatmap_shows_each_cell_and_its_evidence(server: str, browser: W
         f"{passing['detail']} (max abs error 0, max rel error 0)" if passing["detail"]
         else "max abs error 0, max rel error 0")
 
-    # Keyboard: a cell is a button; Enter shows its evidence and moves the focus there.
-    cell_button(browser, "masked_fill/functional", "vmap(grad)").send_keys(Keys.ENTER)
+    # Keyboard: the grid is one tab stop; arrow keys move between cells; Enter shows a cell's evidence and moves the
+    # focus there.
+    assert browser.execute_script("return [...document.querySelectorAll('#matrix-table button')]"
+                                  ".filter((b) => b.tabIndex === 0).map((b) => b.getAttribute('aria-label'))") == [
+        "masked_fill/mutating under vmap: error; show evidence"]
+    cell_button(browser, "masked_fill/native", "vmap").send_keys(Keys.ARROW_DOWN, Keys.ARROW_DOWN, Keys.ARROW_RIGHT,
+                                                               Keys.ARROW_RIGHT, Keys.ARROW_UP, Keys.HOME)
+    assert browser.execute_script("return document.activeElement.getAttribute('aria-label')") == (
+        "masked_fill/mutating under vmap: error; show evidence")
+    browser.switch_to.active_element.send_keys(Keys.END, Keys.ARROW_DOWN)
+    assert browser.switch_to.active_element == cell_button(browser, "masked_fill/functional", "vmap(grad)")
+    browser.switch_to.active_element.send_keys(Keys.ENTER)
     assert text(browser, "evidence-title") == "masked_fill/functional under vmap(grad): ok"
     assert browser.execute_script("return document.activeElement.id") == "matrix-evidence"
     assert {r[3] for r in evidence_rows(browser)} == {"ok"}
@@ -541,6 +551,10 @@ def test_jobs_run_to_completion_and_cancel_from_the_page(server: str, browser: W
         f"DELETE /jobs/{profile_id}: 409 job {profile_id} is running; only a queued job can be cancelled")
     wait_for(browser, lambda d: job_card(d, "profile").get_attribute("data-state") == "done", "the profile job", 60)
     profile_job = api(server, f"/jobs/{profile_id}")
+    assert job_card(browser, "profile").find_element(By.CSS_SELECTOR, ".job-params").text == (
+        "index_fill under vmap; batch 4; 64 elements; float32; cpu")
+    assert (profile_job["params"]["workloads"], profile_job["params"]["dtypes"], profile_job["params"]["numels"]) == (
+        ["vmap"], ["float32"], [64])
     assert job_card(browser, "profile").find_element(By.CSS_SELECTOR, ".count").text == (
         f"{profile_job['done']}/{profile_job['total']}")
     assert console_errors(browser) == [

@@ -263,6 +263,10 @@ function renderMatrix() {
       h("span", {class: "kind", text: row.kind === row.composite ? "" : ` (${row.kind})`})),
     columns.map((label) => matrixCell(row, label, statusFilter)))));
   table.replaceChildren(caption, head, body);
+  // One tab stop for the whole grid (the selected cell, else the first); arrow keys move within it.
+  const buttons = body.querySelectorAll(".cell-button");
+  const current = [...buttons].find((b) => b.getAttribute("aria-pressed") === "true") || buttons[0];
+  if (current) current.tabIndex = 0;
 
   const shown = visible.reduce((n, row) => n + row.cells.size, 0);
   $("matrix-summary").textContent = state.matrix.length
@@ -279,10 +283,39 @@ function matrixCell(row, label, statusFilter) {
   const selected = state.selectedCell && state.selectedCell[0] === row.key && state.selectedCell[1] === label;
   return h("td", {class: `cell status-${worst}${dimmed ? " dimmed" : ""}`, "data-stack": label, "data-status": worst},
     h("button", {
-      type: "button", class: "cell-button", text: worst, "aria-pressed": selected ? "true" : "false",
+      type: "button", class: "cell-button", text: worst, "aria-pressed": selected ? "true" : "false", tabindex: -1,
       "aria-label": `${row.key} under ${label}: ${worst}; show evidence`,
       onclick: () => showEvidence(row.key, label, true),
     }));
+}
+
+// Arrow keys move between measured cells (not-run cells are skipped), Home and End to a row's first and last.
+function moveInGrid(event) {
+  const from = event.target;
+  if (!from.classList || !from.classList.contains("cell-button")) return;
+  const rows = [...$("matrix-table").tBodies[0].rows];
+  const rowIndex = rows.indexOf(from.closest("tr"));
+  const column = from.parentElement.cellIndex;
+  const buttonAt = (r, c) => rows[r]?.cells[c]?.querySelector(".cell-button") || null;
+  const width = rows[rowIndex].cells.length;
+  const walk = (dr, dc, r = rowIndex + dr, c = column + dc) => {
+    for (; r >= 0 && r < rows.length && c >= 1 && c < width; r += dr, c += dc) {
+      const button = buttonAt(r, c);
+      if (button) return button;
+    }
+    return null;
+  };
+  const moves = {
+    ArrowRight: () => walk(0, 1), ArrowLeft: () => walk(0, -1), ArrowDown: () => walk(1, 0), ArrowUp: () => walk(-1, 0),
+    Home: () => walk(0, 1, rowIndex, 1), End: () => walk(0, -1, rowIndex, width - 1),
+  };
+  if (!(event.key in moves)) return;
+  event.preventDefault();
+  const to = moves[event.key]();
+  if (!to) return;
+  from.tabIndex = -1;
+  to.tabIndex = 0;
+  to.focus();
 }
 
 function showEvidence(rowKey, label, focus) {
@@ -299,6 +332,7 @@ function showEvidence(rowKey, label, focus) {
     const cell = button.parentElement;
     const pressed = cell.parentElement.dataset.row === rowKey && cell.dataset.stack === label;
     button.setAttribute("aria-pressed", pressed ? "true" : "false");
+    button.tabIndex = pressed ? 0 : -1; // the grid's one tab stop follows the selection
   }
   const sorted = [...entries].sort((a, b) => statusRank(b.status) - statusRank(a.status)
     || String(a.pattern).localeCompare(String(b.pattern)) || String(a.dtype).localeCompare(String(b.dtype)));
@@ -583,11 +617,13 @@ async function startJob(event, kind) {
       if (!ops.length) throw new Error("profile: tick at least one op");
       const workloads = checkedValues("profile-workload");
       if (!workloads.length) throw new Error("profile: tick at least one workload");
+      const dtypes = checkedValues("profile-dtype");
+      if (!dtypes.length) throw new Error("profile: tick at least one dtype");
       const minTime = Number($("profile-min-time").value);
       if (!(minTime > 0)) throw new Error("profile: the minimum run time must be a number of seconds above 0");
       path = "/profiles";
       body = {ops, workloads, batch_sizes: integers("profile-batches", "batch sizes"),
-        numels: integers("profile-numels", "elements per tensor"), device: $("profile-device").value, min_run_time: minTime};
+        numels: integers("profile-numels", "elements per tensor"), dtypes, device: $("profile-device").value, min_run_time: minTime};
     }
   } catch (error) {
     showError("jobs-error", error);
@@ -645,7 +681,7 @@ function jobSummary(job) {
     return `${ops} under ${stacks}; ${(params.dtypes || []).join(", ")}`;
   }
   return `${ops} under ${(params.workloads || []).join(", ")}; batch ${(params.batch_sizes || []).join(", ")}; ` +
-    `${(params.numels || []).join(", ")} elements; ${params.device || "cpu"}`;
+    `${(params.numels || []).join(", ")} elements; ${(params.dtypes || []).join(", ")}; ${params.device || "cpu"}`;
 }
 
 // One card per job, built once and then updated in place, so that polling never takes the focus off its Cancel button.
@@ -739,6 +775,7 @@ async function start() {
   for (const id of ["matrix-op", "matrix-status", "matrix-kind"]) $(id).addEventListener("change", renderMatrix);
   for (const id of ["profiles-op", "profiles-workload"]) $(id).addEventListener("change", renderProfiles);
   $("matrix-reload").addEventListener("click", loadMatrix);
+  $("matrix-table").addEventListener("keydown", moveInGrid);
   $("profiles-reload").addEventListener("click", loadProfiles);
   $("decide-form").addEventListener("submit", decide);
   $("decide-op").addEventListener("change", fillDecisionForm);
