@@ -323,7 +323,7 @@ def evidence_rows(driver: WebDriver) -> list[list[str]]:
                                  ".map((tr) => [...tr.cells].map((td) => td.innerText.trim()))")
 
 
-def test_every_input_has_a_label(server: str, browser: WebDriver) -> None:
+def test_every_input_has_a_label(browser: WebDriver, server: str) -> None:
     viewport(browser, WIDE)
     open_view(browser, server, "matrix")
     unlabelled = browser.execute_script(
@@ -335,7 +335,7 @@ def test_every_input_has_a_label(server: str, browser: WebDriver) -> None:
     assert console_errors(browser) == []
 
 
-def test_matrix_heatmap_shows_each_cell_and_its_evidence(server: str, browser: WebDriver) -> None:
+def test_matrix_heatmap_shows_each_cell_and_its_evidence(browser: WebDriver, server: str) -> None:
     viewport(browser, WIDE)
     open_view(browser, server, "matrix")
     entries = api(server, "/matrix")
@@ -419,7 +419,7 @@ def assert_decision_matches(page: dict[str, Any], expected: dict[str, Any]) -> N
     assert page["facts"]["speedup over native"] == (f"{speedup:.2f}x" if speedup is not None else "not profiled")
 
 
-def test_decision_explorer_takes_both_stack_spellings(server: str, browser: WebDriver) -> None:
+def test_decision_explorer_takes_both_stack_spellings(browser: WebDriver, server: str) -> None:
     viewport(browser, WIDE)
     open_view(browser, server, "matrix")
     go(browser, "decide")
@@ -471,7 +471,7 @@ def test_decision_explorer_takes_both_stack_spellings(server: str, browser: WebD
         failed_request("/select?op=masked_fill&stack=vmap%2Cgard&policy=auto&dtype=float32", 422)]
 
 
-def test_profiles_are_speedup_charts_over_native(server: str, browser: WebDriver) -> None:
+def test_profiles_are_speedup_charts_over_native(browser: WebDriver, server: str) -> None:
     viewport(browser, WIDE)
     open_view(browser, server, "profiles")
     profiles = api(server, "/profiles", op="masked_fill")
@@ -497,7 +497,7 @@ def job_card(driver: WebDriver, kind: str, index: int = 0) -> WebElement:
     return list(reversed(cards))[index]
 
 
-def test_jobs_run_to_completion_and_cancel_from_the_page(server: str, browser: WebDriver) -> None:
+def test_jobs_run_to_completion_and_cancel_from_the_page(browser: WebDriver, server: str) -> None:
     viewport(browser, WIDE)
     open_view(browser, server, "jobs")
     browser.find_element(By.CSS_SELECTOR, '#verify-ops input[value="index_fill"]').click()
@@ -577,7 +577,7 @@ def test_jobs_run_to_completion_and_cancel_from_the_page(server: str, browser: W
     assert console_errors(browser) == []
 
 
-def test_every_view_fits_400_px(server: str, browser: WebDriver) -> None:
+def test_every_view_fits_400_px(browser: WebDriver, server: str) -> None:
     viewport(browser, NARROW)
     open_view(browser, server, "matrix")
     cell_button(browser, "masked_fill/mutating", "vmap").click()
@@ -596,7 +596,7 @@ def test_every_view_fits_400_px(server: str, browser: WebDriver) -> None:
     assert console_errors(browser) == []
 
 
-def test_script_takes_either_shape_of_the_api(server: str, browser: WebDriver) -> None:
+def test_script_takes_either_shape_of_the_api(browser: WebDriver, server: str) -> None:
     """What the page must also read: stacks spelled `vmap(grad)`, paged lists, timestamps (issue 11's API shapes)."""
     viewport(browser, WIDE)
     open_view(browser, server, "matrix")
