@@ -576,6 +576,18 @@ def test_jobs_run_to_completion_and_cancel_from_the_page(browser: WebDriver, ser
     wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, 'figure[data-op="index_fill"]'), "the new chart")
     assert console_errors(browser) == []
 
+    # A reload keeps this tab's jobs, newest first, with their states (not the token).
+    go(browser, "jobs")
+    states = [(c.get_attribute("id"), c.get_attribute("data-state"))
+              for c in browser.find_elements(By.CSS_SELECTOR, "#job-list li")]
+    assert [s for _, s in states] == ["cancelled", "done", "done"]
+    browser.refresh()
+    wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ready") == "true", "the reload")
+    assert [(c.get_attribute("id"), c.get_attribute("data-state"))
+            for c in browser.find_elements(By.CSS_SELECTOR, "#job-list li")] == states
+    assert browser.find_element(By.ID, "job-token").get_attribute("value") == ""
+    assert console_errors(browser) == []
+
 
 def test_every_view_fits_400_px(browser: WebDriver, server: str) -> None:
     viewport(browser, NARROW)

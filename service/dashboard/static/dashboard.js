@@ -632,6 +632,7 @@ async function startJob(event, kind) {
   try {
     const job = await api("POST", path, body);
     state.jobs.set(job.id, job);
+    rememberJobs();
     renderJobs();
     pollJob(job.id);
   } catch (error) {
@@ -639,12 +640,39 @@ async function startJob(event, kind) {
   }
 }
 
-async function pollJob(id) {
+// The ids of this tab's jobs survive a reload (sessionStorage: this tab only, never the token).
+const JOBS_KEY = "multicomposite.jobs";
+const JOBS_KEPT = 20;
+
+function rememberJobs() {
+  try {
+    sessionStorage.setItem(JOBS_KEY, JSON.stringify([...state.jobs.keys()].slice(-JOBS_KEPT)));
+  } catch {
+    // Storage may be disabled; the jobs then last as long as the page.
+  }
+}
+
+function rememberedJobs() {
+  try {
+    const ids = JSON.parse(sessionStorage.getItem(JOBS_KEY) || "[]");
+    return Array.isArray(ids) ? ids.filter((id) => typeof id === "string" && /^[\w-]{1,64}$/.test(id)) : [];
+  } catch {
+    return [];
+  }
+}
+
+async function pollJob(id, {forgetIfGone = false} = {}) {
   while (true) {
     let job;
     try {
       job = await api("GET", `/jobs/${encodeURIComponent(id)}`);
     } catch (error) {
+      if (forgetIfGone && error instanceof ApiError && error.status === 404) {
+        // The server no longer knows it (restarted, or pruned it): nothing to show.
+        state.jobs.delete(id);
+        rememberJobs();
+        return;
+      }
       showError("jobs-error", error);
       return;
     }
@@ -802,7 +830,13 @@ async function start() {
   } catch (error) {
     showError("global-error", error);
   }
-  await Promise.all([loadMatrix(), loadProfiles()]);
+  // A remembered job the server no longer knows (restarted, or pruned it) is dropped.
+  const [, , ...remembered] = await Promise.all([loadMatrix(), loadProfiles(), ...rememberedJobs().map((id) =>
+    api("GET", `/jobs/${encodeURIComponent(id)}`).catch(() => null))]);
+  for (const job of remembered) if (job) state.jobs.set(job.id, job); // in the order they were started
+  rememberJobs();
+  renderJobs();
+  for (const job of state.jobs.values()) if (!TERMINAL_JOB_STATES.has(job.state)) pollJob(job.id, {forgetIfGone: true});
   document.body.dataset.ready = "true"; // the page has asked for everything once
 }
 
