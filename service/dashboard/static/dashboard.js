@@ -93,7 +93,7 @@ async function getAll(path, params) {
     if (!body || !Array.isArray(body.items)) {
       throw new Error(`GET ${path}: expected a list or a page {items, next_cursor}, got ${typeof body}`);
     }
-    items.push(...body.items);
+    for (const item of body.items) items.push(item); // a spread of a huge page would overflow the call stack
     cursor = body.next_cursor ?? null;
     if (cursor === null || cursor === "") return items;
   }
