@@ -529,9 +529,10 @@ def test_jobs_run_to_completion_and_cancel_from_the_page(browser: WebDriver, ser
     assert not card.find_elements(By.CSS_SELECTOR, "button.cancel")
     shoot(browser, "jobs-1280x800")
 
-    # A profile long enough to still run while a verify waits behind it: cancel both from the page.
+    # A profile long enough (4 composites timed for at least 1 s each) to still run while a verify waits behind it:
+    # cancel both from the page.
     browser.find_element(By.CSS_SELECTOR, '#profile-ops input[value="index_fill"]').click()
-    for field, value in (("profile-batches", "4"), ("profile-numels", "64"), ("profile-min-time", "0.6")):
+    for field, value in (("profile-batches", "4"), ("profile-numels", "64"), ("profile-min-time", "1")):
         browser.find_element(By.ID, field).clear()
         browser.find_element(By.ID, field).send_keys(value)
     browser.find_element(By.ID, "profile-start").click()
