@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 import registry
+from service import dashboard
 from service.jobs import Job, JobRunner
 from service.metrics import Metrics
 from service.models import ErrorPublic
@@ -81,7 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                         time.perf_counter() - start)
         return response
 
-    for module in (meta, ops, select, store, jobs):
+    for module in (meta, ops, select, store, jobs, dashboard):
         app.include_router(module.router)
     app.get("/metrics", include_in_schema=False)(metrics.endpoint)
     return app
