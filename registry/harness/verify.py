@@ -318,10 +318,18 @@ def native_rejection(sample: Sample) -> BaseException | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def _fault_inputs(sample: Sample, n_vmaps: int, pattern: str, seed: int) -> tuple[Args, tuple[Any, ...], _Layout]:
+    # Built once per fault and batching, shared by every composite and stack with as many vmaps: building batched
+    # inputs costs more than running a composite that rejects them. Nothing writes to them (mutating composites
+    # clone first).
+    return _inputs(sample, ("vmap",) * n_vmaps, pattern, seed)
+
+
 def rejection(sample: Sample, stack: Sequence[str], pattern: str, call: Callable[[Args], Any],
               seed: int = 0) -> BaseException | None:
     """What ``call`` raises on the fault sample under ``stack`` (batched by ``pattern``), or None if it accepts it."""
-    base, tensors, layout = _inputs(sample, stack, pattern, seed)
+    base, tensors, layout = _fault_inputs(sample, sum(1 for t in stack if t == "vmap"), pattern, seed)
     names = sample.batchable
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # vmap's fallback warning and native's deprecations are not the result here
