@@ -1,8 +1,9 @@
 """``python -m bench.checks``: what the parity checks (``composites/checks.py``) cost a composite call.
 
-For each op, its functional composite is timed eagerly on a small sample as it is and with its ``check_<op>``
-replaced by a function that does nothing, in alternating rounds (min over rounds of ``blocked_autorange`` medians);
-the check alone is timed too. Small tensors, so the fixed per-call costs dominate and the share is the largest.
+For each op, its functional composite is timed on a small sample, eagerly and under ``vmap``, as it is and with its
+``check_<op>`` replaced by a function that does nothing, in alternating rounds (min over rounds of
+``blocked_autorange`` medians); the check alone is timed too (on plain tensors). Small tensors, so the fixed
+per-call costs dominate and the checks' share is the largest it can be.
 """
 
 from __future__ import annotations
@@ -43,13 +44,24 @@ def _skip(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
-def measure(op: str, rounds: int, min_run_time: float) -> tuple[float, float, float]:
-    """(with checks, without checks, the check alone), microseconds, min over ``rounds`` alternating rounds."""
+def measure(op: str, rounds: int, min_run_time: float, batch: int = 0) -> tuple[float, float, float]:
+    """(with checks, without checks, the check alone), microseconds, min over ``rounds`` alternating rounds.
+
+    With ``batch``, the composite runs under ``torch.func.vmap`` over a batch of ``self`` (the check then reads a
+    BatchedTensor's metadata)."""
     module_name, check_name, make = CASES[op]
     module = importlib.import_module(module_name)
     check = getattr(module, check_name)
     args, kwargs = make()
-    composite = registry.composites(op)["functional"].fn
+    functional = registry.composites(op)["functional"].fn
+    if batch:
+        batched_self = args[0].expand(batch, *args[0].shape).clone()
+        mapped = torch.func.vmap(lambda x: functional(x, *args[1:], **kwargs))
+
+        def composite(*_args: Any, **_kwargs: Any) -> Any:
+            return mapped(batched_self)
+    else:
+        composite = functional
     with_checks, without, alone = [], [], []
     check_args = args + ((1,) if op == "index_add" else ())  # alpha
     if op == "contiguous":
@@ -70,15 +82,18 @@ def measure(op: str, rounds: int, min_run_time: float) -> tuple[float, float, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--min-run-time", type=float, default=0.2)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--min-run-time", type=float, default=0.05)
+    parser.add_argument("--batch", type=int, default=8, help="also time under vmap over this many samples (0: not)")
     options = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {options.rounds} rounds (min of medians)")
-    for op in CASES:
-        checked, unchecked, alone = measure(op, options.rounds, options.min_run_time)
-        print(f"{op:15s} functional: with checks {checked:7.2f} us, without {unchecked:7.2f} us "
-              f"({checked - unchecked:+.2f} us, {100 * (checked - unchecked) / unchecked:+.1f}%); "
-              f"check alone {alone:.2f} us")
+    for batch in (0, options.batch) if options.batch else (0,):
+        where = f"vmap over {batch}" if batch else "eager"
+        for op in CASES:
+            checked, unchecked, alone = measure(op, options.rounds, options.min_run_time, batch)
+            print(f"{op:15s} functional, {where}: with checks {checked:7.2f} us, without {unchecked:7.2f} us "
+                  f"({checked - unchecked:+.2f} us, {100 * (checked - unchecked) / unchecked:+.1f}%); "
+                  f"check alone {alone:.2f} us")
 
 
 if __name__ == "__main__":

@@ -66,22 +66,31 @@ def _same_device(op: str, self: torch.Tensor, index: torch.Tensor, source: torch
 def _real_value(op_message: str, self: torch.Tensor, value: Any) -> None:
     """A complex value with an imaginary part cannot fill a real (non-bool) tensor: native refuses to drop it.
 
-    A data check, so it runs only where data can be read: on a Python number, and on a complex value tensor that vmap
-    does not batch (this path is never the hot one). A complex value batched under vmap is cast instead.
+    A data check, on the rare path only (a complex value for a real tensor). A value batched under vmap cannot steer
+    Python, so there the check runs inside a kernel: index_select's own bounds check rejects index 1 (an imaginary
+    part) into a one-element tensor, in every sample.
     """
     if isinstance(value, torch.Tensor):
         if not value.is_complex() or self.is_complex() or self.dtype == torch.bool:
             return
         try:
             imaginary = bool(value.imag != 0)
-        except RuntimeError:  # a value batched under vmap: its data cannot steer Python
+        except RuntimeError:  # batched under vmap
+            try:
+                torch.zeros(1, device=value.device).index_select(0, (value.imag != 0).reshape(1).long())
+            except (IndexError, RuntimeError) as error:
+                raise RuntimeError(_conversion_message(op_message, self)) from error
             return
     elif isinstance(value, complex) and not self.is_complex() and self.dtype != torch.bool:
         imaginary = value.imag != 0
     else:
         return
     if imaginary:
-        raise RuntimeError(op_message.format(type=_SCALAR_CONVERSION_NAMES.get(self.dtype, str(self.dtype))))
+        raise RuntimeError(_conversion_message(op_message, self))
+
+
+def _conversion_message(op_message: str, self: torch.Tensor) -> str:
+    return op_message.format(type=_SCALAR_CONVERSION_NAMES.get(self.dtype, str(self.dtype)))
 
 
 def check_broadcast(op: str, mask: torch.Tensor, self: torch.Tensor) -> None:

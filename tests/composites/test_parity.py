@@ -125,12 +125,6 @@ NATIVE_ACCEPTS_UNDER_VMAP = {
     ("index_copy", "source:device", ("vmap", "grad"), "all"),
     ("contiguous", "memory_format:preserve", ("vmap", "grad"), "all"),
 }
-# Where a composite cannot reject what native rejects per sample: reading a batched value's data is a
-# data-dependent check that vmap refuses. Asserted too (the composite accepts), so a fix shows here.
-COMPOSITES_ACCEPT_UNDER_VMAP = {
-    ("index_fill", "value:complex", ("vmap",), "all"), ("index_fill", "value:complex", ("vmap", "grad"), "all"),
-    ("masked_fill", "value:complex", ("vmap",), "all"), ("masked_fill", "value:complex", ("vmap", "grad"), "all"),
-}
 
 
 def _transform_cases() -> list[tuple[Sample, tuple[str, ...], str]]:
@@ -151,9 +145,6 @@ def test_invalid_input_raises_as_native_under_transforms(sample: Sample, stack: 
     allowed = {type(expected)} | ({type(native)} if native is not None else set())
     for kind in NON_NATIVE:
         raised = rejection(sample, stack, pattern, lambda args, k=kind: _call(_composite(sample.op, k), sample, args))
-        if key in COMPOSITES_ACCEPT_UNDER_VMAP and kind != "mutating":
-            assert raised is None, f"{kind} now rejects {key}: remove it from COMPOSITES_ACCEPT_UNDER_VMAP"
-            continue
         assert raised is not None, f"{kind} accepts {fault_name(sample)} under {stack}; native raises {expected!r}"
         assert type(raised) in allowed, f"{kind} raises {raised!r}; native raises {expected!r} / {native!r}"
 
