@@ -2,11 +2,13 @@
 (where it is cheap to rebuild) the same message.
 
 Each ``check_<op>`` runs at the top of a non-native composite, before any work. The checks read only metadata
-(dtype, device, rank, shape), never data, so they cost a few attribute reads on the hot path and work unchanged on
+(dtype, device, rank, shape), never data (but on the rare path of a complex value for a real tensor), so they cost
+a few attribute reads on the hot path and work unchanged on
 the tensors ``torch.func`` transforms pass in: under ``vmap`` a tensor's shape and rank are its per-sample (logical)
 ones, which is exactly what native checks per sample. Checks that need data (an index out of range, a source with
 fewer elements than the mask has Trues) are left to the kernels the composites call, which check them in the same
-pass that does the work; ``index_out_of_bounds`` turns such a kernel error into the exception type native raises.
+pass that does the work; ``index_out_of_bounds`` and ``source_too_small`` turn such a kernel error into native's
+exception.
 """
 
 from __future__ import annotations
@@ -248,14 +250,14 @@ def check_index_fill(self: torch.Tensor, dim: int, index: torch.Tensor, value: A
         )
 
 
-def index_out_of_bounds(op: str, dim: int, size: int, error: RuntimeError) -> NoReturn:
+def index_out_of_bounds(op: str, dim: int, size: int, error: RuntimeError, *, negative: bool = False) -> NoReturn:
     """Re-raise a kernel's bounds error (``scatter``: RuntimeError) as the IndexError native ``op`` raises; any other
-    error unchanged."""
+    error unchanged. ``negative``: whether the op accepts indices from -size (index_fill) or from 0 (index_copy)."""
     if "out of bounds" not in str(error):
         raise error
     raise IndexError(
         f"{op}(): index out of bounds for dimension {dim} with size {size}: every index must lie in "
-        f"[{-size}, {size}) ({error})"
+        f"[{-size if negative else 0}, {size})"
     ) from error
 
 

@@ -196,7 +196,7 @@ def _index_mask(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tens
     try:
         hits = torch.zeros(2 * size, dtype=torch.bool, device=self.device).scatter(0, index.reshape(-1) + size, True)
     except RuntimeError as error:
-        index_out_of_bounds("index_fill", dim, size, error)
+        index_out_of_bounds("index_fill", dim, size, error, negative=True)
     hits = hits.reshape(2, size).any(0)
     if self.dim() == 0:
         return hits.reshape(())

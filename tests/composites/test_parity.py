@@ -192,3 +192,31 @@ def test_to_and_contiguous_return_self_when_nothing_changes() -> None:
         assert _composite("to", kind)(x, dtype=torch.float32, copy=True) is not x
         assert _composite("contiguous", kind)(x) is x
         assert _composite("contiguous", kind)(x.t()) is not x
+
+
+@pytest.mark.parametrize("kind", NON_NATIVE)
+def test_index_fill_index_range_is_natives(kind: str) -> None:
+    """Indices from -size to size - 1 fill (the functional and primitive composites used to wrap every index modulo
+    size, so -6 filled row 4 of 5 where native raises)."""
+    self = torch.zeros(5, 2)
+    filled = _composite("index_fill", kind)(self, 0, torch.tensor([-5, 4]), 1.0)
+    torch.testing.assert_close(filled, torch.index_fill(self, 0, torch.tensor([-5, 4]), 1.0))
+    for index in (-6, 5):
+        with pytest.raises(IndexError) as native:
+            torch.index_fill(self, 0, torch.tensor([index]), 1.0)
+        with pytest.raises(IndexError) as composite:
+            _composite("index_fill", kind)(self, 0, torch.tensor([index]), 1.0)
+        assert str(native.value) == f"index {index} is out of bounds for dimension 0 with size 5"
+        if kind != "mutating":
+            assert str(composite.value) == ("index_fill(): index out of bounds for dimension 0 with size 5: every "
+                                            "index must lie in [-5, 5)")
+
+
+@pytest.mark.parametrize("kind", NON_NATIVE)
+def test_index_add_float_alpha_truncates_for_integers(kind: str) -> None:
+    """Native converts alpha to self's type: 2.5 adds 2 * source to an int64 tensor (it used to promote to float
+    and fail in scatter_add)."""
+    self, index, source = torch.tensor([1, 2, 3]), torch.tensor([0, 2]), torch.tensor([3, 4])
+    result = _composite("index_add", kind)(self, 0, index, source, alpha=-2.5)
+    assert result.dtype == torch.int64 and result.tolist() == [-5, 2, -5]
+    assert result.tolist() == torch.index_add(self, 0, index, source, alpha=-2.5).tolist()
