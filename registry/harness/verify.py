@@ -11,6 +11,10 @@ function of tensors to a function of tensors, so a stack is built (and its refer
 - ``jvp``: ``torch.func.jvp`` along a fixed tangent / ``torch.autograd.forward_ad`` where it is the only
   differentiating layer, else the double-vjp identity J t = d/du <J^T u, t> (forward AD has one level only);
 - ``functionalize``, ``compile`` (``aot_eager``, ``fullgraph=True``): the whole stack below them / nothing.
+
+Invalid inputs count too: an entry of a base stack (vmap, grad, jvp nestings) is ``mismatch`` when its composite
+accepts, in that context, a fault sample (``registry.harness.samples.fault_samples``) that native PyTorch rejects
+per sample (``check_rejections``).
 """
 
 from __future__ import annotations
