@@ -11,6 +11,13 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from composites.checks import (
+    check_index_add,
+    check_index_copy,
+    check_index_fill,
+    index_out_of_bounds,
+    native_alpha,
+)
 from composites.masked import Fill, scalar_or_tensor
 from registry.core.primitive import batch_first, zeros_if_none
 from registry.core.registration import register
@@ -46,12 +53,16 @@ def index_add_native(self, dim, index, source, *, alpha=1):
 @register("index_add", "mutating")
 def index_add_mutating(self, dim, index, source, *, alpha=1):
     """Clone self, then index_add_ in place."""
-    return self.clone().index_add_(dim, index, source, alpha=alpha)
+    check_index_add(self, dim, index, source, alpha)
+    # Native returns a contiguous tensor whatever self's strides are.
+    return self.clone(memory_format=torch.contiguous_format).index_add_(dim, index, source, alpha=alpha)
 
 
 @register("index_add", "functional")
 def index_add_functional(self, dim, index, source, *, alpha=1):
     """scatter_add of alpha * source at the expanded index."""
+    check_index_add(self, dim, index, source, alpha)
+    alpha = native_alpha(self, alpha)
     flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
     scaled = source_ if alpha == 1 else source_ * alpha
     return flat.scatter_add(dim_, _scatter_index(index_, source_, dim_), scaled).reshape(self.shape)
@@ -94,6 +105,8 @@ class IndexAdd(Function):
 @register("index_add", "primitive", function=IndexAdd)
 def index_add_primitive(self, dim, index, source, *, alpha=1):
     """IndexAdd: one autograd node with its own backward, jvp and vmap rules."""
+    check_index_add(self, dim, index, source, alpha)
+    alpha = native_alpha(self, alpha)
     flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
     return IndexAdd.apply(flat, dim_, _scatter_index(index_, source_, dim_), source_, alpha).reshape(self.shape)
 
@@ -110,14 +123,20 @@ def index_copy_native(self, dim, index, source):
 @register("index_copy", "mutating")
 def index_copy_mutating(self, dim, index, source):
     """Clone self, then index_copy_ in place."""
-    return self.clone().index_copy_(dim, index, source)
+    check_index_copy(self, dim, index, source)
+    # Native returns a contiguous tensor whatever self's strides are.
+    return self.clone(memory_format=torch.contiguous_format).index_copy_(dim, index, source)
 
 
 @register("index_copy", "functional")
 def index_copy_functional(self, dim, index, source):
     """scatter of source at the expanded index."""
+    check_index_copy(self, dim, index, source)
     flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
-    return flat.scatter(dim_, _scatter_index(index_, source_, dim_), source_).reshape(self.shape)
+    try:
+        return flat.scatter(dim_, _scatter_index(index_, source_, dim_), source_).reshape(self.shape)
+    except RuntimeError as error:  # scatter's own bounds check: native raises IndexError
+        index_out_of_bounds("index_copy", dim, flat.shape[dim_], error)
 
 
 class IndexCopy(Function):
@@ -155,17 +174,30 @@ class IndexCopy(Function):
 @register("index_copy", "primitive", function=IndexCopy)
 def index_copy_primitive(self, dim, index, source):
     """IndexCopy: one autograd node with its own backward, jvp and vmap rules."""
+    check_index_copy(self, dim, index, source)
     flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
-    return IndexCopy.apply(flat, dim_, _scatter_index(index_, source_, dim_), source_).reshape(self.shape)
+    try:
+        return IndexCopy.apply(flat, dim_, _scatter_index(index_, source_, dim_), source_).reshape(self.shape)
+    except RuntimeError as error:  # scatter's own bounds check: native raises IndexError
+        index_out_of_bounds("index_copy", dim, flat.shape[dim_], error)
 
 
 # --- index_fill --------------------------------------------------------------------------------------------------
 
 
 def _index_mask(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
-    """A bool mask, broadcastable to ``self``, that is True at ``index`` along ``dim``."""
+    """A bool mask, broadcastable to ``self``, that is True at ``index`` along ``dim``.
+
+    Indices in [-size, size) are valid, as in native. Shifted by ``size`` they land in [0, 2 * size), where scatter's
+    own bounds check rejects every other index (under vmap too, where no data-dependent check could run here); the
+    two halves are then folded onto one.
+    """
     size = self.shape[dim] if self.dim() else 1
-    hits = torch.zeros(size, dtype=torch.bool, device=self.device).scatter(0, index.reshape(-1) % max(size, 1), True)
+    try:
+        hits = torch.zeros(2 * size, dtype=torch.bool, device=self.device).scatter(0, index.reshape(-1) + size, True)
+    except RuntimeError as error:
+        index_out_of_bounds("index_fill", dim, size, error, negative=True)
+    hits = hits.reshape(2, size).any(0)
     if self.dim() == 0:
         return hits.reshape(())
     return hits.reshape((-1,) + (1,) * (self.dim() - dim % self.dim() - 1))
@@ -180,16 +212,19 @@ def index_fill_native(self, dim, index, value):
 @register("index_fill", "mutating")
 def index_fill_mutating(self, dim, index, value):
     """Clone self, then index_fill_ in place."""
+    check_index_fill(self, dim, index, value)
     return self.clone().index_fill_(dim, index, value)
 
 
 @register("index_fill", "functional")
 def index_fill_functional(self, dim, index, value):
     """where(mask of index along dim, value, self)."""
+    check_index_fill(self, dim, index, value)
     return torch.where(_index_mask(self, dim, index), scalar_or_tensor(value, self), self)
 
 
 @register("index_fill", "primitive", function=Fill)
 def index_fill_primitive(self, dim, index, value):
     """Fill at the mask of index along dim: one autograd node with its own backward, jvp and vmap rules."""
+    check_index_fill(self, dim, index, value)
     return Fill.apply(self, _index_mask(self, dim, index), scalar_or_tensor(value, self))

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from composites.checks import check_masked_fill, check_masked_scatter, source_too_small
 from registry.core.primitive import batch_first, zeros_if_none
 from registry.core.registration import register, register_derivative
 
@@ -72,19 +73,25 @@ def masked_fill_native(self, mask, value):
 
 @register("masked_fill", "mutating")
 def masked_fill_mutating(self, mask, value):
-    """Clone self, then masked_fill_ in place."""
-    return self.clone().masked_fill_(mask, value)
+    """Clone self (broadcast to the mask), then masked_fill_ in place."""
+    check_masked_fill(self, mask, value)
+    if mask.shape != self.shape:  # native broadcasts self and mask both ways
+        self = self.expand(torch.broadcast_shapes(self.shape, mask.shape))
+    # Native returns a contiguous tensor whatever self's strides are.
+    return self.clone(memory_format=torch.contiguous_format).masked_fill_(mask, value)
 
 
 @register("masked_fill", "functional")
 def masked_fill_functional(self, mask, value):
     """where(mask, value, self)."""
+    check_masked_fill(self, mask, value)
     return torch.where(mask, scalar_or_tensor(value, self), self)
 
 
 @register("masked_fill", "primitive", function=Fill)
 def masked_fill_primitive(self, mask, value):
     """Fill: one autograd node with its own backward, jvp and vmap rules."""
+    check_masked_fill(self, mask, value)
     return Fill.apply(self, mask, scalar_or_tensor(value, self))
 
 
@@ -184,6 +191,7 @@ def masked_scatter_native(self, mask, source):
 @register("masked_scatter", "mutating")
 def masked_scatter_mutating(self, mask, source):
     """Clone self (broadcast to the mask), then masked_scatter_ in place."""
+    check_masked_scatter(self, mask, source)
     self, mask = _broadcast_mask(self, mask)
     return self.clone(memory_format=torch.contiguous_format).masked_scatter_(mask, source)
 
@@ -191,13 +199,18 @@ def masked_scatter_mutating(self, mask, source):
 @register("masked_scatter", "functional")
 def masked_scatter_functional(self, mask, source):
     """cumsum of the mask picks each source element; gather and where place them."""
+    check_masked_scatter(self, mask, source)
     self, mask = _broadcast_mask(self, mask)
-    return scatter_in_order(self, mask, source, 0)
+    try:
+        return scatter_in_order(self, mask, source, 0)
+    except RuntimeError as error:  # gather's own bounds check: more Trues than source elements
+        source_too_small(error)
 
 
 @register("masked_scatter", "primitive", function=MaskedScatter)
 def masked_scatter_primitive(self, mask, source):
     """MaskedScatter: one autograd node with its own backward, jvp and vmap rules."""
+    check_masked_scatter(self, mask, source)
     self, mask = _broadcast_mask(self, mask)
     return MaskedScatter.apply(self, mask, source, 0)
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from composites.checks import check_contiguous, check_to
 from registry.core.primitive import batch_first, copy_laid_out, is_laid_out, laid_out
 from registry.core.registration import register
 
@@ -29,6 +30,7 @@ def contiguous_native(self, *, memory_format=torch.contiguous_format):
 @register("contiguous", "mutating")
 def contiguous_mutating(self, *, memory_format=torch.contiguous_format):
     """empty_like in the memory format, then copy_ in place."""
+    check_contiguous(self, memory_format)
     if is_laid_out(self, memory_format):
         return self
     return torch.empty_like(self, memory_format=memory_format).copy_(self)
@@ -37,6 +39,7 @@ def contiguous_mutating(self, *, memory_format=torch.contiguous_format):
 @register("contiguous", "functional")
 def contiguous_functional(self, *, memory_format=torch.contiguous_format):
     """permute, contiguous, permute back: a copy in the memory format from ops that vmap can batch."""
+    check_contiguous(self, memory_format)
     if is_laid_out(self, memory_format):
         return self
     return laid_out(self, memory_format)
@@ -79,6 +82,7 @@ class LaidOut(Function):
 @register("contiguous", "primitive", function=LaidOut)
 def contiguous_primitive(self, *, memory_format=torch.contiguous_format):
     """LaidOut: one autograd node with its own backward, jvp and vmap rules."""
+    check_contiguous(self, memory_format)
     if is_laid_out(self, memory_format):
         return self
     return LaidOut.apply(self, None, None, memory_format, 0)
@@ -108,6 +112,7 @@ def to_native(self, *, dtype=None, layout=None, device=None, pin_memory=None, no
 def to_mutating(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, copy=False,
                 memory_format=None):
     """empty_like with the target dtype, device and memory format, then copy_ in place."""
+    check_to(self, layout, memory_format)
     if not _needs_copy(self, dtype, device, copy, memory_format):
         return self
     target = torch.empty_like(self, dtype=dtype, device=device, memory_format=memory_format or torch.preserve_format)
@@ -118,6 +123,7 @@ def to_mutating(self, *, dtype=None, layout=None, device=None, pin_memory=None, 
 def to_functional(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, copy=False,
                   memory_format=None):
     """_to_copy for dtype and device, then permute-contiguous for the memory format."""
+    check_to(self, layout, memory_format)
     if not _needs_copy(self, dtype, device, copy, memory_format):
         return self
     converted = aten._to_copy(self, dtype=dtype, device=device, non_blocking=non_blocking)
@@ -130,6 +136,7 @@ def to_functional(self, *, dtype=None, layout=None, device=None, pin_memory=None
 def to_primitive(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, copy=False,
                  memory_format=None):
     """LaidOut: one autograd node with its own backward, jvp and vmap rules."""
+    check_to(self, layout, memory_format)
     if not _needs_copy(self, dtype, device, copy, memory_format):
         return self
     return LaidOut.apply(self, dtype, device, memory_format, 0)

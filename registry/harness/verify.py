@@ -11,6 +11,10 @@ function of tensors to a function of tensors, so a stack is built (and its refer
 - ``jvp``: ``torch.func.jvp`` along a fixed tangent / ``torch.autograd.forward_ad`` where it is the only
   differentiating layer, else the double-vjp identity J t = d/du <J^T u, t> (forward AD has one level only);
 - ``functionalize``, ``compile`` (``aot_eager``, ``fullgraph=True``): the whole stack below them / nothing.
+
+Invalid inputs count too: an entry of a base stack (vmap, grad, jvp nestings) is ``mismatch`` when its composite
+accepts, in that context, a fault sample (``registry.harness.samples.fault_samples``) that native PyTorch rejects
+per sample (``check_rejections``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from registry.core.model import Composite
 from registry.core.registration import COMPOSITES, RegistrationError, load
 from registry.harness.audit import audit
 from registry.harness.checks import FALLBACK_WARNING, entry_call, native_call
-from registry.harness.samples import SAMPLES, Args, Sample
+from registry.harness.samples import SAMPLES, Args, Sample, fault_name, fault_samples
 from registry.store.db import MatrixEntry
 
 BASE_TRANSFORMS = ("vmap", "grad", "jvp")
@@ -297,6 +301,73 @@ def check_stack(sample: Sample, stack: tuple[str, ...], pattern: str, call: Call
     return "ok", "", abs_error, rel_error
 
 
+# --- invalid inputs -----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def native_rejection(sample: Sample) -> BaseException | None:
+    """What native PyTorch raises on the fault sample, outside any transform (per sample, as the reference loop
+    calls it), or None where native accepts it (then it is an edge of the valid inputs, not an invalid one).
+
+    The ATen overload itself (the native composite), not ``native_call``, which makes index_fill's indices
+    non-negative for the reference's sake and so would hide an index out of range."""
+    load()
+    native = _direct_call(COMPOSITES[sample.op]["native"], sample)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            native(sample.build(0))
+    except Exception as error:  # the error is the result
+        return error
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _fault_inputs(sample: Sample, n_vmaps: int, pattern: str, seed: int) -> tuple[Args, tuple[Any, ...], _Layout]:
+    # Built once per fault and batching, shared by every composite and stack with as many vmaps: building batched
+    # inputs costs more than running a composite that rejects them. Nothing writes to them (mutating composites
+    # clone first).
+    return _inputs(sample, ("vmap",) * n_vmaps, pattern, seed)
+
+
+def rejection(sample: Sample, stack: Sequence[str], pattern: str, call: Callable[[Args], Any],
+              seed: int = 0) -> BaseException | None:
+    """What ``call`` raises on the fault sample under ``stack`` (batched by ``pattern``), or None if it accepts it."""
+    base, tensors, layout = _fault_inputs(sample, sum(1 for t in stack if t == "vmap"), pattern, seed)
+    names = sample.batchable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vmap's fallback warning and native's deprecations are not the result here
+        try:
+            _transformed(stack, lambda *xs: call({**base, **dict(zip(names, xs, strict=True))}), layout)(*tensors)
+        except Exception as error:  # the error is the result
+            return error
+    return None
+
+
+def check_rejections(composite: Composite, dtype: str, stack: tuple[str, ...],
+                     pattern: str) -> tuple[str, str] | None:
+    """("mismatch", detail) when ``composite`` accepts, under ``stack``, an input that native rejects; else None.
+
+    Runs on the base stacks (vmap, grad, jvp nestings) only: ``compile`` and ``functionalize`` wrap errors in their
+    own types and would compile once per fault. A different exception type is not a mismatch here (native's own
+    type changes under vmap); ``tests/composites/test_parity.py`` holds every composite to native's type.
+    """
+    if any(t in OUTER_TRANSFORMS for t in stack):
+        return None
+    for sample in fault_samples(composite.op):
+        if str(sample.dtype).removeprefix("torch.") != dtype:
+            continue
+        expected = native_rejection(sample)
+        if expected is None or (any(t in ("grad", "jvp") for t in stack) and not sample.differentiable):
+            continue
+        if pattern == "others" and not set(sample.batchable) - {"self"}:
+            continue
+        if rejection(sample, stack, pattern, _composite_call(composite, sample)) is None:
+            return "mismatch", (f"{fault_name(sample)}: accepts what native rejects "
+                                f"({type(expected).__name__}: {_first_line(expected)})")[:500]
+    return None
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
@@ -304,6 +375,11 @@ def _first_line(error: BaseException) -> str:
 def _composite_call(composite: Composite, sample: Sample) -> Callable[[Args], Any]:
     if composite.kind == "native":
         return entry_call(sample.op, sample)  # PyTorch's own entry point, outside use(): native as users get it
+    return _direct_call(composite, sample)
+
+
+def _direct_call(composite: Composite, sample: Sample) -> Callable[[Args], Any]:
+    """``composite.fn`` called with the sample's arguments, keyword-only ones by keyword."""
 
     def call(args: Args) -> Any:
         positional = [v for k, v in args.items() if k not in sample.kwargs]
@@ -413,6 +489,10 @@ def _run_item(label: tuple[str, str, str, tuple[str, ...], str, tuple[int, ...]]
             worst = outcome
         elif worst[2] is None:
             worst = (worst[0], worst[1], outcome[2], outcome[3])
+    if failed_audit is None and BAD_ORDER.index(worst[0]) < BAD_ORDER.index("mismatch"):
+        accepted = check_rejections(composite, dtype, stack, pattern)
+        if accepted is not None:
+            worst = (accepted[0], accepted[1], worst[2], worst[3])
     return MatrixEntry(
         op=op, composite=name, kind=composite.kind, stack=stack, pattern=pattern, dtype=dtype, status=worst[0],
         detail=worst[1], max_abs_error=worst[2], max_rel_error=worst[3], source_hash=source_hash(composite),
