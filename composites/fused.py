@@ -1,0 +1,187 @@
+"""Fused kernels of the primitives: the bodies their ``forward``, ``backward`` and ``jvp`` run on plain tensors, below
+every transform (a primitive's vmap rule moves the batch dimensions to the front and re-applies the Function, so
+these always see physical tensors with the batch dimensions leading).
+
+Each body is written in the formulation that measured fastest on CPU (``bench/pieces.py`` times each one against a
+single pass over the same data, ``x * y``):
+
+- ``select`` is ``torch.where`` as integer bit operations on the values' bits, ``b ^ ((a ^ b) & -mask)``: exact
+  (NaN payloads, infinities and -0.0 come out bit for bit as in the chosen input) and branchless, where
+  ``torch.where`` with a random bool mask is a branchy scalar loop on this CPU;
+- ``scatter_in_order`` (masked_scatter) finds each True's source element with a ``cumsum`` of the mask and a
+  ``gather``, with no ``nonzero`` compaction;
+- the index ops run PyTorch's own ``index_add`` / ``index_copy`` / ``index_select`` once over the whole batch (the
+  1-d index is shared by every sample), one kernel each.
+
+``kernel(fn)`` can also hand out an Inductor-compiled body (``torch.compile``, C++ on CPU, dynamic in shape so no batch
+size recompiles), compiled once per dtype and device and cached; ``set_compile(True)`` or ``MULTICOMPOSITE_FUSED=
+compile`` turns that on, and the first-call compile time of each body is kept in ``COMPILE_SECONDS``. It is off by
+default: on the development machine a compiled body is no faster warm than the eager bit formulation (measured in
+``bench/pieces.py``) and costs seconds of gcc per dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C._functorch import is_legacy_batchedtensor, maybe_get_level
+
+aten = torch.ops.aten
+
+# The integer dtype of each element size, whose bits a float is viewed as.
+_INT_OF_SIZE: dict[int, torch.dtype] = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The integer dtype whose bits stand for ``dtype``'s, or None where bit operations cannot (complex, bool)."""
+    if dtype.is_complex or dtype == torch.bool:
+        return None
+    if dtype.is_floating_point:
+        return _INT_OF_SIZE.get(dtype.itemsize)
+    return dtype
+
+
+def _wrapped(*tensors: torch.Tensor | None) -> bool:
+    """Whether any tensor is still wrapped by a transform: a body runs on plain tensors under torch.func, but
+    gradcheck's batched-gradient check runs backward under the legacy vmap mode, which calls it with batched
+    tensors; those take the unfused path, which every op there has a batching rule for."""
+    return any(t is not None and (maybe_get_level(t) != -1 or is_legacy_batchedtensor(t)) for t in tensors)
+
+
+def select(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+    """``torch.where(mask, a, b)`` bit for bit, with ``None`` standing for zero; all three broadcast.
+
+    ``a`` and ``b`` have one dtype; at least one of them is a tensor.
+    """
+    like = a if a is not None else b
+    if like is None:
+        raise ValueError("fused.select: at least one of a and b must be a tensor")
+    dtype = like.dtype
+    if _wrapped(mask, a, b):
+        zero = torch.zeros((), dtype=dtype, device=mask.device)
+        return torch.where(mask, zero if a is None else a, zero if b is None else b)
+    if dtype == torch.bool:
+        if a is None:
+            return torch.logical_and(b, torch.logical_not(mask))
+        if b is None:
+            return torch.logical_and(a, mask)
+        return torch.logical_or(torch.logical_and(a, mask), torch.logical_and(b, torch.logical_not(mask)))
+    bits = _bit_dtype(dtype)
+    if bits is None:  # complex: no bit view with one integer per element
+        zero = torch.zeros((), dtype=dtype, device=mask.device)
+        return torch.where(mask, zero if a is None else a, zero if b is None else b)
+    keep = mask.to(bits)  # 1 where a is taken
+    if a is None:  # b where the mask is False, else +0: b & (keep - 1)
+        out = torch.bitwise_and(b.view(bits), keep.sub_(1))
+    elif b is None:  # a where the mask is True, else +0: a & -keep
+        out = torch.bitwise_and(a.view(bits), keep.neg_())
+    else:
+        b_bits = b.view(bits)
+        out = torch.bitwise_and(torch.bitwise_xor(a.view(bits), b_bits), keep.neg_())
+        out = out.bitwise_xor_(b_bits) if out.shape == torch.broadcast_shapes(out.shape, b.shape) else out ^ b_bits
+    return out.view(dtype) if bits != dtype else out
+
+
+def scatter_in_order(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, batch_ndim: int) -> torch.Tensor:
+    """masked_scatter of each sample: the k-th True of a sample's mask takes its source's k-th element.
+
+    ``mask`` has ``self``'s shape; the first ``batch_ndim`` dimensions of all three are batch dimensions, the rest of
+    ``source`` is flattened. The running count of Trues, less one, is the source position (clamped at 0 where no
+    True came yet: those positions keep ``self``).
+    """
+    lead = self.shape[:batch_ndim]
+    flat_source = source.reshape(*lead, -1)
+    if flat_source.shape[-1] == 0:  # then the mask has no True (native raises otherwise)
+        if bool(mask.any()):
+            raise RuntimeError("masked_scatter: the mask has more Trues than source has elements (source is empty)")
+        return self.clone(memory_format=torch.contiguous_format)
+    position = mask.reshape(*lead, -1).cumsum(-1)
+    position = position.sub_(1).clamp_min_(0)
+    if bool((position[..., -1:] >= flat_source.shape[-1]).any()):
+        raise RuntimeError("masked_scatter: the mask has more Trues than source has elements; give each sample a "
+                           "source with at least as many elements as its mask has Trues")
+    placed = flat_source.gather(-1, position).reshape(self.shape)
+    return select(mask, placed, self)
+
+
+def gather_in_order(values: torch.Tensor, mask: torch.Tensor, source_shape: tuple[int, ...],
+                    batch_ndim: int) -> torch.Tensor:
+    """The adjoint of ``scatter_in_order``: each sample's values at its Trues, in order, then zeros, shaped like
+    source. Positions that are False write to a spare slot that is dropped."""
+    lead = values.shape[:batch_ndim]
+    size = math.prod(source_shape[batch_ndim:])
+    flat_mask = mask.reshape(*lead, -1)
+    if _wrapped(values, mask):  # out of place, for the legacy vmap mode (see _wrapped)
+        position = torch.where(flat_mask, flat_mask.cumsum(-1) - 1, size)
+        picked = torch.where(mask, values, 0).reshape(*lead, -1)
+        out = values.new_zeros(*lead, size + 1).scatter_add(-1, position, picked)
+        return out[..., :size].reshape(source_shape)
+    position = flat_mask.cumsum(-1).sub_(1)
+    spare = torch.full((), size, dtype=position.dtype, device=position.device)
+    target = select(flat_mask, position, spare)
+    out = values.new_zeros(*lead, size + 1)
+    out.scatter_(-1, target, values.reshape(*lead, -1).expand(target.shape))
+    return out[..., :size].reshape(source_shape).clone(memory_format=torch.contiguous_format)
+
+
+def index_fill(self: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
+    """``self`` with ``value`` (0 for None) at ``index`` (non-negative) along ``dim``: one ``index_copy`` over the
+    batch. ``value`` broadcasts to ``self`` with ``index``'s length at ``dim`` (one value per sample)."""
+    shape = list(self.shape)
+    shape[dim] = index.numel()
+    if value is None:
+        filler = torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
+    else:
+        filler = value.expand(shape)
+    return aten.index_copy(self, dim, index, filler)
+
+
+# --- optional Inductor compilation of the bodies -----------------------------------------------------------------
+
+COMPILE_SECONDS: dict[tuple[str, str, str], float] = {}  # (body, dtype, device) -> first-call seconds
+_compiled: dict[tuple[str, str, str], Callable[..., Any]] = {}
+_compile_lock = threading.Lock()
+_compile_enabled = os.environ.get("MULTICOMPOSITE_FUSED", "") == "compile"
+
+
+def set_compile(enabled: bool) -> None:
+    """Run the bodies Inductor-compiled (True) or eager (False, the default)."""
+    global _compile_enabled
+    _compile_enabled = enabled
+
+
+def compile_enabled() -> bool:
+    return _compile_enabled
+
+
+def kernel(body: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``body`` as it runs now: itself, or (with compilation on) its Inductor kernel for the first tensor argument's
+    dtype and device, compiled on first use with dynamic shapes and cached."""
+
+    def run(*args: Any) -> torch.Tensor:
+        if not _compile_enabled or torch.compiler.is_compiling():
+            return body(*args)
+        like = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype != torch.bool)
+        key = (body.__name__, str(like.dtype).removeprefix("torch."), like.device.type)
+        compiled = _compiled.get(key)
+        if compiled is None:
+            with _compile_lock:
+                compiled = _compiled.get(key)
+                if compiled is None:
+                    compiled = torch.compile(body, dynamic=True, fullgraph=True)
+                    start = time.perf_counter()
+                    out = compiled(*args)
+                    COMPILE_SECONDS[key] = time.perf_counter() - start
+                    _compiled[key] = compiled
+                    return out
+        return compiled(*args)
+
+    run.__name__ = body.__name__
+    run.__doc__ = body.__doc__
+    return run
