@@ -13,7 +13,7 @@ from torch.autograd import Function
 
 from composites import fused
 from composites.masked import Fill, scalar_or_tensor
-from registry.core.primitive import batch_first, zeros_if_none
+from registry.core.primitive import apply, batch_first, zeros_if_none
 from registry.core.registration import register
 
 # Composites call the dispatcher directly, never a covered entry point that use() may have patched,
@@ -90,7 +90,7 @@ class IndexAddScatter(Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, dim, index, source, alpha):
         self, index, source = batch_first(info, (in_dims[0], in_dims[2], in_dims[3]), self, index, source)
-        return IndexAddScatter.apply(self, dim + 1, index, source, alpha), 0
+        return apply(IndexAddScatter, self, dim + 1, index, source, alpha), 0
 
 
 def _batched_scatter_index(index: torch.Tensor, source: torch.Tensor, dim: int) -> torch.Tensor:
@@ -138,23 +138,23 @@ class IndexAdd(Function):
             return self_t.clone()
         if self_t is None:
             self_t = source_t.new_zeros(ctx.self_shape)
-        return IndexAdd.apply(self_t, ctx.dim, index, source_t, ctx.alpha)
+        return apply(IndexAdd, self_t, ctx.dim, index, source_t, ctx.alpha)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, dim, index, source, alpha):
         if in_dims[2] is not None:
             self, index, source = batch_first(info, (in_dims[0], in_dims[2], in_dims[3]), self, index, source)
-            return IndexAddScatter.apply(self, dim + 1, _batched_scatter_index(index, source, dim + 1), source,
+            return apply(IndexAddScatter, self, dim + 1, _batched_scatter_index(index, source, dim + 1), source,
                                          alpha), 0
         self, source = batch_first(info, (in_dims[0], in_dims[3]), self, source)
-        return IndexAdd.apply(self, dim + 1, index, source, alpha), 0
+        return apply(IndexAdd, self, dim + 1, index, source, alpha), 0
 
 
 @register("index_add", "primitive", function=IndexAdd)
 def index_add_primitive(self, dim, index, source, *, alpha=1):
     """IndexAdd: one autograd node with its own backward, jvp and vmap rules (fused: one native kernel per batch)."""
     flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
-    return IndexAdd.apply(flat, dim_, index_, source_, alpha).reshape(self.shape)
+    return apply(IndexAdd, flat, dim_, index_, source_, alpha).reshape(self.shape)
 
 
 # --- index_copy --------------------------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class IndexCopyScatter(Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, dim, index, source):
         self, index, source = batch_first(info, (in_dims[0], in_dims[2], in_dims[3]), self, index, source)
-        return IndexCopyScatter.apply(self, dim + 1, index, source), 0
+        return apply(IndexCopyScatter, self, dim + 1, index, source), 0
 
 
 class IndexCopy(Function):
@@ -240,7 +240,7 @@ class IndexCopy(Function):
         if ctx.needs_input_grad[0]:
             # Positions that source overwrote get no gradient from self.
             zeros = torch.zeros(ctx.source_shape, dtype=grad.dtype, device=grad.device)
-            grad_self = IndexCopy.apply(grad, ctx.dim, index, zeros)
+            grad_self = apply(IndexCopy, grad, ctx.dim, index, zeros)
         if ctx.needs_input_grad[3]:
             grad_source = grad.index_select(ctx.dim, index)
         return grad_self, None, None, grad_source
@@ -252,22 +252,22 @@ class IndexCopy(Function):
         self_t = self_t if self_t is not None else torch.zeros(ctx.self_shape, dtype=like.dtype, device=like.device)
         source_t = (source_t if source_t is not None
                     else torch.zeros(ctx.source_shape, dtype=like.dtype, device=like.device))
-        return IndexCopy.apply(self_t, ctx.dim, index, source_t)
+        return apply(IndexCopy, self_t, ctx.dim, index, source_t)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, dim, index, source):
         if in_dims[2] is not None:
             self, index, source = batch_first(info, (in_dims[0], in_dims[2], in_dims[3]), self, index, source)
-            return IndexCopyScatter.apply(self, dim + 1, _batched_scatter_index(index, source, dim + 1), source), 0
+            return apply(IndexCopyScatter, self, dim + 1, _batched_scatter_index(index, source, dim + 1), source), 0
         self, source = batch_first(info, (in_dims[0], in_dims[3]), self, source)
-        return IndexCopy.apply(self, dim + 1, index, source), 0
+        return apply(IndexCopy, self, dim + 1, index, source), 0
 
 
 @register("index_copy", "primitive", function=IndexCopy)
 def index_copy_primitive(self, dim, index, source):
     """IndexCopy: one autograd node with its own backward, jvp and vmap rules (fused: one native kernel per batch)."""
     flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
-    return IndexCopy.apply(flat, dim_, index_, source_).reshape(self.shape)
+    return apply(IndexCopy, flat, dim_, index_, source_).reshape(self.shape)
 
 
 # --- index_fill --------------------------------------------------------------------------------------------------
@@ -329,10 +329,10 @@ class IndexFill(Function):
         (index,) = ctx.saved_tensors
         grad_self = grad_value = None
         if ctx.needs_input_grad[0]:
-            grad_self = IndexFill.apply(grad, ctx.dim, index, None)
+            grad_self = apply(IndexFill, grad, ctx.dim, index, None)
         if ctx.value_shape is not None and ctx.needs_input_grad[3]:
             # At the index's mask, not index_select: repeated indices fill once, and unique() cannot be batched.
-            grad_value = Fill.apply(None, _index_mask(grad, ctx.dim, index), grad).sum_to_size(ctx.value_shape)
+            grad_value = apply(Fill, None, _index_mask(grad, ctx.dim, index), grad).sum_to_size(ctx.value_shape)
         return grad_self, None, None, grad_value
 
     @staticmethod
@@ -340,7 +340,7 @@ class IndexFill(Function):
         (index,) = ctx.saved_tensors
         if self_t is None:
             self_t = torch.zeros(ctx.self_shape, dtype=value_t.dtype, device=value_t.device)
-        return IndexFill.apply(self_t, ctx.dim, index, value_t)
+        return apply(IndexFill, self_t, ctx.dim, index, value_t)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, dim, index, value):
@@ -351,9 +351,9 @@ class IndexFill(Function):
             hits = torch.zeros(info.batch_size, size, dtype=torch.bool, device=index.device).scatter(1, index, True)
             mask = hits.reshape((info.batch_size, size) + (1,) * (rank - dim - 1))
             self, mask, value = batch_first(info, (in_dims[0], 0, in_dims[3]), self, mask, value, rank=rank)
-            return Fill.apply(self, mask, value), 0
+            return apply(Fill, self, mask, value), 0
         self, value = batch_first(info, (in_dims[0], in_dims[3]), self, value, rank=rank)
-        return IndexFill.apply(self, dim + 1, index, value), 0
+        return apply(IndexFill, self, dim + 1, index, value), 0
 
 
 @register("index_fill", "primitive", function=IndexFill)
@@ -361,4 +361,4 @@ def index_fill_primitive(self, dim, index, value):
     """IndexFill: one autograd node with its own backward, jvp and vmap rules (fused: one native kernel per batch)."""
     flat, dim_, index_, _ = _rank1_view(self, dim, index, None)
     size = flat.shape[dim_]
-    return IndexFill.apply(flat, dim_, index_ % max(size, 1), scalar_or_tensor(value, self)).reshape(self.shape)
+    return apply(IndexFill, flat, dim_, index_ % max(size, 1), scalar_or_tensor(value, self)).reshape(self.shape)

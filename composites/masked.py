@@ -9,7 +9,7 @@ import torch
 from torch.autograd import Function
 
 from composites import fused
-from registry.core.primitive import batch_first
+from registry.core.primitive import apply, batch_first
 from registry.core.registration import register
 
 # Composites call the dispatcher directly, never a covered entry point that use() may have patched,
@@ -52,9 +52,9 @@ class Fill(Function):
         (mask,) = ctx.saved_tensors
         grad_self = grad_value = None
         if ctx.self_shape is not None and ctx.needs_input_grad[0]:
-            grad_self = Fill.apply(grad, mask, None).sum_to_size(ctx.self_shape)
+            grad_self = apply(Fill, grad, mask, None).sum_to_size(ctx.self_shape)
         if ctx.value_shape is not None and ctx.needs_input_grad[2]:
-            grad_value = Fill.apply(None, mask, grad).sum_to_size(ctx.value_shape)
+            grad_value = apply(Fill, None, mask, grad).sum_to_size(ctx.value_shape)
         return grad_self, None, grad_value
 
     @staticmethod
@@ -62,14 +62,14 @@ class Fill(Function):
         (mask,) = ctx.saved_tensors
         if self_t is None and value_t is None:
             raise RuntimeError("Fill.jvp: called without a tangent for self or value")
-        return Fill.apply(self_t, mask, value_t)
+        return apply(Fill, self_t, mask, value_t)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, mask, value):
         present = [(t, d) for t, d in zip((self, mask, value), in_dims, strict=True) if isinstance(t, torch.Tensor)]
         rank = max(t.dim() - (d is not None) for t, d in present)
         self, mask, value = batch_first(info, in_dims, self, mask, value, rank=rank)
-        return Fill.apply(self, mask, value), 0
+        return apply(Fill, self, mask, value), 0
 
 
 # --- masked_fill -------------------------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ def masked_fill_functional(self, mask, value):
 @register("masked_fill", "primitive", function=Fill)
 def masked_fill_primitive(self, mask, value):
     """Fill: one autograd node with its own backward, jvp and vmap rules."""
-    return Fill.apply(self, mask, scalar_or_tensor(value, self))
+    return apply(Fill, self, mask, scalar_or_tensor(value, self))
 
 
 # --- masked_scatter ----------------------------------------------------------------------------------------------
@@ -140,8 +140,8 @@ class MaskedScatter(Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         (mask,) = ctx.saved_tensors
-        grad_self = Fill.apply(grad, mask, None) if ctx.needs_input_grad[0] else None
-        grad_source = (MaskedGather.apply(grad, mask, ctx.source_shape, ctx.batch_ndim) if ctx.needs_input_grad[2]
+        grad_self = apply(Fill, grad, mask, None) if ctx.needs_input_grad[0] else None
+        grad_source = (apply(MaskedGather, grad, mask, ctx.source_shape, ctx.batch_ndim) if ctx.needs_input_grad[2]
                        else None)
         return grad_self, None, grad_source, None
 
@@ -152,12 +152,12 @@ class MaskedScatter(Function):
             self_t = torch.zeros(mask.shape, dtype=source_t.dtype, device=source_t.device)
         if source_t is None:
             source_t = torch.zeros(ctx.source_shape, dtype=self_t.dtype, device=self_t.device)
-        return MaskedScatter.apply(self_t, mask, source_t, ctx.batch_ndim)
+        return apply(MaskedScatter, self_t, mask, source_t, ctx.batch_ndim)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, mask, source, batch_ndim):
         self, mask, source = batch_first(info, in_dims[:3], self, mask, source)
-        return MaskedScatter.apply(self, mask, source, batch_ndim + 1), 0
+        return apply(MaskedScatter, self, mask, source, batch_ndim + 1), 0
 
 
 class MaskedGather(Function):
@@ -181,17 +181,17 @@ class MaskedGather(Function):
     def backward(ctx: Any, grad: torch.Tensor):
         (mask,) = ctx.saved_tensors
         zeros = torch.zeros(ctx.values_shape, dtype=grad.dtype, device=grad.device)
-        return MaskedScatter.apply(zeros, mask, grad, ctx.batch_ndim), None, None, None
+        return apply(MaskedScatter, zeros, mask, grad, ctx.batch_ndim), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, values_t, _mask_t, _source_shape, _batch_ndim) -> torch.Tensor:
         (mask,) = ctx.saved_tensors
-        return MaskedGather.apply(values_t, mask, ctx.source_shape, ctx.batch_ndim)
+        return apply(MaskedGather, values_t, mask, ctx.source_shape, ctx.batch_ndim)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], values, mask, source_shape, batch_ndim):
         values, mask = batch_first(info, in_dims[:2], values, mask)
-        return MaskedGather.apply(values, mask, (info.batch_size, *source_shape), batch_ndim + 1), 0
+        return apply(MaskedGather, values, mask, (info.batch_size, *source_shape), batch_ndim + 1), 0
 
 
 def _broadcast_mask(self: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,4 +223,4 @@ def masked_scatter_functional(self, mask, source):
 def masked_scatter_primitive(self, mask, source):
     """MaskedScatter: one autograd node with its own backward, jvp and vmap rules."""
     self, mask = _broadcast_mask(self, mask)
-    return MaskedScatter.apply(self, mask, source, 0)
+    return apply(MaskedScatter, self, mask, source, 0)
