@@ -28,7 +28,7 @@ from torch._C._functorch import (
     push_dynamic_layer_stack,
     unwrap_if_dead,
 )
-from torch._functorch.utils import enable_single_level_autograd_function
+from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 # Dimension order of each memory format, as a permutation of the logical dimensions.
@@ -123,6 +123,7 @@ def is_laid_out(tensor: torch.Tensor, memory_format: torch.memory_format | None)
 # primitive's. A primitive's rules call ``apply`` (not ``Function.apply``) so that every level takes this path.
 
 _single_level: dict[tuple[type, int, Any], type] = {}
+_base_apply = torch._C._FunctionBase.__dict__["apply"]
 
 
 class _VmapInfo(NamedTuple):
@@ -179,8 +180,12 @@ def apply(function: type, *args: Any) -> Any:
     """``function.apply(*args)`` for a primitive (an autograd.Function with its own vmap rule and one tensor
     output), through the lighter functorch path above under torch.func transforms."""
     interpreter = peek_interpreter_stack()
-    if interpreter is None or torch.compiler.is_compiling():
-        return function.apply(*args)
+    if interpreter is None:
+        if torch.compiler.is_compiling():
+            return function.apply(*args)
+        # Below every transform: autograd's own apply, without Function.apply's per-call inspect.signature (a
+        # primitive's forward takes every argument positionally, with no defaults to bind).
+        return _base_apply.__get__(None, function)(*unwrap_dead_wrappers(args))
     # A tensor saved by a level that has exited (jacrev's backward runs after its grad level) is a dead wrapper:
     # read as what it wraps, as functorch does.
     args = tuple(unwrap_if_dead(x) if isinstance(x, torch.Tensor) else x for x in args)
