@@ -13,11 +13,13 @@ single pass over the same data, ``x * y``):
 - the index ops run PyTorch's own ``index_add`` / ``index_copy`` / ``index_select`` once over the whole batch (the
   1-d index is shared by every sample), one kernel each.
 
-``kernel(fn)`` can also hand out an Inductor-compiled body (``torch.compile``, C++ on CPU, dynamic in shape so no batch
-size recompiles), compiled once per dtype and device and cached; ``set_compile(True)`` or ``MULTICOMPOSITE_FUSED=
-compile`` turns that on, and the first-call compile time of each body is kept in ``COMPILE_SECONDS``. It is off by
-default: on the development machine a compiled body is no faster warm than the eager bit formulation (measured in
-``bench/pieces.py``) and costs seconds of gcc per dtype.
+``kernel(body)`` can also hand out an Inductor-compiled body (``torch.compile``, C++ with gcc on CPU, dynamic in
+shape so that no batch size recompiles), compiled once per dtype and device and cached; ``set_compile(True)`` or
+``MULTICOMPOSITE_FUSED=compile`` turns that on for ``select``, and each body's first-call time (the compilation) is
+kept in ``COMPILE_SECONDS``. It is off by default because measurement says so (``python -m bench --pieces
+--compile``): on the development machine the compiled select took 1.48 ms warm against 0.43 ms for the eager bit
+formulation (and 0.06 ms for one pass, ``x * y``), after 96 s of compilation; a second batch size reused the kernel
+(0.02 s).
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ def _wrapped(*tensors: torch.Tensor | None) -> bool:
     return any(t is not None and (maybe_get_level(t) != -1 or is_legacy_batchedtensor(t)) for t in tensors)
 
 
-def select(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+def select(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, *,
+           a_is_scratch: bool = False) -> torch.Tensor:
     """``torch.where(mask, a, b)`` bit for bit, with ``None`` standing for zero; all three broadcast.
 
-    ``a`` and ``b`` have one dtype; at least one of them is a tensor.
+    ``a`` and ``b`` have one dtype; at least one of them is a tensor. ``a_is_scratch``: ``a`` is the caller's
+    temporary, which the result may be written into.
     """
     like = a if a is not None else b
     if like is None:
@@ -76,24 +80,42 @@ def select(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None) -
     if bits is None:  # complex: no bit view with one integer per element
         zero = torch.zeros((), dtype=dtype, device=mask.device)
         return torch.where(mask, zero if a is None else a, zero if b is None else b)
+    return kernel(_select_bits)(mask, a, b, bits, dtype, a_is_scratch)
+
+
+def _select_bits(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, bits: torch.dtype,
+                 dtype: torch.dtype, a_is_scratch: bool = False) -> torch.Tensor:
+    """The body of ``select`` for a dtype whose values are viewed as the integers ``bits``. In place on its own
+    temporaries where their shape is already the result's: a fresh 1 MB tensor costs page faults, more than a pass."""
     keep = mask.to(bits)  # 1 where a is taken
     if a is None:  # b where the mask is False, else +0: b & (keep - 1)
-        out = torch.bitwise_and(b.view(bits), keep.sub_(1))
+        keep.sub_(1)
+        out = keep.bitwise_and_(b.view(bits)) if _covers(keep, b) else torch.bitwise_and(b.view(bits), keep)
     elif b is None:  # a where the mask is True, else +0: a & -keep
-        out = torch.bitwise_and(a.view(bits), keep.neg_())
-    else:
+        keep.neg_()
+        out = keep.bitwise_and_(a.view(bits)) if _covers(keep, a) else torch.bitwise_and(a.view(bits), keep)
+    else:  # b ^ ((a ^ b) & -keep)
         b_bits = b.view(bits)
-        out = torch.bitwise_and(torch.bitwise_xor(a.view(bits), b_bits), keep.neg_())
-        out = out.bitwise_xor_(b_bits) if out.shape == torch.broadcast_shapes(out.shape, b.shape) else out ^ b_bits
+        if a_is_scratch and _covers(a, b) and _covers(a, mask):
+            out = a.view(bits).bitwise_xor_(b_bits)
+        else:
+            out = torch.bitwise_xor(a.view(bits), b_bits)
+        out = out.bitwise_and_(keep.neg_()) if _covers(out, keep) else torch.bitwise_and(out, keep.neg_())
+        out = out.bitwise_xor_(b_bits) if _covers(out, b) else torch.bitwise_xor(out, b_bits)
     return out.view(dtype) if bits != dtype else out
+
+
+def _covers(target: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``other`` broadcasts to ``target``'s shape, so an in-place op on ``target`` can take it."""
+    return target.shape == torch.broadcast_shapes(target.shape, other.shape)
 
 
 def scatter_in_order(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, batch_ndim: int) -> torch.Tensor:
     """masked_scatter of each sample: the k-th True of a sample's mask takes its source's k-th element.
 
     ``mask`` has ``self``'s shape; the first ``batch_ndim`` dimensions of all three are batch dimensions, the rest of
-    ``source`` is flattened. The running count of Trues, less one, is the source position (clamped at 0 where no
-    True came yet: those positions keep ``self``).
+    ``source`` is flattened. The running count of Trues picks each position's source element (one gather), and an
+    exact select keeps ``self`` where the mask is False.
     """
     lead = self.shape[:batch_ndim]
     flat_source = source.reshape(*lead, -1)
@@ -102,12 +124,14 @@ def scatter_in_order(self: torch.Tensor, mask: torch.Tensor, source: torch.Tenso
             raise RuntimeError("masked_scatter: the mask has more Trues than source has elements (source is empty)")
         return self.clone(memory_format=torch.contiguous_format)
     position = mask.reshape(*lead, -1).cumsum(-1)
-    position = position.sub_(1).clamp_min_(0)
-    if bool((position[..., -1:] >= flat_source.shape[-1]).any()):
+    if bool((position[..., -1:] > flat_source.shape[-1]).any()):
         raise RuntimeError("masked_scatter: the mask has more Trues than source has elements; give each sample a "
                            "source with at least as many elements as its mask has Trues")
+    # Position p (the count of Trues so far) takes source element p - 1: a source with one spare element in front
+    # needs no clamping where no True came yet (those positions keep self).
+    flat_source = torch.nn.functional.pad(flat_source, (1, 0))
     placed = flat_source.gather(-1, position).reshape(self.shape)
-    return select(mask, placed, self)
+    return select(mask, placed, self, a_is_scratch=True)
 
 
 def gather_in_order(values: torch.Tensor, mask: torch.Tensor, source_shape: tuple[int, ...],
@@ -167,7 +191,7 @@ def kernel(body: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def run(*args: Any) -> torch.Tensor:
         if not _compile_enabled or torch.compiler.is_compiling():
             return body(*args)
-        like = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype != torch.bool)
+        like = next((a for a in args if isinstance(a, torch.Tensor) and a.dtype != torch.bool), args[0])
         key = (body.__name__, str(like.dtype).removeprefix("torch."), like.device.type)
         compiled = _compiled.get(key)
         if compiled is None:
