@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch._C._functorch import is_legacy_batchedtensor, maybe_get_level
 
+from composites import native_kernels
+
 aten = torch.ops.aten
 
 # The integer dtype of each element size, whose bits a float is viewed as.
@@ -70,6 +72,8 @@ def select(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, *
     if _wrapped(mask, a, b):
         zero = torch.zeros((), dtype=dtype, device=mask.device)
         return torch.where(mask, zero if a is None else a, zero if b is None else b)
+    if _one_pass_ok(mask, a, b):
+        return native_kernels.select(mask, a, b)
     if dtype == torch.bool:
         if a is None:
             return torch.logical_and(b, torch.logical_not(mask))
@@ -105,6 +109,15 @@ def _select_bits(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | N
     return out.view(dtype) if bits != dtype else out
 
 
+def _one_pass_ok(*tensors: torch.Tensor | None) -> bool:
+    """Whether the one-pass C kernel gives what the eager body gives, layout included: plain CPU tensors, and each
+    that already has the result's shape is contiguous (the kernel writes a contiguous result)."""
+    present = [t for t in tensors if t is not None]
+    shape = torch.broadcast_shapes(*(t.shape for t in present))
+    return (all(t.is_contiguous() for t in present if t.shape == shape) and bool(shape)
+            and native_kernels.usable(*present))
+
+
 def _covers(target: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether ``other`` broadcasts to ``target``'s shape, so an in-place op on ``target`` can take it."""
     return target.shape == torch.broadcast_shapes(target.shape, other.shape)
@@ -123,7 +136,10 @@ def scatter_in_order(self: torch.Tensor, mask: torch.Tensor, source: torch.Tenso
         if bool(mask.any()):
             raise RuntimeError("masked_scatter: the mask has more Trues than source has elements (source is empty)")
         return self.clone(memory_format=torch.contiguous_format)
-    position = mask.reshape(*lead, -1).cumsum(-1)
+    flat_mask = mask.reshape(*lead, -1)
+    if _one_pass_ok(self, mask) and native_kernels.usable(source) and self.dim() > batch_ndim:
+        return native_kernels.scatter_rows(self.reshape(*lead, -1), flat_mask, flat_source).reshape(self.shape)
+    position = flat_mask.cumsum(-1)
     if bool((position[..., -1:] > flat_source.shape[-1]).any()):
         raise RuntimeError("masked_scatter: the mask has more Trues than source has elements; give each sample a "
                            "source with at least as many elements as its mask has Trues")
@@ -146,6 +162,9 @@ def gather_in_order(values: torch.Tensor, mask: torch.Tensor, source_shape: tupl
         picked = torch.where(mask, values, 0).reshape(*lead, -1)
         out = values.new_zeros(*lead, size + 1).scatter_add(-1, position, picked)
         return out[..., :size].reshape(source_shape)
+    if _one_pass_ok(values, mask) and values.dim() > batch_ndim:
+        picked = native_kernels.gather_rows(values.reshape(*lead, -1), flat_mask, size)
+        return picked.reshape(source_shape).clone(memory_format=torch.contiguous_format)
     position = flat_mask.cumsum(-1).sub_(1)
     spare = torch.full((), size, dtype=position.dtype, device=position.device)
     target = select(flat_mask, position, spare)
