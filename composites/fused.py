@@ -145,8 +145,10 @@ def scatter_in_order(self: torch.Tensor, mask: torch.Tensor, source: torch.Tenso
                            "source with at least as many elements as its mask has Trues")
     # Position p (the count of Trues so far) takes source element p - 1: a source with one spare element in front
     # needs no clamping where no True came yet (those positions keep self).
-    flat_source = torch.nn.functional.pad(flat_source, (1, 0))
-    placed = flat_source.gather(-1, position).reshape(self.shape)
+    # On the bits: gather on bfloat16 rewrites NaN payloads (a NaN comes back as 0xFFFF).
+    bits = _bit_dtype(flat_source.dtype)
+    as_bits = flat_source.view(bits) if bits is not None and bits != flat_source.dtype else flat_source
+    placed = torch.nn.functional.pad(as_bits, (1, 0)).gather(-1, position).view(self.dtype).reshape(self.shape)
     return select(mask, placed, self, a_is_scratch=True)
 
 
@@ -168,9 +170,12 @@ def gather_in_order(values: torch.Tensor, mask: torch.Tensor, source_shape: tupl
     position = flat_mask.cumsum(-1).sub_(1)
     spare = torch.full((), size, dtype=position.dtype, device=position.device)
     target = select(flat_mask, position, spare)
-    out = values.new_zeros(*lead, size + 1)
-    out.scatter_(-1, target, values.reshape(*lead, -1).expand(target.shape))
-    return out[..., :size].reshape(source_shape).clone(memory_format=torch.contiguous_format)
+    bits = _bit_dtype(values.dtype)  # on the bits: scatter_ on bfloat16 rewrites NaN payloads, as gather does
+    flat_values = values.reshape(*lead, -1)
+    flat_values = flat_values.view(bits) if bits is not None and bits != values.dtype else flat_values
+    out = flat_values.new_zeros(*lead, size + 1)
+    out.scatter_(-1, target, flat_values.expand(target.shape))
+    return out[..., :size].view(values.dtype).reshape(source_shape).clone(memory_format=torch.contiguous_format)
 
 
 def index_fill(self: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
