@@ -222,5 +222,5 @@ def masked_scatter_functional(self, mask, source):
 @register("masked_scatter", "primitive", function=MaskedScatter)
 def masked_scatter_primitive(self, mask, source):
     """MaskedScatter: one autograd node with its own backward, jvp and vmap rules."""
-    self, mask = _broadcast_mask(self, mask)
-    return apply(MaskedScatter, self, mask, source, 0)
+    shape = fused.broadcast_shape(self.shape, mask.shape)
+    return apply(MaskedScatter, self.expand(shape), mask.expand(shape), source, 0)

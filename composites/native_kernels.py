@@ -183,7 +183,9 @@ def _rows_operand(x: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype)
 def select(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
     """``torch.where(mask, a, b)`` (None is zero) in one pass; the caller checked ``usable``."""
     like = a if a is not None else b
-    shape = torch.broadcast_shapes(mask.shape, *(t.shape for t in (a, b) if t is not None))
+    from composites.fused import broadcast_shape
+
+    shape = torch.Size(broadcast_shape(mask.shape, *(t.shape for t in (a, b) if t is not None)))
     dtype, bits = like.dtype, like.element_size() * 8
     out = torch.empty(shape, dtype=dtype)
     if out.numel() == 0:
