@@ -8,9 +8,12 @@ import pytest
 import torch
 from torch import func
 
+import registry
 from composites import fused, native_kernels
 from composites.masked import Fill, MaskedScatter
 from registry.core.primitive import apply
+from registry.harness.checks import PATTERNS, STACKS, check, skip_reason
+from registry.harness.samples import SAMPLES
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
           torch.bool)
@@ -106,3 +109,23 @@ def test_light_path_matches_functorch_path() -> None:
     for make in (lambda f: func.vmap(func.grad(f, argnums=(0, 2))), lambda f: func.vmap(func.jacfwd(f, argnums=2)),
                  lambda f: func.vmap(func.hessian(f))):
         torch.testing.assert_close(make(light)(x, mask, source), make(functorch)(x, mask, source), rtol=0, atol=0)
+
+
+PRIMITIVE_STACKS = [s for s in STACKS if s not in ("compile", "functionalize")]  # rules mark those invalid
+
+
+@pytest.mark.parametrize("stack", PRIMITIVE_STACKS)
+@pytest.mark.parametrize("op", ["masked_scatter", "masked_fill", "index_fill", "index_add", "index_copy"])
+def test_fused_primitive_under_every_stack(op: str, stack: str) -> None:
+    """The fused primitive, pinned, under every stack and batching pattern, against the Python loop of native
+    PyTorch (the harness of test_stacks, which under policy auto mostly runs the functional composites)."""
+    failures = []
+    for sample in SAMPLES[op]:
+        for pattern in PATTERNS:
+            if skip_reason(sample, stack, pattern):
+                continue
+            with registry.use(pins={op: "primitive"}):
+                outcome = check(sample, stack, pattern)
+            if outcome.status != "ok":
+                failures.append(f"{sample.id} {stack} {pattern}: {outcome.status} {outcome.detail}")
+    assert failures == []
