@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per blocked_autorange")
     parser.add_argument("--kinds", action="store_true", help="also time every kind of composite side by side")
     parser.add_argument("--pieces", action="store_true", help="also time each piece of the fused bodies")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --pieces: also the Inductor-compiled select (minutes of compilation)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="(a): one thread, timed in thread CPU time (a shared machine: time spent descheduled "
                              "does not count)")
@@ -99,14 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also run the profiling sweep and auto vs native")
     parser.add_argument("--api", action="store_true", help="also load-test GET /select against hello-world")
     args = parser.parse_args(argv)
-    torch.set_num_threads(torch.get_num_threads())
+    torch.set_num_threads(1 if args.cpu_time else torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
 
-    if args.cpu_time:
-        torch.set_num_threads(1)
     print_compare(args.rounds, args.min_run_time, cpu_time=args.cpu_time)
     if args.pieces:
-        print_pieces(args.rounds, args.min_run_time, cpu_time=args.cpu_time)
+        print_pieces(args.rounds, args.min_run_time, cpu_time=args.cpu_time, compile=args.compile)
     if args.only_fused:
         return 0
     result = bench_overhead(args.rounds, args.min_run_time)

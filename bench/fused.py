@@ -97,6 +97,11 @@ def print_compare(rounds: int = 7, min_run_time: float = 0.5, cpu_time: bool = F
     print(f"    {'op':15s} {'stack':11s} {'native us':>9s} {'fused us':>9s} {'fused':>7s} {'target':>7s} "
           f"{'auto us':>8s} {'auto':>6s} {'auto runs':12s} {'fused/1-pass':>12s} {'spread n/f/a':>14s}")
     rows = compare(rounds, min_run_time, cpu_time)
+    from composites import native_kernels
+
+    seconds = native_kernels.COMPILE_SECONDS.get("kernels.c")
+    print(f"    (the one-pass C kernels compiled on first use in {seconds:.1f} s; every time below is warm)"
+          if seconds is not None else f"    (no C kernels: {native_kernels.failure()}; eager formulation)")
     for r in rows:
         target = f">= {r['target']:.0f}x" if r["target"] else ">=0.97x"
         met = (r["fused_speedup"] >= r["target"]) if r["target"] else (r["auto_speedup"] >= 0.97)
@@ -118,19 +123,56 @@ def _pieces() -> dict[str, Callable[[], Any]]:
     return {
         "x * y (one pass)": lambda: x * y,
         "torch.where(mask, x, y)": lambda: torch.where(mask, x, y),
-        "fused.select(mask, x, y) (bits)": lambda: fused.select(mask, x, y),
-        "fused.select(mask, None, y)": lambda: fused.select(mask, None, y),
+        "fused.select (one-pass C kernel)": lambda: fused.select(mask, x, y),
+        "fused.select, eager bit formulation": lambda: _eager(fused.select, mask, x, y),
+        "fused.select(mask, None, y) (C)": lambda: fused.select(mask, None, y),
         "mask.cumsum(-1)": lambda: mask.cumsum(-1),
-        "fused.scatter_in_order": lambda: fused.scatter_in_order(x, mask, y, 1),
+        "fused.scatter_in_order (C)": lambda: fused.scatter_in_order(x, mask, y, 1),
+        "fused.scatter_in_order, eager": lambda: _eager(fused.scatter_in_order, x, mask, y, 1),
         "native masked_scatter (+ y[mask])": lambda: x.masked_scatter(mask, y[mask]),
-        "fused.gather_in_order": lambda: fused.gather_in_order(x, mask, (BATCH, SIZE), 1),
+        "fused.gather_in_order (C)": lambda: fused.gather_in_order(x, mask, (BATCH, SIZE), 1),
         "fused.index_fill (index_copy)": lambda: fused.index_fill(x, 1, index, value),
     }
 
 
-def print_pieces(rounds: int = 7, min_run_time: float = 0.5, cpu_time: bool = False) -> None:
-    timed = noise.interleaved(_pieces(), rounds=rounds, min_run_time=min_run_time * 4, clock=_clock(cpu_time))
+def _eager(body: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    from composites import native_kernels
+
+    native_kernels.set_enabled(False)
+    try:
+        return body(*args)
+    finally:
+        native_kernels.set_enabled(True)
+
+
+def print_pieces(rounds: int = 7, min_run_time: float = 0.5, cpu_time: bool = False, compile: bool = False) -> None:
+    """Each piece against one pass; ``compile``: also the eager bit select compiled by Inductor (C++ with gcc,
+    dynamic shapes), its first-call (compile) time, and whether another batch size recompiles."""
+    from composites import fused, native_kernels
+
+    pieces = _pieces()
+    if compile:
+        g = torch.Generator().manual_seed(2)
+        x, y = torch.randn(BATCH, SIZE, generator=g), torch.randn(BATCH, SIZE, generator=g)
+        mask = torch.rand(BATCH, SIZE, generator=g) > 0.5
+        native_kernels.set_enabled(False)
+        fused.set_compile(True)
+        try:
+            fused.select(mask, x, y)  # compiles
+            start = time.perf_counter()
+            fused.select(mask[:BATCH // 2], x[:BATCH // 2], y[:BATCH // 2])
+            other_batch = time.perf_counter() - start
+            pieces["select, Inductor-compiled"] = lambda: fused.select(mask, x, y)
+            timed = noise.interleaved(pieces, rounds=rounds, min_run_time=min_run_time * 4, clock=_clock(cpu_time))
+        finally:
+            fused.set_compile(False)
+            native_kernels.set_enabled(True)
+        compiled = ", ".join(f"{key[0]} {key[1]}: {seconds:.1f} s" for key, seconds in fused.COMPILE_SECONDS.items())
+        print(f"Inductor first calls (compilation): {compiled}; another batch size then took {other_batch:.3f} s")
+    else:
+        timed = noise.interleaved(pieces, rounds=rounds, min_run_time=min_run_time * 4, clock=_clock(cpu_time))
     limit = timed["x * y (one pass)"].median_us
-    print(f"pieces of the fused bodies, {BATCH} x {SIZE:,} float32 (median us, and in passes of x * y):")
+    print(f"pieces of the fused bodies, {BATCH} x {SIZE:,} float32 (median us, and in passes of x * y); the C "
+          f"kernels compiled in {native_kernels.COMPILE_SECONDS.get('kernels.c', float('nan')):.1f} s:")
     for name, t in timed.items():
         print(f"    {name:36s} {t.median_us:8.0f} us {t.median_us / limit:6.1f} passes  spread {t.spread:.0%}")

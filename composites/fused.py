@@ -160,8 +160,10 @@ def scatter_in_order(self: torch.Tensor, mask: torch.Tensor, source: torch.Tenso
     # needs no clamping where no True came yet (those positions keep self).
     # On the bits: gather on bfloat16 rewrites NaN payloads (a NaN comes back as 0xFFFF).
     bits = _bit_dtype(flat_source.dtype)
-    as_bits = flat_source.view(bits) if bits is not None and bits != flat_source.dtype else flat_source
-    placed = torch.nn.functional.pad(as_bits, (1, 0)).gather(-1, position).view(self.dtype).reshape(self.shape)
+    as_bits = (flat_source.view(bits) if bits is not None and bits != flat_source.dtype and not _wrapped(flat_source)
+               else flat_source)
+    placed = torch.nn.functional.pad(as_bits, (1, 0)).gather(-1, position)
+    placed = (placed if as_bits is flat_source else placed.view(self.dtype)).reshape(self.shape)
     return select(mask, placed, self, a_is_scratch=True)
 
 
