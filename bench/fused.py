@@ -63,8 +63,11 @@ def compare(rounds: int = 7, min_run_time: float = 0.5, cpu_time: bool = False,
     for op in ops or (*sorted({op for op, _ in TARGETS}), *GOOD_NATIVE):
         loss, args = cases[op]
         # A fresh profile of this context decides auto (batch 256, as timed here).
+        refused: list[str] = []
         entries = profile(ops=[op], workloads=["vmap", "vmap(grad)"], batch_sizes=(BATCH,), numels=(SIZE,),
-                          min_run_time=min_run_time / 5, earlier=[], clock=clock)
+                          min_run_time=min_run_time, earlier=[], clock=clock, refused=refused)
+        for line in refused:  # then auto has no profile there and the rules decide (functional)
+            print(f"    profile refused: {line}")
         evidence.set_profiles(entries)
         for stack, f in (("vmap", func.vmap(loss)), ("vmap(grad)", func.vmap(func.grad(loss)))):
             runners = {"native": _routed(f, args, policy="native"), "fused": _routed(f, args, pins={op: "primitive"}),

@@ -2,14 +2,15 @@
 every transform (a primitive's vmap rule moves the batch dimensions to the front and re-applies the Function, so
 these always see physical tensors with the batch dimensions leading).
 
-Each body is written in the formulation that measured fastest on CPU (``bench/pieces.py`` times each one against a
-single pass over the same data, ``x * y``):
+Each body is written in the formulation that measured fastest on CPU (``python -m bench --pieces`` times each one
+against a single pass over the same data, ``x * y``):
 
-- ``select`` is ``torch.where`` as integer bit operations on the values' bits, ``b ^ ((a ^ b) & -mask)``: exact
-  (NaN payloads, infinities and -0.0 come out bit for bit as in the chosen input) and branchless, where
-  ``torch.where`` with a random bool mask is a branchy scalar loop on this CPU;
-- ``scatter_in_order`` (masked_scatter) finds each True's source element with a ``cumsum`` of the mask and a
-  ``gather``, with no ``nonzero`` compaction;
+- ``select`` is ``torch.where`` on the values' bits, ``b ^ ((a ^ b) & -mask)``: exact (NaN payloads, infinities and
+  -0.0 come out bit for bit as in the chosen input) and branchless, where ``torch.where`` with a random bool mask is
+  a branchy scalar loop on this CPU; one pass of a C kernel (``native_kernels``), or integer ops in eager PyTorch
+  where that kernel cannot run;
+- ``scatter_in_order`` (masked_scatter) walks each row once with a running count of Trues (C), or finds each True's
+  source element with a ``cumsum`` of the mask and a ``gather`` (eager), with no ``nonzero`` compaction;
 - the index ops run PyTorch's own ``index_add`` / ``index_copy`` / ``index_select`` once over the whole batch (the
   1-d index is shared by every sample), one kernel each.
 

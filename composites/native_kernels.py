@@ -1,10 +1,11 @@
-"""One-pass CPU kernels for the fused bodies: a small C file generated here, compiled with gcc on first use (well
-under a second: it includes no PyTorch header) and called through ctypes on the tensors' memory.
+"""One-pass CPU kernels for the fused bodies: a small C file generated here, compiled with gcc on first use (2-5 s on
+the loaded development machine: it includes no PyTorch header) and called through ctypes on the tensors' memory.
 
-Why not Inductor: ``torch.compile`` of the bit select took 1.48 ms warm on the development machine against 0.27 ms
-for the eager bit formulation and 0.05 ms for one pass over the data, after 96 s of compilation (``python -m bench
---pieces``). These kernels are one pass each: ``select`` reads the mask and both inputs once and writes once (gcc
-vectorizes it); ``scatter_rows`` and ``gather_rows`` walk each row once with a running count of Trues, branchless.
+Why not Inductor: ``torch.compile`` of the bit select took 1.48 ms warm on the development machine against 0.43 ms
+for the eager bit formulation and 0.06 ms for one pass over the data, after 96 s of compilation (``python -m bench
+--pieces --compile``). These kernels are one pass each: ``select`` reads the mask and both inputs once and writes
+once (gcc vectorizes it); ``scatter_rows`` and ``gather_rows`` walk each row once with a running count of Trues,
+branchless.
 
 They move bits, so one kernel per element size serves every dtype of that size (float, int, bool); values are
 copied exactly (NaN payloads, infinities, -0.0). Where gcc is missing or fails, ``available()`` is False and the
