@@ -70,7 +70,7 @@ def select(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, *
     if like is None:
         raise ValueError("fused.select: at least one of a and b must be a tensor")
     dtype = like.dtype
-    if _wrapped(mask, a, b):
+    if torch.compiler.is_compiling() or _wrapped(mask, a, b):  # traced by Dynamo, or batched by legacy vmap
         zero = torch.zeros((), dtype=dtype, device=mask.device)
         return torch.where(mask, zero if a is None else a, zero if b is None else b)
     if _one_pass_ok(mask, a, b):

@@ -155,14 +155,18 @@ def failure() -> str | None:
 
 
 def usable(*tensors: torch.Tensor | None) -> bool:
-    """Plain CPU tensors of an element size the kernels handle (not wrapped by a transform, not complex128)."""
+    """Plain CPU tensors with memory of their own, of an element size the kernels handle (not wrapped by a
+    transform, not a subclass, not complex128)."""
     from torch._C._functorch import is_legacy_batchedtensor, maybe_get_level
 
     for t in tensors:
         if t is None:
             continue
-        if (t.device.type != "cpu" or t.element_size() not in _TYPES or maybe_get_level(t) != -1
-                or is_legacy_batchedtensor(t) or (t.requires_grad and torch.is_grad_enabled())):
+        if (t.device.type != "cpu" or t.layout != torch.strided or t.element_size() not in _TYPES
+                or type(t) not in (torch.Tensor, torch.nn.Parameter) or maybe_get_level(t) != -1
+                or is_legacy_batchedtensor(t) or (t.requires_grad and torch.is_grad_enabled())
+                # Forward AD's efficient zero tangents have no memory; conj and neg views are applied lazily.
+                or t._is_zerotensor() or t.is_conj() or t.is_neg()):
             return False
     return available()
 

@@ -179,10 +179,10 @@ def _single_level_function(function: type, level: int, key: Any) -> type:
 def apply(function: type, *args: Any) -> Any:
     """``function.apply(*args)`` for a primitive (an autograd.Function with its own vmap rule and one tensor
     output), through the lighter functorch path above under torch.func transforms."""
+    if torch.compiler.is_compiling():  # Dynamo traces functorch's own path, not this one
+        return function.apply(*args)
     interpreter = peek_interpreter_stack()
     if interpreter is None:
-        if torch.compiler.is_compiling():
-            return function.apply(*args)
         # Below every transform: autograd's own apply, without Function.apply's per-call inspect.signature (a
         # primitive's forward takes every argument positionally, with no defaults to bind).
         return _base_apply.__get__(None, function)(*unwrap_dead_wrappers(args))
