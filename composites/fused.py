@@ -75,6 +75,9 @@ def select(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, *
         return torch.where(mask, zero if a is None else a, zero if b is None else b)
     if _one_pass_ok(mask, a, b):
         return native_kernels.select(mask, a, b)
+    # Bit views need the values in memory: apply lazy neg/conj views first (no copy when there are none).
+    a = None if a is None else a.resolve_neg().resolve_conj()
+    b = None if b is None else b.resolve_neg().resolve_conj()
     if dtype == torch.bool:
         if a is None:
             return torch.logical_and(b, torch.logical_not(mask))
@@ -145,7 +148,7 @@ def scatter_in_order(self: torch.Tensor, mask: torch.Tensor, source: torch.Tenso
     exact select keeps ``self`` where the mask is False.
     """
     lead = self.shape[:batch_ndim]
-    flat_source = source.reshape(*lead, -1)
+    flat_source = source.reshape(*lead, -1).resolve_neg().resolve_conj()
     if flat_source.shape[-1] == 0:  # then the mask has no True (native raises otherwise)
         if bool(mask.any()):
             raise RuntimeError("masked_scatter: the mask has more Trues than source has elements (source is empty)")
@@ -187,7 +190,7 @@ def gather_in_order(values: torch.Tensor, mask: torch.Tensor, source_shape: tupl
     spare = torch.full((), size, dtype=position.dtype, device=position.device)
     target = select(flat_mask, position, spare)
     bits = _bit_dtype(values.dtype)  # on the bits: scatter_ on bfloat16 rewrites NaN payloads, as gather does
-    flat_values = values.reshape(*lead, -1)
+    flat_values = values.reshape(*lead, -1).resolve_neg().resolve_conj()
     flat_values = flat_values.view(bits) if bits is not None and bits != values.dtype else flat_values
     out = flat_values.new_zeros(*lead, size + 1)
     out.scatter_(-1, target, flat_values.expand(target.shape))

@@ -129,3 +129,16 @@ def test_fused_primitive_under_every_stack(op: str, stack: str) -> None:
             if outcome.status != "ok":
                 failures.append(f"{sample.id} {stack} {pattern}: {outcome.status} {outcome.detail}")
     assert failures == []
+
+
+def test_c_kernels_refuse_tensors_without_memory_of_their_own() -> None:
+    """Forward AD's efficient zero tangents have no memory (a C kernel reading them crashed the full matrix under
+    grad(jvp(vmap))); lazily-applied neg views hold other values than they show."""
+    zeros = torch._efficientzerotensor(4, 5)
+    mask = torch.rand(4, 5, generator=torch.Generator().manual_seed(0)) > 0.5
+    assert not native_kernels.usable(mask, zeros)
+    assert torch.equal(fused.select(mask, None, zeros), torch.zeros(4, 5))
+    negated = torch.randn(4, 5, dtype=torch.complex64).conj().imag  # a neg view: is_neg() is True
+    assert negated.is_neg() and not native_kernels.usable(negated)
+    assert torch.equal(fused.select(mask, negated, None), torch.where(mask, negated, 0))
+    assert native_kernels.usable(mask, torch.randn(4, 5))
