@@ -1,6 +1,8 @@
 """``python -m bench``: selected composites vs native PyTorch, and what routing costs.
 
-(a) masked_scatter under vmap(grad), batch 256 x 1,000 elements: inside use() vs native (target >= 5x faster)
+(a) the fused primitives and auto vs native under vmap and vmap(grad), batch 256 x 1,000 float32, beside one pass
+    over the data (targets: masked_scatter >= 5x; masked_fill, index_fill >= 5x under vmap, >= 3x under
+    vmap(grad); auto >= 0.97x native where native has a batching rule)
 (b) added cost per call inside use(): an uncovered op (target <= 0.5 us) and a covered op (target <= 2 us)
 (c) a small MLP training step, forward + backward + optimizer (20+ ops), inside vs outside use() (target <= 3%)
 """
@@ -12,11 +14,12 @@ import contextlib
 import statistics
 
 import torch
-from torch import func, nn
+from torch import nn
 from torch.utils.benchmark import Timer
 
 import registry
 from bench.api import print_api
+from bench.fused import print_compare, print_pieces
 from bench.kinds import print_kinds
 from bench.sweep import print_sweep
 
@@ -38,26 +41,6 @@ def _side_by_side(native, routed, rounds: int, min_run_time: float, statistic=st
         with registry.use():
             routed_times.append(_median_us(routed, min_run_time))
     return statistic(native_times), statistic(routed_times)
-
-
-def bench_masked_scatter(rounds: int, min_run_time: float) -> dict[str, float]:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 1000, generator=generator)
-    mask = torch.rand(256, 1000, generator=generator) > 0.5
-    source = torch.randn(256, 1000, generator=generator)
-
-    def loss(row, row_mask, row_source):
-        return row.masked_scatter(row_mask, row_source).pow(2).sum()
-
-    per_sample_grads = func.vmap(func.grad(loss))
-
-    with registry.use():
-        routed_result = per_sample_grads(x, mask, source)
-    torch.testing.assert_close(routed_result, per_sample_grads(x, mask, source))
-    native, routed = _side_by_side(lambda: per_sample_grads(x, mask, source), lambda: per_sample_grads(x, mask, source),
-                                   rounds, min_run_time)
-    chosen = registry.select("masked_scatter", stack="vmap,grad", batched=["self", "mask", "source"]).composite
-    return {"native_us": native, "routed_us": routed, "speedup": native / routed, "composite": chosen}
 
 
 def bench_overhead(rounds: int, min_run_time: float) -> dict[str, float]:
@@ -108,16 +91,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9, help="alternating native/routed rounds")
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per blocked_autorange")
     parser.add_argument("--kinds", action="store_true", help="also time every kind of composite side by side")
+    parser.add_argument("--pieces", action="store_true", help="also time each piece of the fused bodies")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --pieces: also the Inductor-compiled select (minutes of compilation)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="(a): one thread, timed in thread CPU time (a shared machine: time spent descheduled "
+                             "does not count)")
+    parser.add_argument("--only-fused", action="store_true", help="stop after (a)")
     parser.add_argument("--sweep", action="store_true", help="also run the profiling sweep and auto vs native")
     parser.add_argument("--api", action="store_true", help="also load-test GET /select against hello-world")
     args = parser.parse_args(argv)
-    torch.set_num_threads(torch.get_num_threads())
+    torch.set_num_threads(1 if args.cpu_time else torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
 
-    result = bench_masked_scatter(args.rounds, args.min_run_time)
-    print(f"(a) masked_scatter under vmap(grad), 256 x 1000: native {result['native_us']:.0f} us, "
-          f"use() [{result['composite']}] {result['routed_us']:.0f} us -> {result['speedup']:.1f}x faster "
-          f"(target >= 5x)")
+    print_compare(args.rounds, args.min_run_time, cpu_time=args.cpu_time)
+    if args.pieces:
+        print_pieces(args.rounds, args.min_run_time, cpu_time=args.cpu_time, compile=args.compile)
+    if args.only_fused:
+        return 0
     result = bench_overhead(args.rounds, args.min_run_time)
     print(f"(b) added per call inside use() (min over rounds): uncovered torch.add "
           f"{result['uncovered_added_us']:+.2f} us "

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from composites import fused
 from composites.checks import (
     check_index_add,
     check_index_copy,
@@ -19,7 +20,7 @@ from composites.checks import (
     native_alpha,
 )
 from composites.masked import Fill, scalar_or_tensor
-from registry.core.primitive import batch_first, zeros_if_none
+from registry.core.primitive import apply, batch_first, zeros_if_none
 from registry.core.registration import register
 
 # Composites call the dispatcher directly, never a covered entry point that use() may have patched,
@@ -68,8 +69,9 @@ def index_add_functional(self, dim, index, source, *, alpha=1):
     return flat.scatter_add(dim_, _scatter_index(index_, source_, dim_), scaled).reshape(self.shape)
 
 
-class IndexAdd(Function):
-    """self.scatter_add(dim, index, alpha * source) with its own backward, jvp and vmap rules (index: scatter form)."""
+class IndexAddScatter(Function):
+    """self.scatter_add(dim, index, alpha * source) with its own backward, jvp and vmap rules (index: scatter form,
+    which is closed under batching: what IndexAdd's vmap rule turns to where the index itself is batched)."""
 
     generate_vmap_rule = False
 
@@ -99,16 +101,73 @@ class IndexAdd(Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, dim, index, source, alpha):
         self, index, source = batch_first(info, (in_dims[0], in_dims[2], in_dims[3]), self, index, source)
-        return IndexAdd.apply(self, dim + 1, index, source, alpha), 0
+        return apply(IndexAddScatter, self, dim + 1, index, source, alpha), 0
+
+
+def _batched_scatter_index(index: torch.Tensor, source: torch.Tensor, dim: int) -> torch.Tensor:
+    """A batched 1-d index (batch dimension first, physical) in scatter form for ``source`` (batch dimension first;
+    ``dim`` counts it)."""
+    shape = [1] * source.dim()
+    shape[0], shape[dim] = index.shape[0], index.shape[1]
+    return index.reshape(shape).expand_as(source)
+
+
+class IndexAdd(Function):
+    """index_add with a 1-d index shared by every sample, with its own backward, jvp and vmap rules.
+
+    Fused: forward is PyTorch's own index_add, run once over the whole batch (the vmap rule moves the batch dimension
+    to the front and shifts ``dim``); backward is one index_select. Where vmap batches the index itself, the rule
+    turns to IndexAddScatter.
+    """
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, alpha: Any) -> torch.Tensor:
+        return aten.index_add(self, dim, index, source, alpha=alpha)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        self, ctx.dim, index, _, ctx.alpha = inputs
+        ctx.self_shape = self.shape
+        ctx.save_for_backward(index)
+        ctx.save_for_forward(index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        grad_source = None
+        if ctx.needs_input_grad[3]:
+            grad_source = grad.index_select(ctx.dim, index)
+            grad_source = grad_source if ctx.alpha == 1 else grad_source * ctx.alpha
+        return grad, None, None, grad_source, None
+
+    @staticmethod
+    def jvp(ctx: Any, self_t, _dim, _index, source_t, _alpha) -> torch.Tensor:
+        (index,) = ctx.saved_tensors
+        if source_t is None:
+            return self_t.clone()
+        if self_t is None:
+            self_t = source_t.new_zeros(ctx.self_shape)
+        return apply(IndexAdd, self_t, ctx.dim, index, source_t, ctx.alpha)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], self, dim, index, source, alpha):
+        if in_dims[2] is not None:
+            self, index, source = batch_first(info, (in_dims[0], in_dims[2], in_dims[3]), self, index, source)
+            return apply(IndexAddScatter, self, dim + 1, _batched_scatter_index(index, source, dim + 1), source,
+                                         alpha), 0
+        self, source = batch_first(info, (in_dims[0], in_dims[3]), self, source)
+        return apply(IndexAdd, self, dim + 1, index, source, alpha), 0
 
 
 @register("index_add", "primitive", function=IndexAdd)
 def index_add_primitive(self, dim, index, source, *, alpha=1):
-    """IndexAdd: one autograd node with its own backward, jvp and vmap rules."""
+    """IndexAdd: one autograd node with its own backward, jvp and vmap rules (fused: one native kernel per batch)."""
     check_index_add(self, dim, index, source, alpha)
     alpha = native_alpha(self, alpha)
     flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
-    return IndexAdd.apply(flat, dim_, _scatter_index(index_, source_, dim_), source_, alpha).reshape(self.shape)
+    return apply(IndexAdd, flat, dim_, index_, source_, alpha).reshape(self.shape)
 
 
 # --- index_copy --------------------------------------------------------------------------------------------------
@@ -139,8 +198,9 @@ def index_copy_functional(self, dim, index, source):
         index_out_of_bounds("index_copy", dim, flat.shape[dim_], error)
 
 
-class IndexCopy(Function):
-    """self.scatter(dim, index, source) with its own backward, jvp and vmap rules (index: scatter form)."""
+class IndexCopyScatter(Function):
+    """self.scatter(dim, index, source) with its own backward, jvp and vmap rules (index: scatter form, closed under
+    batching: what IndexCopy's vmap rule turns to where the index itself is batched)."""
 
     generate_vmap_rule = False
 
@@ -168,18 +228,66 @@ class IndexCopy(Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, dim, index, source):
         self, index, source = batch_first(info, (in_dims[0], in_dims[2], in_dims[3]), self, index, source)
-        return IndexCopy.apply(self, dim + 1, index, source), 0
+        return apply(IndexCopyScatter, self, dim + 1, index, source), 0
+
+
+class IndexCopy(Function):
+    """index_copy with a 1-d index shared by every sample, with its own backward, jvp and vmap rules.
+
+    Fused: forward is PyTorch's own index_copy, run once over the whole batch; backward is IndexCopy itself (zeros
+    copied in, for self) and one index_select (for source). Where vmap batches the index, the rule turns to
+    IndexCopyScatter.
+    """
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(self: torch.Tensor | None, dim: int, index: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor:
+        return aten.index_copy(self, dim, index, source)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        self, ctx.dim, index, source = inputs
+        ctx.self_shape, ctx.source_shape = self.shape, source.shape
+        ctx.save_for_backward(index)
+        ctx.save_for_forward(index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        grad_self = grad_source = None
+        if ctx.needs_input_grad[0]:
+            # Positions that source overwrote get no gradient from self.
+            zeros = torch.zeros(ctx.source_shape, dtype=grad.dtype, device=grad.device)
+            grad_self = apply(IndexCopy, grad, ctx.dim, index, zeros)
+        if ctx.needs_input_grad[3]:
+            grad_source = grad.index_select(ctx.dim, index)
+        return grad_self, None, None, grad_source
+
+    @staticmethod
+    def jvp(ctx: Any, self_t, _dim, _index, source_t) -> torch.Tensor:
+        (index,) = ctx.saved_tensors
+        like = self_t if self_t is not None else source_t
+        self_t = self_t if self_t is not None else torch.zeros(ctx.self_shape, dtype=like.dtype, device=like.device)
+        source_t = (source_t if source_t is not None
+                    else torch.zeros(ctx.source_shape, dtype=like.dtype, device=like.device))
+        return apply(IndexCopy, self_t, ctx.dim, index, source_t)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], self, dim, index, source):
+        if in_dims[2] is not None:
+            self, index, source = batch_first(info, (in_dims[0], in_dims[2], in_dims[3]), self, index, source)
+            return apply(IndexCopyScatter, self, dim + 1, _batched_scatter_index(index, source, dim + 1), source), 0
+        self, source = batch_first(info, (in_dims[0], in_dims[3]), self, source)
+        return apply(IndexCopy, self, dim + 1, index, source), 0
 
 
 @register("index_copy", "primitive", function=IndexCopy)
 def index_copy_primitive(self, dim, index, source):
-    """IndexCopy: one autograd node with its own backward, jvp and vmap rules."""
+    """IndexCopy: one autograd node with its own backward, jvp and vmap rules (fused: one native kernel per batch)."""
     check_index_copy(self, dim, index, source)
     flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
-    try:
-        return IndexCopy.apply(flat, dim_, _scatter_index(index_, source_, dim_), source_).reshape(self.shape)
-    except RuntimeError as error:  # scatter's own bounds check: native raises IndexError
-        index_out_of_bounds("index_copy", dim, flat.shape[dim_], error)
+    return apply(IndexCopy, flat, dim_, index_, source_).reshape(self.shape)
 
 
 # --- index_fill --------------------------------------------------------------------------------------------------
@@ -223,8 +331,66 @@ def index_fill_functional(self, dim, index, value):
     return torch.where(_index_mask(self, dim, index), scalar_or_tensor(value, self), self)
 
 
-@register("index_fill", "primitive", function=Fill)
+class IndexFill(Function):
+    """index_fill with a 1-d, non-negative index shared by every sample and a tensor value that broadcasts to self
+    (one value per sample), with its own backward, jvp and vmap rules. ``None`` for self or value stands for zero.
+
+    Fused: forward is ``fused.index_fill``, one native index_copy of the (expanded) value over the whole batch, which
+    touches only the indexed slices besides the copy of self; backward is IndexFill itself (zeros filled in, for
+    self) and a sum over the indexed slices (for value). Where vmap batches the index, the rule turns to Fill
+    at the index's mask.
+    """
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(self: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
+        return fused.index_fill(self, dim, index, value)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        self, ctx.dim, index, value = inputs
+        ctx.self_shape = self.shape
+        ctx.value_shape = None if value is None else value.shape
+        ctx.save_for_backward(index)
+        ctx.save_for_forward(index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        grad_self = grad_value = None
+        if ctx.needs_input_grad[0]:
+            grad_self = apply(IndexFill, grad, ctx.dim, index, None)
+        if ctx.value_shape is not None and ctx.needs_input_grad[3]:
+            # At the index's mask, not index_select: repeated indices fill once, and unique() cannot be batched.
+            grad_value = apply(Fill, None, _index_mask(grad, ctx.dim, index), grad).sum_to_size(ctx.value_shape)
+        return grad_self, None, None, grad_value
+
+    @staticmethod
+    def jvp(ctx: Any, self_t, _dim, _index, value_t) -> torch.Tensor:
+        (index,) = ctx.saved_tensors
+        if self_t is None:
+            self_t = torch.zeros(ctx.self_shape, dtype=value_t.dtype, device=value_t.device)
+        return apply(IndexFill, self_t, ctx.dim, index, value_t)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], self, dim, index, value):
+        rank = self.dim() - (in_dims[0] is not None)
+        if in_dims[2] is not None:
+            index = index.movedim(in_dims[2], 0)
+            size = self.shape[dim + (in_dims[0] is not None and in_dims[0] <= dim)]
+            hits = torch.zeros(info.batch_size, size, dtype=torch.bool, device=index.device).scatter(1, index, True)
+            mask = hits.reshape((info.batch_size, size) + (1,) * (rank - dim - 1))
+            self, mask, value = batch_first(info, (in_dims[0], 0, in_dims[3]), self, mask, value, rank=rank)
+            return apply(Fill, self, mask, value), 0
+        self, value = batch_first(info, (in_dims[0], in_dims[3]), self, value, rank=rank)
+        return apply(IndexFill, self, dim + 1, index, value), 0
+
+
+@register("index_fill", "primitive", function=IndexFill)
 def index_fill_primitive(self, dim, index, value):
-    """Fill at the mask of index along dim: one autograd node with its own backward, jvp and vmap rules."""
+    """IndexFill: one autograd node with its own backward, jvp and vmap rules (fused: one native kernel per batch)."""
     check_index_fill(self, dim, index, value)
-    return Fill.apply(self, _index_mask(self, dim, index), scalar_or_tensor(value, self))
+    flat, dim_, index_, _ = _rank1_view(self, dim, index, None)
+    size = flat.shape[dim_]
+    return apply(IndexFill, flat, dim_, index_ % max(size, 1), scalar_or_tensor(value, self)).reshape(self.shape)

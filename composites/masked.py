@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from composites import fused
 from composites.checks import check_masked_fill, check_masked_scatter, source_too_small
-from registry.core.primitive import batch_first, zeros_if_none
+from registry.core.primitive import apply, batch_first
 from registry.core.registration import register, register_derivative
 
 # Composites call the dispatcher directly, never a covered entry point that use() may have patched,
@@ -28,38 +29,49 @@ def scalar_or_tensor(value: Any, like: torch.Tensor) -> torch.Tensor:
 
 
 class Fill(Function):
-    """where(mask, value, self) with its own backward, jvp and vmap rules; mask and value broadcast to self."""
+    """where(mask, value, self) with its own backward, jvp and vmap rules; mask and value broadcast to self.
+
+    Fused: the body is ``fused.select``, an exact branchless select on the values' bits (``torch.where`` is a branchy
+    scalar loop on CPU); ``None`` for ``self`` or ``value`` stands for zero (what backward and jvp pass).
+    """
 
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(self: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return torch.where(mask, value, self)
+    def forward(self: torch.Tensor | None, mask: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
+        return fused.select(mask, value, self)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         self, mask, value = inputs
-        ctx.self_shape, ctx.value_shape = self.shape, value.shape
+        ctx.self_shape = None if self is None else self.shape
+        ctx.value_shape = None if value is None else value.shape
         ctx.save_for_backward(mask)
-        ctx.save_for_forward(self, mask, value)
+        ctx.save_for_forward(mask)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         (mask,) = ctx.saved_tensors
-        grad_self = torch.where(mask, 0, grad).sum_to_size(ctx.self_shape)
-        grad_value = torch.where(mask, grad, 0).sum_to_size(ctx.value_shape)
+        grad_self = grad_value = None
+        if ctx.self_shape is not None and ctx.needs_input_grad[0]:
+            grad_self = apply(Fill, grad, mask, None).sum_to_size(ctx.self_shape)
+        if ctx.value_shape is not None and ctx.needs_input_grad[2]:
+            grad_value = apply(Fill, None, mask, grad).sum_to_size(ctx.value_shape)
         return grad_self, None, grad_value
 
     @staticmethod
     def jvp(ctx: Any, self_t, _mask_t, value_t) -> torch.Tensor:
-        self, mask, value = ctx.saved_tensors
-        return torch.where(mask, zeros_if_none(value_t, value), zeros_if_none(self_t, self))
+        (mask,) = ctx.saved_tensors
+        if self_t is None and value_t is None:
+            raise RuntimeError("Fill.jvp: called without a tangent for self or value")
+        return apply(Fill, self_t, mask, value_t)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, mask, value):
-        rank = max(t.dim() - (d is not None) for t, d in zip((self, mask, value), in_dims, strict=True))
+        present = [(t, d) for t, d in zip((self, mask, value), in_dims, strict=True) if isinstance(t, torch.Tensor)]
+        rank = max(t.dim() - (d is not None) for t, d in present)
         self, mask, value = batch_first(info, in_dims, self, mask, value, rank=rank)
-        return Fill.apply(self, mask, value), 0
+        return apply(Fill, self, mask, value), 0
 
 
 # --- masked_fill -------------------------------------------------------------------------------------------------
@@ -92,7 +104,7 @@ def masked_fill_functional(self, mask, value):
 def masked_fill_primitive(self, mask, value):
     """Fill: one autograd node with its own backward, jvp and vmap rules."""
     check_masked_fill(self, mask, value)
-    return Fill.apply(self, mask, scalar_or_tensor(value, self))
+    return apply(Fill, self, mask, scalar_or_tensor(value, self))
 
 
 # --- masked_scatter ----------------------------------------------------------------------------------------------
@@ -111,40 +123,20 @@ def scatter_in_order(self: torch.Tensor, mask: torch.Tensor, source: torch.Tenso
     return torch.where(mask, padded_source.gather(-1, position).reshape(self.shape), self)
 
 
-def gather_in_order(values: torch.Tensor, mask: torch.Tensor, source_shape: tuple[int, ...],
-                    batch_ndim: int) -> torch.Tensor:
-    """The adjoint of ``scatter_in_order`` from out-of-place ops: each sample's values at its Trues, in order, then
-    zeros, shaped like source. Positions that are False add zero to a spare slot that is dropped."""
-    lead = values.shape[:batch_ndim]
-    size = math.prod(source_shape[batch_ndim:])
-    flat_mask = mask.reshape(*lead, -1)
-    position = torch.where(flat_mask, flat_mask.cumsum(-1, dtype=torch.long) - 1, size)
-    picked = torch.where(mask, values, 0).reshape(*lead, -1)
-    return values.new_zeros(*lead, size + 1).scatter_add(-1, position, picked)[..., :size].reshape(source_shape)
-
-
-def _in_order(mask: torch.Tensor, source_size: int, batch_ndim: int) -> torch.Tensor:
-    """Per sample, True at the first (number of Trues in the mask) source positions: the source elements used."""
-    counts = mask.reshape(*mask.shape[:batch_ndim], -1).sum(-1, keepdim=True)
-    return torch.arange(source_size, device=mask.device) < counts
-
-
 class MaskedScatter(Function):
     """masked_scatter with its own backward, jvp and vmap rules; mask has self's shape.
 
-    The first ``batch_ndim`` dimensions are batch dimensions (the vmap rule adds one). forward runs below every
-    transform on plain tensors, so it can use PyTorch's own kernels: the used source elements of every sample are
-    compacted, in order, into one flat tensor, and a single native masked_scatter places them all.
+    The first ``batch_ndim`` dimensions are batch dimensions (the vmap rule adds one). Fused: forward runs below
+    every transform on plain tensors as ``fused.scatter_in_order`` (a cumsum of the mask picks each True's source
+    element with one gather, then an exact branchless select; no ``nonzero`` compaction); backward is two more
+    primitives (``Fill`` for self, ``MaskedGather`` for source), so it is fused under vmap too and differentiable again.
     """
 
     generate_vmap_rule = False
 
     @staticmethod
     def forward(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, batch_ndim: int) -> torch.Tensor:
-        if batch_ndim:
-            flat_source = source.reshape(*source.shape[:batch_ndim], -1)
-            source = flat_source[_in_order(mask, flat_source.shape[-1], batch_ndim)]
-        return aten.masked_scatter(self, mask, source)
+        return fused.scatter_in_order(self, mask, source, batch_ndim)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -155,26 +147,59 @@ class MaskedScatter(Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        # Out-of-place ops, which every transform (and Dynamo, which traces no Function applied in a backward)
-        # handles; they stay differentiable for higher orders.
         (mask,) = ctx.saved_tensors
-        grad_source = gather_in_order(grad, mask, ctx.source_shape, ctx.batch_ndim)
-        return torch.where(mask, 0, grad), None, grad_source, None
+        grad_self = apply(Fill, grad, mask, None) if ctx.needs_input_grad[0] else None
+        grad_source = (apply(MaskedGather, grad, mask, ctx.source_shape, ctx.batch_ndim) if ctx.needs_input_grad[2]
+                       else None)
+        return grad_self, None, grad_source, None
 
     @staticmethod
     def jvp(ctx: Any, self_t, _mask_t, source_t, _batch_ndim) -> torch.Tensor:
-        # Out-of-place ops, not apply(): Dynamo traces no Function call inside a jvp rule.
         (mask,) = ctx.saved_tensors
         if self_t is None:
             self_t = torch.zeros(mask.shape, dtype=source_t.dtype, device=source_t.device)
         if source_t is None:
             source_t = torch.zeros(ctx.source_shape, dtype=self_t.dtype, device=self_t.device)
-        return scatter_in_order(self_t, mask, source_t, ctx.batch_ndim)
+        return apply(MaskedScatter, self_t, mask, source_t, ctx.batch_ndim)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], self, mask, source, batch_ndim):
         self, mask, source = batch_first(info, in_dims[:3], self, mask, source)
-        return MaskedScatter.apply(self, mask, source, batch_ndim + 1), 0
+        return apply(MaskedScatter, self, mask, source, batch_ndim + 1), 0
+
+
+class MaskedGather(Function):
+    """The adjoint of MaskedScatter for source: each sample's values at its mask's Trues, in order, then zeros."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(values: torch.Tensor, mask: torch.Tensor, source_shape: tuple[int, ...],
+                batch_ndim: int) -> torch.Tensor:
+        return fused.gather_in_order(values, mask, source_shape, batch_ndim)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        values, mask, ctx.source_shape, ctx.batch_ndim = inputs
+        ctx.values_shape = tuple(values.shape)
+        ctx.save_for_backward(mask)
+        ctx.save_for_forward(mask)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        zeros = torch.zeros(ctx.values_shape, dtype=grad.dtype, device=grad.device)
+        return apply(MaskedScatter, zeros, mask, grad, ctx.batch_ndim), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, values_t, _mask_t, _source_shape, _batch_ndim) -> torch.Tensor:
+        (mask,) = ctx.saved_tensors
+        return apply(MaskedGather, values_t, mask, ctx.source_shape, ctx.batch_ndim)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], values, mask, source_shape, batch_ndim):
+        values, mask = batch_first(info, in_dims[:2], values, mask)
+        return apply(MaskedGather, values, mask, (info.batch_size, *source_shape), batch_ndim + 1), 0
 
 
 def _broadcast_mask(self: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,12 +236,16 @@ def masked_scatter_functional(self, mask, source):
 def masked_scatter_primitive(self, mask, source):
     """MaskedScatter: one autograd node with its own backward, jvp and vmap rules."""
     check_masked_scatter(self, mask, source)
-    self, mask = _broadcast_mask(self, mask)
-    return MaskedScatter.apply(self, mask, source, 0)
+    shape = fused.broadcast_shape(self.shape, mask.shape)
+    return apply(MaskedScatter, self.expand(shape), mask.expand(shape), source, 0)
 
 
 @register_derivative("masked_scatter", "masked_scatter_backward")
 def masked_scatter_backward_functional(grad_output, mask, sizes):
     """grad_output's elements where mask is True, in order, zero-padded to sizes: cumsum and scatter_add."""
     grad, mask = _broadcast_mask(grad_output, mask)
-    return gather_in_order(grad, mask, tuple(sizes), 0)
+    size = math.prod(sizes)
+    flat_mask = mask.reshape(-1)
+    position = torch.where(flat_mask, flat_mask.cumsum(-1) - 1, size)  # False positions add to a dropped spare slot
+    picked = torch.where(flat_mask, grad.reshape(-1), 0)
+    return grad.new_zeros(size + 1).scatter_add(0, position, picked)[:size].reshape(tuple(sizes))

@@ -190,7 +190,7 @@ def _report(args: argparse.Namespace) -> int:
     import torch
 
     from registry.harness.verify import source_hashes
-    from registry.reports.plots import render_speedups_png
+    from registry.reports.plots import remeasured, render_speedups_png, speedup_lines
     from registry.store.db import Store
 
     store = Store()
@@ -200,7 +200,13 @@ def _report(args: argparse.Namespace) -> int:
         print("multicomposite report: the store has no fresh profiles; run `multicomposite profile` first",
               file=sys.stderr)
         return 2
-    print(f"wrote {render_speedups_png(profiles, args.png)} ({len(profiles)} profiles)")
+    print(f"wrote {render_speedups_png(profiles, args.png)} ({len(profiles)} profiles; error bars: median +- IQR/2)")
+    for line in speedup_lines(profiles):
+        print(line)
+    again = remeasured(profiles)
+    print(f"re-measured (the first run was disturbed): {len(again) or 'none'}")
+    for line in again:
+        print(f"  {line}")
     return 0
 
 

@@ -13,6 +13,7 @@ from registry.core.context import Context, parse_stack
 from registry.core.model import KINDS, Composite
 from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES, ON_CHANGE, load
+from registry.profiling import noise
 from registry.store import evidence
 
 POLICIES = ("auto", "fastest", "rules", "native")
@@ -152,21 +153,37 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
         measured = evidence.timings(op, ctx, [c.name for c, _ in judged]) if policy in ("auto", "fastest") else {}
         timed_valid = sorted((measured[c.name].score_us, c.name) for c, _ in valid if c.name in measured)
         if timed_valid:
-            chosen = COMPOSITES[op][timed_valid[0][1]]
+            fastest = measured[timed_valid[0][1]]
+            rules_choice = measured.get(chosen.name)
+            within_noise = False
+            if rules_choice is not None and rules_choice.composite != fastest.composite:
+                # A profile only says the fastest is faster if it is by more than the noise of both timings: below
+                # that, the rules' choice stays, so a noisy profile cannot flip a decision.
+                band = max(noise.MIN_NOISE, fastest.spread, rules_choice.spread)
+                within_noise = rules_choice.score_us <= fastest.score_us * (1 + band)
+            if not within_noise:
+                chosen = COMPOSITES[op][fastest.composite]
             best = measured[chosen.name]
             native = next((c.name for c, _ in judged if c.kind == "native"), None)
             speedup = measured[native].score_us / best.score_us if native in measured else None
-            runner_up = timed_valid[1] if len(timed_valid) > 1 else None
+            others = [(score, name) for score, name in timed_valid if name != chosen.name]
+            runner_up = others[0] if others else None
             runner_up_speedup = runner_up[0] / best.score_us if runner_up else None
             parts = []
             if speedup is not None and chosen.kind != "native":
-                parts.append(f"{speedup:.2f}x faster than native")
+                parts.append(noise.ratio_text(best.score_us / measured[native].score_us, "native"))
             if runner_up is not None:
-                parts.append(f"{runner_up_speedup:.2f}x faster than {runner_up[1]}")
+                parts.append(noise.ratio_text(best.score_us / runner_up[0], runner_up[1]))
             batches = ",".join(str(b) for b in best.batch_sizes)
-            reason = (f"{chosen.name} is the fastest valid composite measured under {where} "
-                      f"({'; '.join(parts) or 'the only one timed'}; profiled at {best.bucket} elements, batch "
-                      f"{batches})")
+            if within_noise:
+                reason = (f"{chosen.name} is the rules' choice under {where}, and the profiles do not tell it from "
+                          f"the fastest, {fastest.composite}, beyond the noise ({'; '.join(parts)}, spread "
+                          f"{max(fastest.spread, best.spread):.0%}; profiled at {best.bucket} elements, batch "
+                          f"{batches})")
+            else:
+                reason = (f"{chosen.name} is the fastest valid composite measured under {where} "
+                          f"({'; '.join(parts) or 'the only one timed'}; profiled at {best.bucket} elements, batch "
+                          f"{batches})")
             if skipped:
                 reason += f"; {skipped[0][0].name} is invalid here ({skipped[0][1].status}: {skipped[0][1].evidence})"
             return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",

@@ -13,6 +13,7 @@ invalid and never timed.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -20,12 +21,12 @@ from typing import Any
 
 import torch
 from torch import func
-from torch.utils.benchmark import Timer
 
 from registry.core import context
 from registry.core.ops import ORIGINAL
 from registry.core.registration import COMPOSITES, load
 from registry.harness.verify import source_hash
+from registry.profiling import noise
 from registry.store.db import ProfileEntry
 
 WORKLOADS = ("vmap", "grad", "vmap(grad)", "jacrev", "jacfwd", "hessian")
@@ -115,6 +116,17 @@ def _close(a: Any, b: Any) -> bool:
         return False
 
 
+def _earlier_profiles() -> list[ProfileEntry]:
+    """The default store's fresh profiles (none without a store): native's earlier timings to compare with."""
+    from registry.store import evidence
+
+    return list(evidence.stored_profiles())
+
+
+def _native_key(op: str, workload: str, dtype: str, device: str, numel_bucket: int, batch: int) -> tuple:
+    return (op, workload, dtype, device, numel_bucket, batch)
+
+
 def profile(
     ops: Iterable[str] | None = None,
     workloads: Sequence[str] | None = None,
@@ -124,12 +136,26 @@ def profile(
     device: str = "cpu",
     min_run_time: float = 0.1,
     progress: Callable[[int, int, str], None] | None = None,
+    *,
+    rounds: int = noise.ROUNDS,
+    retries: int = 2,
+    earlier: Sequence[ProfileEntry] | None = None,
+    refused: list[str] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    spread_limit: float = noise.SPREAD_LIMIT,
 ) -> list[ProfileEntry]:
     """Time every composite of each op, side by side, in each workload, size, batch and dtype.
 
     Composites are called directly (native through PyTorch's own entry point), so native is timed where it falls
     back to vmap's loop too: that is the baseline of every speedup. A composite that raises or disagrees with the
     reference is stored invalid, untimed.
+
+    The valid composites of a context are timed in ``rounds`` interleaved rounds (``noise.interleaved``); the two
+    fastest get as many rounds again, side by side, before they are ranked. A context whose rounds spread more than
+    ``noise.SPREAD_LIMIT`` (IQR over median), or whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times off its
+    ``earlier`` profile (default: the store's), is re-measured up to ``retries`` times (its entries say so in
+    ``detail``); one still disturbed after that is not returned at all, so it is never stored, and ``refused`` (if
+    given) gets a line saying why. ``spread_limit=math.inf`` keeps every timing (tests of what is stored).
     """
     load()
     op_names = list(ops) if ops is not None else list(COMPOSITES)
@@ -138,6 +164,11 @@ def profile(
     if unknown:
         raise ValueError(f"unknown workload {unknown[0]!r}; workloads are {', '.join(WORKLOADS)}")
     device_name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    earlier_native = {
+        _native_key(p.op, p.workload, p.dtype, p.device, p.numel_bucket, p.batch_size): p.median_us
+        for p in (earlier if earlier is not None else _earlier_profiles())
+        if p.kind == "native" and p.valid and p.median_us
+    }
     plan = [(op, w, n, b, d) for op in op_names for w in workload_list for n in numels for b in batch_sizes
             for d in dtypes]
     total = sum(len(COMPOSITES[op]) for op, *_ in plan)
@@ -150,6 +181,10 @@ def profile(
         reference_case = _case(op, functional, size, batch, dtype, device)
         stack, seen_numel = _seen_by_op(workload, reference_case)
         reference = _runner(workload, reference_case)()
+        context: list[ProfileEntry] = []
+        runners: dict[str, Callable[[], Any]] = {}
+        commons: dict[str, dict[str, Any]] = {}
+        native_name = None
         for composite in COMPOSITES[op].values():
             done += 1
             call = getattr(ORIGINAL.Tensor, op) if composite.kind == "native" else composite.fn
@@ -163,19 +198,72 @@ def profile(
                     warnings.simplefilter("ignore")  # native's fallback loop is timed, not reported here
                     if not _close(run(), reference):
                         raise ValueError(f"{composite.name} differs from the functional composite in {workload}")
-                    if device.startswith("cuda"):
-                        torch.cuda.reset_peak_memory_stats()
-                    timer = Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
-                    measurement = timer.blocked_autorange(min_run_time=min_run_time)
-                peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
-                entries.append(ProfileEntry(**common, valid=True, detail="", median_us=measurement.median * 1e6,
-                                            iqr_us=measurement.iqr * 1e6,
-                                            runs=len(measurement.times) * measurement.number_per_run,
-                                            peak_memory=peak))
+                runners[composite.name], commons[composite.name] = _quiet(run), common
+                native_name = composite.name if composite.kind == "native" else native_name
             except Exception as error:  # a composite that fails here is data: stored invalid, never timed
                 first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-                entries.append(ProfileEntry(**common, valid=False, detail=f"{type(error).__name__}: {first}",
+                context.append(ProfileEntry(**common, valid=False, detail=f"{type(error).__name__}: {first}",
                                             median_us=None, iqr_us=None, runs=0, peak_memory=None))
             if progress is not None:
                 progress(done, total, f"{op}/{composite.name} {workload} n={seen_numel} b={batch}")
+        label = f"{op} {workload} n={seen_numel} b={batch} {str(dtype).removeprefix('torch.')}"
+        earlier_us = earlier_native.get(_native_key(op, workload, str(dtype).removeprefix("torch."),
+                                                    device.split(":")[0], bucket(seen_numel), batch))
+        timed, notes = _measure(runners, native_name, earlier_us, rounds=rounds, retries=retries,
+                                min_run_time=min_run_time, clock=clock, device=device, spread_limit=spread_limit)
+        if timed is None:
+            if refused is not None:
+                refused.append(f"{label}: not stored, still disturbed after {retries} re-measurements "
+                               f"({'; '.join(notes[-1:])})")
+            entries.extend(context)
+            continue
+        detail = f"re-measured {len(notes)}x: {'; '.join(notes)}" if notes else ""
+        for name, t in timed.items():
+            first = f"first call {t.first_call_us / 1e3:.1f} ms"
+            context.append(ProfileEntry(**commons[name], valid=True, detail="; ".join(x for x in (detail, first) if x),
+                                        median_us=t.median_us, iqr_us=t.iqr_us, runs=t.calls,
+                                        peak_memory=_peak_memory(device)))
+        entries.extend(context)
     return entries
+
+
+def _quiet(run: Callable[[], Any]) -> Callable[[], Any]:
+    def quiet() -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return run()
+
+    return quiet
+
+
+def _peak_memory(device: str) -> int | None:
+    return torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+
+
+def _measure(runners: dict[str, Callable[[], Any]], native: str | None, earlier_native_us: float | None, *,
+             rounds: int, retries: int, min_run_time: float, clock: Callable[[], float],
+             device: str, spread_limit: float) -> tuple[dict[str, noise.Timed] | None, list[str]]:
+    """(timings, why each re-measurement was made); timings None when the context stayed disturbed."""
+    notes: list[str] = []
+    if not runners:
+        return {}, notes
+    for attempt in range(retries + 1):
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time, clock=clock)
+        # The two fastest get as many rounds again, side by side: the ranking between them is what auto acts on.
+        top = sorted(timed.values(), key=lambda t: t.median_us)[:2]
+        if len(top) == 2:
+            noise.interleaved({t.name: runners[t.name] for t in top}, rounds=rounds, clock=clock,
+                              min_run_time=min_run_time, timed={t.name: t for t in top})
+        reasons = noise.disturbed(timed, native=native, earlier_native_us=earlier_native_us,
+                                  spread_limit=spread_limit)
+        spread_reasons = [r for r in reasons if not r.startswith("native ")]
+        if not reasons or (attempt > 0 and not spread_reasons):
+            # Native far from its earlier profile, twice, with a quiet spread: the earlier profile was the odd one.
+            return timed, notes
+        if attempt == retries:
+            notes.append("; ".join(reasons))
+            return None, notes
+        notes.append("; ".join(reasons))
+    return None, notes

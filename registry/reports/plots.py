@@ -87,42 +87,93 @@ def render_matrix_png(
     return out
 
 
-def render_speedups_png(profiles: Sequence[Any], path: str | Path, *,
-                        title: str = "multicomposite: speedup over native") -> Path:
-    """Bars of native's median over each valid composite's, per op and workload (largest batch), log scale."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+def _speedup_with_spread(native: Any, composite: Any) -> tuple[float, float, float]:
+    """(native median / composite median, and the ratio's low and high ends): each median +- half its IQR."""
+    ratio = native.median_us / composite.median_us
+    native_half, composite_half = (native.iqr_us or 0.0) / 2, (composite.iqr_us or 0.0) / 2
+    low = max(native.median_us - native_half, 0.0) / (composite.median_us + composite_half)
+    high = (native.median_us + native_half) / max(composite.median_us - composite_half, 1e-9)
+    return ratio, low, high
 
+
+def remeasured(profiles: Sequence[Any]) -> list[str]:
+    """One line per context (op, workload, batch, dtype) whose timings were re-measured because the first run was
+    disturbed, saying why (from the entries' ``detail``)."""
+    lines = {}
+    for p in profiles:
+        if p.valid and p.detail.startswith("re-measured"):
+            why = p.detail.split("; first call")[0]
+            key = (p.op, p.workload, p.batch_size, p.dtype)
+            lines[key] = f"{p.op} {p.workload} batch {p.batch_size} {p.dtype}: {why}"
+    return [lines[key] for key in sorted(lines)]
+
+
+def speedup_rows(profiles: Sequence[Any]) -> list[tuple[str, str, str, float, float, float, bool]]:
+    """(op, workload, composite, speedup, low, high, re-measured) per valid non-native composite at each (op,
+    workload)'s largest batch: what the report plots."""
     timed = [p for p in profiles if p.valid and p.median_us]
-    if not timed:
-        raise ValueError("no timed profiles to plot")
-    largest = {}
+    largest: dict[tuple[str, str], int] = {}
     for p in timed:
         key = (p.op, p.workload)
         largest[key] = max(largest.get(key, 0), p.batch_size)
-    groups = sorted(largest)
-    native = {(p.op, p.workload): p.median_us for p in timed
+    native = {(p.op, p.workload): p for p in timed
               if p.kind == "native" and p.batch_size == largest[(p.op, p.workload)]}
-    names = sorted({p.composite for p in timed if p.kind != "native"})
+    rows = []
+    for p in sorted(timed, key=lambda p: (p.op, p.workload, p.composite)):
+        key = (p.op, p.workload)
+        if p.kind == "native" or p.batch_size != largest[key] or key not in native:
+            continue
+        ratio, low, high = _speedup_with_spread(native[key], p)
+        again = p.detail.startswith("re-measured") or native[key].detail.startswith("re-measured")
+        rows.append((p.op, p.workload, p.composite, ratio, low, high, again))
+    return rows
+
+
+def speedup_lines(profiles: Sequence[Any]) -> list[str]:
+    """The report's bars as text: speedup over native with its low..high range, re-measured ones marked."""
+    return [f"  {op:15s} {workload:11s} {name:11s} {ratio:7.2f}x  [{low:.2f} .. {high:.2f}]"
+            f"{'  (re-measured)' if again else ''}"
+            for op, workload, name, ratio, low, high, again in speedup_rows(profiles)]
+
+
+def render_speedups_png(profiles: Sequence[Any], path: str | Path, *,
+                        title: str = "multicomposite: speedup over native") -> Path:
+    """Bars of native's median over each valid composite's, per op and workload (largest batch), log scale, each
+    with an error bar from the two medians' spread (median +- half the IQR); a bar of a context that was re-measured
+    is hatched."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = speedup_rows(profiles)
+    if not rows:
+        raise ValueError("no timed profiles to plot")
+    groups = sorted({(op, workload) for op, workload, *_ in rows})
+    names = sorted({name for _, _, name, *_ in rows})
     figure = Figure(figsize=(min(max(10.0, 0.35 * len(groups)), 26.0), 6.5))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
-        xs, ys = [], []
-        for g, key in enumerate(groups):
-            match = [p for p in timed if (p.op, p.workload) == key and p.composite == name
-                     and p.batch_size == largest[key]]
-            if match and key in native:
-                xs.append(g + i * width)
-                ys.append(native[key] / match[0].median_us)
-        axes.bar(xs, ys, width=width, label=name)
+        xs, ys, below, above, hatches = [], [], [], [], []
+        for op, workload, composite, ratio, low, high, again in rows:
+            if composite != name:
+                continue
+            xs.append(groups.index((op, workload)) + i * width)
+            ys.append(ratio)
+            below.append(ratio - low)
+            above.append(high - ratio)
+            hatches.append("//" if again else "")
+        bars = axes.bar(xs, ys, width=width, label=name, yerr=[below, above], capsize=2,
+                        error_kw={"elinewidth": 0.8, "ecolor": "#333333"})
+        for bar, hatch in zip(bars, hatches, strict=True):
+            bar.set_hatch(hatch)
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_yscale("log")
     axes.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
     axes.set_xticklabels([f"{op}\n{workload}" for op, workload in groups], rotation=60, ha="right", fontsize=7)
-    axes.set_ylabel("speedup over native (native median / composite median)")
-    axes.set_title(title)
+    axes.set_ylabel("speedup over native (native median / composite median)\nerror bars: median +- IQR/2")
+    axes.set_title(title + (" (hatched: re-measured, the first run was disturbed)"
+                            if any(row[-1] for row in rows) else ""))
     axes.legend(title="composite", fontsize=8)
     figure.tight_layout()
     out = Path(path)

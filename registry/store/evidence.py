@@ -90,6 +90,7 @@ class Timing:
     score_us: float  # geometric mean of the medians over the batch sizes every timed candidate shares
     bucket: int
     batch_sizes: tuple[int, ...]
+    spread: float = 0.0  # the largest IQR/median among those medians: how far the score can be trusted
 
 
 def timings(op: str, ctx: Context, candidates: Iterable[str]) -> dict[str, Timing]:
@@ -110,14 +111,17 @@ def timings(op: str, ctx: Context, candidates: Iterable[str]) -> dict[str, Timin
     nearest = min({p.numel_bucket for p in rows}, key=lambda b: (abs(b.bit_length() - target), b))
     rows = [p for p in rows if p.numel_bucket == nearest]
     by_composite: dict[str, dict[int, float]] = {}
+    spreads: dict[tuple[str, int], float] = {}
     for p in rows:
         by_composite.setdefault(p.composite, {})[p.batch_size] = p.median_us
+        spreads[p.composite, p.batch_size] = (p.iqr_us or 0.0) / p.median_us
     shared = set.intersection(*(set(v) for v in by_composite.values()))
     result = {}
     for name, medians in by_composite.items():
         sizes = tuple(sorted(shared or medians))
         logs = [math.log(medians[b]) for b in sizes if b in medians]
-        result[name] = Timing(name, math.exp(sum(logs) / len(logs)), nearest, sizes)
+        spread = max(spreads[name, b] for b in sizes if b in medians)
+        result[name] = Timing(name, math.exp(sum(logs) / len(logs)), nearest, sizes, spread)
     return result
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -99,12 +100,14 @@ def test_rules_policy_ignores_profiles_and_fastest_says_when_unprofiled() -> Non
 
 
 def test_profile_times_every_composite_and_flags_invalid() -> None:
+    # What is stored, not the noise control (tested below): a 10 ms run on a loaded machine is always disturbed.
     entries = profile(ops=["masked_scatter"], workloads=["vmap"], batch_sizes=(4,), numels=(64,),
-                      min_run_time=0.01)
+                      min_run_time=0.01, spread_limit=math.inf)
     assert {e.composite for e in entries} == {"native", "mutating", "functional", "primitive"}
     assert all(e.stack == ("vmap",) and e.numel_bucket == 64 and e.batch_size == 4 for e in entries)
     assert all(e.valid and e.median_us > 0 and e.runs > 0 for e in entries)
-    jac = profile(ops=["index_fill"], workloads=["jacfwd"], batch_sizes=(2,), min_run_time=0.01)
+    jac = profile(ops=["index_fill"], workloads=["jacfwd"], batch_sizes=(2,), min_run_time=0.01,
+                  spread_limit=math.inf)
     by_name = {e.composite: e for e in jac}
     assert by_name["functional"].valid
     assert by_name["mutating"].stack == ("vmap", "vmap", "jvp")
@@ -120,7 +123,7 @@ def test_killed_profiling_run_leaves_a_consistent_store(tmp_path) -> None:
         print("ready", flush=True)
         while True:
             store.write_profiles(profile(ops=["index_add"], workloads=["vmap"], batch_sizes=(2,), numels=(16,),
-                                         min_run_time=0.001))
+                                         min_run_time=0.001, spread_limit=float("inf")))
             print("batch", flush=True)
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

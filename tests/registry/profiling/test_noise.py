@@ -1,0 +1,184 @@
+"""Profiles that noise cannot fool: interleaved rounds, spread, re-measurement and refusal of disturbed contexts,
+decisions that stay put within the noise, and reasons that never say "0.62x faster"."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+import registry
+from registry.harness.verify import source_hashes
+from registry.profiling import noise
+from registry.profiling.timing import profile
+from registry.store import evidence
+from registry.store.db import ProfileEntry
+
+
+@pytest.fixture(autouse=True)
+def _restore_evidence():
+    yield
+    evidence.use_profile_loader(None)
+    evidence.use_loader(None)
+
+
+class VirtualClock:
+    """A clock in which every reading is one second after the previous one, plus a burst of ``burst`` seconds at
+    every fourth reading while ``disturbed()`` says so: timings that are exactly equal, or exactly disturbed."""
+
+    def __init__(self, disturbed=lambda reading: False, burst: float = 10.0) -> None:
+        self.now, self.readings, self.disturbed, self.burst = 0.0, 0, disturbed, burst
+
+    def __call__(self) -> float:
+        self.readings += 1
+        self.now += 1.0 + (self.burst if self.readings % 4 == 0 and self.disturbed(self.readings) else 0.0)
+        return self.now
+
+
+def test_ratio_text_never_says_faster_for_slower() -> None:
+    assert noise.ratio_text(1 / 1.6, "native") == "1.60x faster than native"
+    assert noise.ratio_text(1.6, "native") == "1.60x slower than native"
+    assert noise.ratio_text(1.0, "functional") == "1.00x faster than functional"
+
+
+def test_timed_spread_is_iqr_over_median() -> None:
+    quiet = noise.Timed("native", [100.0, 101.0, 99.0, 100.0, 100.0])
+    assert quiet.median_us == 100.0 and quiet.iqr_us == pytest.approx(0.0) and quiet.spread == pytest.approx(0.0)
+    burst = noise.Timed("functional", [100.0, 100.0, 160.0, 170.0, 100.0])
+    assert burst.iqr_us == pytest.approx(60.0) and burst.spread == pytest.approx(0.6)
+    assert noise.disturbed({"native": quiet, "functional": burst}) == [
+        "functional spread 60% (IQR/median) above 20%"]
+    assert noise.disturbed({"native": quiet}, native="native", earlier_native_us=40.0) == [
+        "native 100 us is 2.50x slower than its earlier profile (40 us)"]
+    assert noise.disturbed({"native": quiet}, native="native", earlier_native_us=120.0) == []
+
+
+def test_interleaved_rotates_the_order_every_round() -> None:
+    calls: list[str] = []
+    runners = {name: (lambda name=name: calls.append(name)) for name in ("native", "a", "b")}
+    timed = noise.interleaved(runners, rounds=3, clock=VirtualClock())
+    # Two warm/calibration calls each, then one call per block (the virtual second is longer than any block).
+    assert calls[6:] == ["native", "a", "b", "a", "b", "native", "b", "native", "a"]
+    assert {name: t.rounds_us for name, t in timed.items()} == {name: [1e6] * 3 for name in runners}
+
+
+def _decisions(entries: list[ProfileEntry]) -> dict[tuple, str]:
+    evidence.set_profiles(entries)
+    decisions = {}
+    for e in entries:
+        batched = registry.OPS[e.op].tensor_args if "vmap" in e.stack else ()
+        decision = registry.select(e.op, stack=e.stack, batched=batched, dtype=e.dtype, numel=e.numel_bucket)
+        decisions[e.op, e.stack] = decision.composite
+    return decisions
+
+
+def test_a_disturbed_context_is_re_measured() -> None:
+    clock = VirtualClock(disturbed=lambda reading: reading < 40)  # the first attempt only
+    entries = profile(ops=["index_add"], workloads=["vmap"], batch_sizes=(2,), numels=(16,), clock=clock)
+    timed = [e for e in entries if e.valid]
+    assert {e.composite for e in timed} == {"native", "mutating", "functional", "primitive"}
+    assert all(e.detail.startswith("re-measured 1x: ") and "spread" in e.detail for e in timed), timed[0].detail
+    assert all(e.median_us == 1e6 and e.iqr_us == 0.0 for e in timed)
+
+
+def test_a_context_that_stays_disturbed_is_not_stored() -> None:
+    refused: list[str] = []
+    entries = profile(ops=["index_add"], workloads=["vmap"], batch_sizes=(2,), numels=(16,), retries=1,
+                      clock=VirtualClock(disturbed=lambda reading: True), refused=refused)
+    assert entries == []  # no timing, and no composite of index_add is invalid here
+    assert len(refused) == 1
+    assert refused[0].startswith("index_add vmap n=16 b=2 float32: not stored, still disturbed after 1 "
+                                 "re-measurements (")
+
+
+def test_native_far_from_its_earlier_profile_is_re_measured_then_kept_when_quiet() -> None:
+    earlier = profile(ops=["index_add"], workloads=["vmap"], batch_sizes=(2,), numels=(16,), clock=VirtualClock())
+    native = next(e for e in earlier if e.kind == "native")
+    slow_earlier = [replace(native, median_us=native.median_us / 3)]
+    entries = profile(ops=["index_add"], workloads=["vmap"], batch_sizes=(2,), numels=(16,), clock=VirtualClock(),
+                      earlier=slow_earlier)
+    again = next(e for e in entries if e.kind == "native")
+    assert again.detail.startswith("re-measured 1x: native 1000000 us is 3.00x slower than its earlier profile "
+                                   "(333333 us)")
+
+
+def _entry(composite: str, kind: str, median: float, iqr: float, *, op: str = "index_add") -> ProfileEntry:
+    return ProfileEntry(op=op, composite=composite, kind=kind, stack=("vmap",), workload="vmap", dtype="float32",
+                        device="cpu", device_name="cpu", numel_bucket=1024, batch_size=32, valid=True, detail="",
+                        median_us=median, iqr_us=iqr, runs=100, peak_memory=None,
+                        source_hash=source_hashes()[op, composite], torch_version=torch.__version__)
+
+
+def test_within_the_noise_the_rules_choice_stays() -> None:
+    # Rules prefer native for index_add under vmap; functional is 4% faster with a 10% spread: no flip.
+    evidence.set_profiles([_entry("native", "native", 100.0, 10.0), _entry("functional", "functional", 96.0, 9.6),
+                           _entry("primitive", "primitive", 300.0, 3.0)])
+    decision = registry.select("index_add", stack="vmap", batched=["self", "source"], dtype="float32", numel=1000)
+    assert decision.composite == "native"
+    assert decision.reason.startswith(
+        "native is the rules' choice under (vmap) with self, source batched, and the profiles do not tell it from "
+        "the fastest, functional, beyond the noise (1.04x slower than functional, spread 10%")
+    # Beyond the noise it does flip.
+    evidence.set_profiles([_entry("native", "native", 100.0, 10.0), _entry("functional", "functional", 50.0, 5.0)])
+    decision = registry.select("index_add", stack="vmap", batched=["self", "source"], dtype="float32", numel=1000)
+    assert decision.composite == "functional"
+    assert "(2.00x faster than native; 2.00x faster than native;" in decision.reason
+
+
+def test_reason_says_slower_when_the_choice_is_slower_than_native() -> None:
+    # native loops under vmap (invalid by the rules) but is faster here; the choice says "slower", not "0.67x faster".
+    evidence.set_profiles([_entry("native", "native", 30.0, 1.0, op="masked_scatter"),
+                           _entry("functional", "functional", 50.0, 1.0, op="masked_scatter"),
+                           _entry("primitive", "primitive", 45.0, 1.0, op="masked_scatter")])
+    decision = registry.select("masked_scatter", stack="vmap", dtype="float32", numel=1000)
+    assert decision.composite == "primitive"
+    assert "(1.50x slower than native; 1.11x faster than functional;" in decision.reason
+    assert "0." not in decision.reason.split("(")[1].split(";")[0]
+
+
+def _spin(stop: threading.Event) -> None:
+    x = 0
+    while not stop.is_set():
+        x += 1
+
+
+def _spin_process(seconds: float) -> None:
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+CONTEXTS = dict(ops=["masked_fill", "index_fill"], workloads=["vmap"], batch_sizes=(64,), numels=(256,),
+                min_run_time=0.05)
+
+
+def test_injected_load_flips_no_decision() -> None:
+    """A busy thread (holding the GIL half the time) and a busy process while profiling: every context is either
+    measured to the same decision or refused (and the quiet profile stays); never a flipped decision."""
+    quiet = profile(**CONTEXTS)
+    quiet_decisions = _decisions(quiet)
+    stop = threading.Event()
+    threads = [threading.Thread(target=_spin, args=(stop,), daemon=True)]
+    process = multiprocessing.get_context("spawn").Process(target=_spin_process, args=(60.0,), daemon=True)
+    for t in threads:
+        t.start()
+    process.start()
+    refused: list[str] = []
+    try:
+        loaded = profile(**CONTEXTS, earlier=quiet, refused=refused)
+    finally:
+        stop.set()
+        process.terminate()
+        process.join(10)
+        for t in threads:
+            t.join(10)
+    stored = {(e.op, e.workload, e.batch_size, e.composite): e for e in quiet}
+    stored.update({(e.op, e.workload, e.batch_size, e.composite): e for e in loaded})  # refused ones keep quiet's
+    assert _decisions(list(stored.values())) == quiet_decisions
+    assert not math.isnan(sum(e.median_us for e in loaded if e.valid))
