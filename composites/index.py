@@ -19,7 +19,7 @@ from composites.checks import (
     index_out_of_bounds,
     native_alpha,
 )
-from composites.masked import Fill, scalar_or_tensor
+from composites.masked import Fill, laid_out_like, scalar_or_tensor
 from registry.core.primitive import apply, batch_first, zeros_if_none
 from registry.core.registration import register
 
@@ -391,6 +391,8 @@ class IndexFill(Function):
 def index_fill_primitive(self, dim, index, value):
     """IndexFill: one autograd node with its own backward, jvp and vmap rules (fused: one native kernel per batch)."""
     check_index_fill(self, dim, index, value)
+    _index_mask(self, dim, index)  # the bounds check native makes ([-size, size)), which works under vmap too
     flat, dim_, index_, _ = _rank1_view(self, dim, index, None)
     size = flat.shape[dim_]
-    return apply(IndexFill, flat, dim_, index_ % max(size, 1), scalar_or_tensor(value, self)).reshape(self.shape)
+    filled = apply(IndexFill, flat, dim_, index_ % max(size, 1), scalar_or_tensor(value, self)).reshape(self.shape)
+    return laid_out_like(filled, self)

@@ -104,7 +104,17 @@ def masked_fill_functional(self, mask, value):
 def masked_fill_primitive(self, mask, value):
     """Fill: one autograd node with its own backward, jvp and vmap rules."""
     check_masked_fill(self, mask, value)
-    return apply(Fill, self, mask, scalar_or_tensor(value, self))
+    filled = apply(Fill, self, mask, scalar_or_tensor(value, self))
+    # Native masked_fill returns a contiguous tensor whatever self's layout; the fused select keeps self's.
+    return filled if filled.is_contiguous() else filled.clone(memory_format=torch.contiguous_format)
+
+
+def laid_out_like(result: torch.Tensor, self: torch.Tensor) -> torch.Tensor:
+    """``result`` with ``self``'s strides, as native index_fill's clone-then-fill gives them (the fused kernels write
+    a contiguous result); a contiguous ``self`` costs one check."""
+    if result.shape != self.shape or self.is_contiguous():
+        return result
+    return torch.empty_like(self).copy_(result)
 
 
 # --- masked_scatter ----------------------------------------------------------------------------------------------
