@@ -311,7 +311,6 @@ class _Reference:
         self.case = case
         self._outputs: list[list[Any]] | None = None
         self._grads: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._jacobians: dict[int, list[list[torch.Tensor]]] = {}
 
     def outputs(self) -> list[list[Any]]:
         if self._outputs is None:
