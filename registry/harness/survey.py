@@ -210,6 +210,7 @@ class SurveyCase:
             for _ in range(batch)
         ]
         self.random = False  # set by survey_entry when two seeds give two outputs
+        self.dynamic = False  # set by survey_entry when the output's shape depends on the values
         self._weights: tuple[torch.Tensor, ...] | None = None
         self._directions: tuple[tuple[torch.Tensor, ...], ...] | None = None
 
@@ -535,6 +536,8 @@ def check_case(stack: str, case: SurveyCase, ref: _Reference, dtype: torch.dtype
             except Exception as error:  # an op failing under a transform is data here, not a crash
                 if (reason := _unsupported_reason(error)) is not None:
                     return Outcome("unsupported", f"{reason}: {_first_line(error)}")
+                if case.dynamic and stack in _BATCHED | {"jacfwd"}:
+                    return Outcome("unsupported", f"dynamic shape op: {_first_line(error)}")
                 return Outcome("error", _first_line(error))
     finally:
         torch._C._functorch._set_vmap_fallback_warning_enabled(False)
@@ -591,6 +594,30 @@ def _is_random(opinfo: Any, sample: Any) -> bool:
     return compare(outputs[0], outputs[1], torch.float64) is not None
 
 
+def _output_shapes(opinfo: Any, sample: Any, fill: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[Any, ...]:
+    leaves, spec = tree_flatten((sample.input, sample.args, sample.kwargs))
+    leaves = [(fill(v) if fill is not None and v.dtype in (torch.bool, *_FLOATS) else _clone_leaf(v))
+              if isinstance(v, torch.Tensor) else v for v in leaves]
+    sample_input, args, kwargs = tree_unflatten(leaves, spec)
+    output = tree_flatten(opinfo.op(sample_input, *args, **kwargs))[0]
+    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in output)
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _is_dynamic(opinfo: Any, sample: Any) -> bool:
+    """The output's shape depends on the values (nonzero, unique, masked_select): all-zero and all-one arguments
+    (floats and masks; indices kept) give different output shapes. Such an op cannot be batched, only padded."""
+    shapes = set()
+    for fill in (None, torch.zeros_like, torch.ones_like):
+        try:
+            shapes.add(_output_shapes(opinfo, sample, fill))
+        except Exception:  # a domain error on all zeros says nothing about shapes
+            continue
+    return len(shapes) > 1
+
+
 def _worse(a: Outcome | None, b: Outcome) -> Outcome:
     return b if a is None or RANK.index(b.status) > RANK.index(a.status) else a
 
@@ -626,14 +653,17 @@ def _survey_entry(opinfo: Any, dtype_name: str, config: SurveyConfig) -> list[Su
         return every_row(Outcome("unsupported", f"OpInfo's sample_inputs fails: {_first_line(error)}"))
     if not samples:
         return every_row(Outcome("unsupported", "OpInfo has no sample input"))
-    try:
-        random = _is_random(opinfo, samples[0])
-    except Exception:  # the cases report native's failure themselves
-        random = False
+    randomness = {}
+    for index, sample in enumerate(samples):
+        try:
+            randomness[index] = _is_random(opinfo, sample)
+        except Exception:  # the cases report native's failure themselves
+            randomness[index] = False
+    dynamic = {index: _is_dynamic(opinfo, sample) for index, sample in enumerate(samples)}
     rows = []
     for batching in config.batchings:
         worst: dict[str, tuple[Outcome | None, Outcome | None, int]] = {s: (None, None, 0) for s in config.stacks}
-        for sample in samples:
+        for index, sample in enumerate(samples):
             try:
                 case = SurveyCase(opinfo, sample, batching, config.batch)
             except Exception as error:
@@ -642,7 +672,8 @@ def _survey_entry(opinfo: Any, dtype_name: str, config: SurveyConfig) -> list[Su
                     native, used, count = worst[stack]
                     worst[stack] = (_worse(native, outcome), _worse(used, outcome), count)
                 continue
-            case.random = random
+            case.random = randomness[index]
+            case.dynamic = dynamic[index]
             ref = _Reference(case)
             for stack in config.stacks:
                 native_outcome = check_case(stack, case, ref, dtype, inside_use=False,
