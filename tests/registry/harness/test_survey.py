@@ -67,8 +67,8 @@ def test_index_fill_with_a_batched_value_is_wrong_natively_and_ok_inside_use(dat
         ("jacrev", "others"): ok, ("jacfwd", "others"): ok, ("vmap(jvp)", "others"): ("mismatch", "ok"),
     }
     vmap_row = next(r for r in rows if (r.stack, r.batching) == ("vmap", "others"))
-    assert vmap_row.native_detail == "output[0]: max abs error 0.639, max rel error 0.0842"
-    assert vmap_row.max_abs_error == pytest.approx(0.639, abs=5e-4)
+    assert vmap_row.native_detail == "output[0]: max abs error 0.758, max rel error 0.1"
+    assert vmap_row.max_abs_error == pytest.approx(0.758, abs=5e-4)
     assert vmap_row.use_detail == ""
 
 
@@ -130,7 +130,8 @@ def fake_entry(name: str, op: Callable[..., Any], **flags: Any) -> SimpleNamespa
         x = torch.linspace(-1.5, 2.0, 12, dtype=dtype).reshape(3, 4)
         return [SampleInput(x)]
 
-    defaults = {"supports_autograd": True, "supports_forward_ad": True, "supports_gradgrad": True}
+    defaults = {"supports_autograd": True, "supports_forward_ad": True, "supports_gradgrad": True,
+                "gradcheck_wrapper": lambda op, *args, **kwargs: op(*args, **kwargs)}
     return SimpleNamespace(name=name, variant_test_name="", op=op, sample_inputs=sample_inputs,
                            supported_dtypes=lambda device: {torch.float32, torch.float64}, **{**defaults, **flags})
 
