@@ -20,6 +20,7 @@ import difflib
 import math
 import os
 import signal
+import threading
 import time
 import traceback
 import warnings
@@ -490,7 +491,8 @@ class _Timeout(Exception):  # noqa: N818 -- an outcome, not a failure
 def _deadline(seconds: float) -> Iterator[None]:
     """Raise _Timeout in the main thread after ``seconds`` (a kernel that never returns to Python is left to the
     worker's own deadline)."""
-    if seconds <= 0 or os.name != "posix" or signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, None):
+    if (seconds <= 0 or os.name != "posix" or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, None)):
         yield
         return
 
@@ -819,7 +821,9 @@ def _run_forked(entries: Sequence[Any], jobs: list[tuple[int, str]], config: Sur
         else:
             worker.job = None
 
-    torch.set_num_threads(1)  # before forking: an OpenMP pool in the parent does not survive fork
+    threads = torch.get_num_threads()
+    # While forking (replacements too): a worker inherits one thread, not an OpenMP pool that does not survive fork.
+    torch.set_num_threads(1)
     pool = [spawn() for _ in range(min(workers, len(jobs)))]
     for worker in pool:
         assign(worker)
@@ -855,6 +859,7 @@ def _run_forked(entries: Sequence[Any], jobs: list[tuple[int, str]], config: Sur
             worker.process.join(2)
             if worker.process.is_alive():
                 worker.process.kill()
+        torch.set_num_threads(threads)
 
 
 # --- findings -----------------------------------------------------------------------------------------------------
