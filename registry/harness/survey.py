@@ -911,18 +911,18 @@ def format_rows(rows: Sequence[SurveyRow], stacks: Sequence[str]) -> list[str]:
     by_entry: dict[str, list[SurveyRow]] = {}
     for r in rows:
         by_entry.setdefault(r.op, []).append(r)
-    width = max([len(op) for op in by_entry] + [10])
-    lines = [f"{'op_db entry':{width}s}  " + " ".join(f"{s:>14s}" for s in stacks) + "   (native/use())"]
+    width = min(max([len(op) for op in by_entry] + [10]), 36)  # longer names push their row right
+    lines = [f"{'op_db entry':{width}s}  " + " ".join(f"{s:>11s}" for s in stacks) + "   (native/use())"]
     for op, items in by_entry.items():
         cells, notes = [], []
         for stack in stacks:
             here = [r for r in items if r.stack == stack]
             if not here:
-                cells.append(f"{'':>14s}")
+                cells.append(f"{'':>11s}")
                 continue
             native = max(here, key=lambda r: RANK.index(r.native_status))
             used = max(here, key=lambda r: RANK.index(r.use_status))
-            cells.append(f"{_SHORT[native.native_status] + '/' + _SHORT[used.use_status]:>14s}")
+            cells.append(f"{_SHORT[native.native_status] + '/' + _SHORT[used.use_status]:>11s}")
             if native.native_status in MISBEHAVING or used.use_status in MISBEHAVING:
                 worst = native if native.native_status in MISBEHAVING else used
                 detail = worst.native_detail if worst is native else worst.use_detail
