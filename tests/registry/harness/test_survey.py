@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -176,6 +177,16 @@ def test_forked_workers_give_the_same_rows_and_survive_a_dying_worker(database: 
                                ("exits", "vmap", "others"): ("error", "error")}
     died = [r for r in forked.rows if r.op == "exits"]
     assert {r.native_detail for r in died} == {"survey worker died (exit code 3)"}
+
+
+def test_a_hung_job_is_killed_and_the_survey_goes_on(database: list[Any]) -> None:
+    entries = [fake_entry("hangs", lambda x: time.sleep(60) or x), *survey.select_entries(database, ["add"])]
+    config = survey.SurveyConfig(stacks=("vmap",), batchings=("input",), limit_samples=1, case_timeout_s=0)
+    start = time.monotonic()
+    run = survey.run_survey(entries, ["float32"], config, workers=1, job_timeout_s=3)
+    assert time.monotonic() - start < 30
+    assert [(r.op, r.native_status, r.native_detail) for r in run.rows] == [
+        ("hangs", "error", "survey worker killed: the job took over 3 s"), ("add", "ok", "")]
 
 
 # --- selection, summary, store and command line ----------------------------------------------------------------
