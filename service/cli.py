@@ -210,6 +210,48 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _survey(args: argparse.Namespace) -> int:
+    """OpInfo's op_db under the matrix's stacks, natively and inside use(); rows go to the store."""
+    import os
+
+    from registry.harness import survey
+    from registry.store.db import Store
+    from registry.store.survey import write_survey
+
+    try:
+        stacks = tuple(dict.fromkeys(survey.normalize_stack(s) for s in args.stack)) if args.stack else None
+        if args.limit_samples < 1:
+            raise survey.SurveyError(f"--limit-samples must be at least 1, got {args.limit_samples}")
+        entries = survey.select_entries(survey.op_db(), args.op)
+        config = survey.SurveyConfig(stacks=stacks or survey.SURVEY_STACKS, limit_samples=args.limit_samples,
+                                     case_timeout_s=args.timeout)
+        workers = args.workers if args.workers is not None else min(2, os.cpu_count() or 1)
+        store = Store()
+        try:
+            def save(rows: list, done: int, total: int) -> None:
+                write_survey(store, rows)  # per job: an interrupted survey keeps what it measured
+                if not args.json:
+                    _progress(done, total, rows[0].op if rows else "")
+
+            run = survey.run_survey(entries, args.dtype or list(survey.DTYPES), config,
+                                    workers=workers if len(entries) > 1 else 0, on_rows=save)
+        finally:
+            store.close()
+    except survey.SurveyError as error:
+        print(f"multicomposite survey: {error}", file=sys.stderr)
+        return 2
+    summary = survey.summarize(run.rows)
+    if args.json:
+        print(json.dumps({"seconds": round(run.seconds, 1), "summary": summary,
+                          "rows": [row.as_dict() for row in run.rows]}, indent=1))
+        return 0
+    for line in survey.format_rows(run.rows, config.stacks):
+        print(line)
+    print(survey.format_summary(summary))
+    print(f"{len(run.rows)} rows for {run.entries} op_db entries in {run.seconds:.0f} s, written to {store.url}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="multicomposite", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -245,6 +287,17 @@ def main(argv: list[str] | None = None) -> int:
     report = commands.add_parser("report", help="plot the speedup over native per op and stack")
     report.add_argument("--png", required=True)
     report.set_defaults(run=_report)
+    survey = commands.add_parser("survey", help="run OpInfo's op_db under the stacks, natively and inside use()")
+    survey.add_argument("--op", action="append", help="an op_db entry, 'add' or 'scatter_reduce.prod' (repeatable; "
+                        "default: all)")
+    survey.add_argument("--stack", action="append", help="vmap, grad, vmap(grad), jacrev, jacfwd, vmap(jvp) "
+                        "(repeatable; default: all)")
+    survey.add_argument("--dtype", action="append", choices=("float32", "float64"), help="default: both")
+    survey.add_argument("--limit-samples", type=int, default=2, help="OpInfo samples per entry and dtype (default 2)")
+    survey.add_argument("--timeout", type=float, default=20.0, help="seconds per case (default 20)")
+    survey.add_argument("--workers", type=int, default=None, help="forked worker processes (default: 2, 0: none)")
+    survey.add_argument("--json", action="store_true", help="print rows and summary as JSON")
+    survey.set_defaults(run=_survey)
     args = parser.parse_args(argv)
     return args.run(args)
 
