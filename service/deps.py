@@ -19,6 +19,8 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_runner(request: Request) -> JobRunner:
+    """The job runner, whose jobs live in the store: StoreUnavailableError (503) while it cannot be read."""
+    request.app.state.store_state.require()
     return request.app.state.runner
 
 

@@ -384,8 +384,18 @@ class Store:
         """Raise StoreUnavailableError saying why, unless the store answers a query."""
         if self._sqlite:
             path = self.url.removeprefix("sqlite:///")
-            if path not in ("", ":memory:") and not os.path.isfile(path):
-                raise StoreUnavailableError(f"the store file {path} does not exist")
+            if path not in ("", ":memory:"):
+                try:
+                    with open(path, "rb") as file:
+                        header = file.read(16)
+                except FileNotFoundError:
+                    raise StoreUnavailableError(f"the store file {path} does not exist") from None
+                except OSError as error:
+                    raise StoreUnavailableError(f"the store file {path} cannot be opened: {error}") from None
+                # A pooled connection in WAL mode may answer from its cache after the file was overwritten: the
+                # header is read fresh every time.
+                if header and header != b"SQLite format 3\x00":
+                    raise StoreUnavailableError(f"the store file {path} is not a SQLite database (bad header)")
         try:
             self.generation()
         except Exception as error:  # any driver error is the answer
