@@ -83,7 +83,7 @@ def _store_unavailable(error: Exception) -> JSONResponse:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     registry.load()
-    state = StoreState(settings.db, settings.evidence_poll_s, settings.cache_size)
+    state = StoreState(settings.db, settings.evidence_poll_s, settings.cache_size, settings.cache_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

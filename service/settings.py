@@ -32,6 +32,7 @@ class Settings(BaseSettings):
     evidence_poll_s: float = Field(default=0.25, gt=0, le=1.0,
                                    description="how often the server checks the store's generation")
     cache_size: int = Field(default=2048, ge=1, le=1_000_000, description="cached responses (LRU)")
+    cache_bytes: int = Field(default=64 << 20, ge=1 << 16, description="bytes of cached response bodies (LRU)")
 
     @field_validator("token")
     @classmethod

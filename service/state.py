@@ -29,10 +29,13 @@ class CachedResponse:
 
 
 class ResponseCache:
-    """An LRU of complete responses keyed by (generation, path, query string)."""
+    """An LRU of complete responses keyed by (generation, path, query string), bounded in entries and in bytes (a
+    page of /matrix can be a thousand entries)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, max_bytes: int = 64 << 20) -> None:
         self._size = size
+        self._max_bytes = max_bytes
+        self._bytes = 0
         self._entries: OrderedDict[tuple[int, str, bytes], CachedResponse] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -44,15 +47,26 @@ class ResponseCache:
             return entry
 
     def put(self, key: tuple[int, str, bytes], entry: CachedResponse) -> None:
+        if len(entry.body) > self._max_bytes // 16:
+            return  # one answer may not push out most of the others
         with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= len(old.body)
             self._entries[key] = entry
-            self._entries.move_to_end(key)
-            while len(self._entries) > self._size:
-                self._entries.popitem(last=False)
+            self._bytes += len(entry.body)
+            while len(self._entries) > self._size or self._bytes > self._max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= len(evicted.body)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._bytes = 0
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -80,13 +94,13 @@ class Listings:
 
 
 class StoreState:
-    def __init__(self, url: str | None, poll_s: float, cache_size: int) -> None:
+    def __init__(self, url: str | None, poll_s: float, cache_size: int, cache_bytes: int = 64 << 20) -> None:
         self.url = url
         self.poll_s = poll_s
         self.store: Store | None = None
         self.generation = -1
         self.error: str | None = None
-        self.responses = ResponseCache(cache_size)
+        self.responses = ResponseCache(cache_size, cache_bytes)
         self.listings = Listings()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -129,8 +143,7 @@ class StoreState:
         store = self.require()
 
         def compute() -> tuple[str, ...]:
-            named = sorted({p.device for p in store.profiles()})
-            return tuple(dict.fromkeys((*host_device_types(), *named)))
+            return tuple(dict.fromkeys((*host_device_types(), *store.profile_devices())))
 
         return self.listings.get(self.generation, "devices", compute)
 

@@ -487,6 +487,11 @@ class Store:
         with self.engine.connect() as conn:
             return [_profile_from_row(row) for row in conn.execute(query)]
 
+    def profile_devices(self) -> list[str]:
+        """The device types stored timings name (one indexed scan, no rows built)."""
+        with self.engine.connect() as conn:
+            return sorted(row[0] for row in conn.execute(select(_profiles.c.device).distinct()))
+
     def fresh_profiles(self, *, source_hashes: Mapping[tuple[str, str], str], torch_version: str,
                        op: str | None = None) -> list[ProfileEntry]:
         """Timings still valid for these composite sources and this torch."""

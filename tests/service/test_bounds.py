@@ -48,9 +48,9 @@ def test_values_outside_their_closed_sets_are_422(client: TestClient) -> None:
                                                    "verified matrix covers at most 3")
     assert select(stack="vmap," * 500) == "query.stack: String should have at most 120 characters"
     assert select(policy="fast") == "unknown policy 'fast'; policies are auto, fastest, rules, native"
-    assert select(stack="vmap", batched="x" * 100) == ("batched name 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx…' is not a "
-                                                       "tensor argument of index_fill; its tensor arguments are self, "
-                                                       "index, value")
+    assert select(stack="vmap", batched="x" * 100) == (
+        "batched name '" + "x" * 39 + "…' is not a tensor argument of index_fill; its tensor arguments are self, "
+        "index, value")
 
 
 def test_error_bodies_echo_a_short_prefix_only(client: TestClient) -> None:
@@ -82,6 +82,11 @@ def test_every_cache_is_bounded(serve, monkeypatch: pytest.MonkeyPatch) -> None:
     for numel in range(10):
         assert client.get("/select", params={"op": "index_add", "numel": numel}).status_code == 200
     assert len(client.app.state.store_state.responses) == 4
+    by_bytes = serve(cache_size=1000, cache_bytes=1 << 16)  # 64 KiB: about 110 decisions of ~600 bytes
+    for numel in range(200):
+        assert by_bytes.get("/select", params={"op": "index_add", "numel": numel}).status_code == 200
+    responses = by_bytes.app.state.store_state.responses
+    assert responses.bytes <= 1 << 16 and 50 < len(responses) < 200
 
 
 def test_chunked_body_over_the_limit_is_413(client: TestClient) -> None:

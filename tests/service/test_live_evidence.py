@@ -13,7 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from registry.harness.verify import source_hashes
-from registry.store.db import MatrixEntry, ProfileEntry, Store
+from registry.store.db import ProfileEntry, Store
 
 ROOT = Path(__file__).resolve().parents[2]
 QUERY = {"op": "masked_fill", "stack": "vmap", "batched": "self", "dtype": "float32"}
