@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from registry.core.context import STACK_ALIASES, TRANSFORMS
 from registry.core.context import parse_stack as _parse_names
 
 # The deepest stack the verified matrix covers (hessian = vmap, jvp, grad): deeper stacks have no evidence, and a
@@ -46,9 +47,13 @@ def split_stack(text: str) -> list[str]:
 
 def parse_stack(text: str | Iterable[str]) -> tuple[str, ...]:
     """Either spelling (or a sequence of names) to a validated stack tuple; aliases such as ``jacrev`` expand."""
-    if isinstance(text, str):
-        return _parse_names(split_stack(text))
-    return _parse_names(text)
+    names = split_stack(text) if isinstance(text, str) else [name.strip() for name in text]
+    for name in names:
+        if name not in TRANSFORMS and name not in STACK_ALIASES:
+            valid = ", ".join((*TRANSFORMS, *STACK_ALIASES))
+            raise ValueError(f"unknown transform {shorten(name)!r} in stack {shorten(format_stack(names), 60)!r}; "
+                             f"valid: {valid}")
+    return _parse_names(names)
 
 
 def parse_bounded_stack(text: str) -> tuple[str, ...]:

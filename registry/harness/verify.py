@@ -30,7 +30,7 @@ import torch
 from torch import func
 from torch.autograd import forward_ad
 
-from registry.core.context import parse_stack
+from registry.core.stacks import format_stack, parse_stack
 from registry.core.model import Composite
 from registry.core.registration import COMPOSITES, RegistrationError, load
 from registry.harness.audit import audit
@@ -378,7 +378,7 @@ def verify(
         for done, entry in enumerate(results, 1):
             entries.append(entry)
             if progress is not None:
-                progress(done, len(labels), f"{entry.op}/{entry.composite} {','.join(entry.stack)} {entry.pattern}")
+                progress(done, len(labels), f"{entry.op}/{entry.composite} {format_stack(entry.stack) or 'eager'} {entry.pattern}")
     finally:
         if workers > 1 and len(labels) >= 64:
             pool.close()

@@ -58,7 +58,7 @@ def test_errors_say_what_to_fix(client: TestClient) -> None:
     response = client.get("/select", params={"op": "index_fill", "stack": "vmap,gard"})
     assert response.status_code == 422
     assert response.json()["detail"] == (
-        "unknown transform 'gard' in stack 'vmap,gard'; valid: vmap, grad, jvp, functionalize, autograd, compile, "
+        "unknown transform 'gard' in stack 'vmap(gard)'; valid: vmap, grad, jvp, functionalize, autograd, compile, "
         "jacrev, jacfwd, hessian"
     )
     response = client.get("/select", params={"op": "index_fill", "stack": "vmap", "pin": "mutating"})

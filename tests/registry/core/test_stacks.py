@@ -29,7 +29,8 @@ def test_format_and_aliases() -> None:
     ("vmap(grad", "unbalanced or mixed stack 'vmap(grad': write it nested, vmap(grad), or as a list, vmap,grad"),
     ("vmap(grad),jvp", "unbalanced or mixed stack 'vmap(grad),jvp': write it nested"),
     ("vmap((grad))", "empty transform name in stack 'vmap((grad))'"),
-    ("vmap(gard)", "unknown transform 'gard' in stack 'vmap,gard'"),
+    ("vmap(gard)", "unknown transform 'gard' in stack 'vmap(gard)'; valid: vmap, grad, jvp"),
+    ("vmap,gard", "unknown transform 'gard' in stack 'vmap(gard)'; valid: vmap, grad, jvp"),
 ])
 def test_bad_stacks_say_how_to_write_them(text: str, message: str) -> None:
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
