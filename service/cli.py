@@ -7,10 +7,13 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import registry
 from registry.core.stacks import canonical_workload, format_stack, parse_bounded_stack, shorten
+
+if TYPE_CHECKING:
+    from registry.store.db import Store
 
 # The dtypes verify and profile run: the floating point ones the samples are written for.
 RUN_DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -197,7 +200,8 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _open_store():
+def _open_store() -> Store:
+    """The default store, checked; UsageError (one line) when it cannot be opened."""
     from registry.store.db import Store, StoreUnavailableError
 
     try:

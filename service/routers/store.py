@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Query
 import registry
 from registry.core.selector import unknown_op_message
 from registry.core.stacks import MAX_STACK_TEXT, format_stack, shorten
-from registry.store.db import STATUSES
+from registry.store.db import STATUSES, MatrixEntry, ProfileEntry
 from service.deps import StateDep
 from service.models import MatrixEntryPublic, MatrixPage, ProfilePage, ProfilePublic
 from service.validation import InputError, parse_dtype, parse_stack_input
@@ -63,7 +63,7 @@ def get_matrix(state: StateDep, op: OpFilter = None, composite: CompositeFilter 
     if status is not None and status not in STATUSES:
         raise InputError(f"unknown status {shorten(status, 16)!r}; statuses are {', '.join(STATUSES)}")
 
-    def keep(e) -> bool:
+    def keep(e: MatrixEntry) -> bool:
         return ((op is None or e.op == op) and (composite is None or e.composite == composite)
                 and (status is None or e.status == status) and (parsed is None or e.stack == parsed))
 
@@ -91,7 +91,7 @@ def get_profiles(state: StateDep, op: OpFilter = None, composite: CompositeFilte
         raise InputError(f"device {shorten(device)!r} is neither on this host nor in a profile; devices: "
                          f"{', '.join(state.device_types())}")
 
-    def keep(p) -> bool:
+    def keep(p: ProfileEntry) -> bool:
         return ((op is None or p.op == op) and (composite is None or p.composite == composite)
                 and (parsed is None or p.stack == parsed) and (dtype_name is None or p.dtype == dtype_name)
                 and (device is None or p.device == device)
