@@ -2,9 +2,9 @@
 
 - Body limit: a request body is read here, chunk by chunk, and refused with 413 as soon as it passes the limit,
   whether it came with Content-Length or ``Transfer-Encoding: chunked``; the app gets the buffered body.
-- Cache: a GET of a read-only route (``/select``, ``/ops``, ``/matrix``, ``/profiles``, ``/version``) is answered
-  from an LRU of complete 200 responses keyed by (store generation, path, query string); a change of generation
-  (someone wrote evidence) makes every entry unreachable. Each such response carries an ETag, and a matching
+- Cache: a GET of a read-only route (``/select``, ``/ops``, ``/matrix``, ``/profiles``, ``/version``, ``/healthz``)
+  is answered from an LRU of complete 200 responses keyed by (store generation, path, query string); a change of
+  generation (someone wrote evidence) makes every entry unreachable. Each such response carries an ETag, and a matching
   ``If-None-Match`` gets 304.
 - Metrics: requests and latency per route template.
 
@@ -29,7 +29,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-CACHED_PATHS = ("/select", "/ops", "/matrix", "/profiles", "/version")
+CACHED_PATHS = ("/select", "/ops", "/matrix", "/profiles", "/version", "/healthz")
 _BODY_METHODS = (b"POST", b"PUT", b"PATCH", b"DELETE")
 
 
