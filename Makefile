@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
 
-.PHONY: venv test lint serve bench clean browser-deps
+.PHONY: venv test lint serve bench bench-api clean browser-deps
 
 venv: $(STAMP)
 
@@ -44,6 +44,11 @@ serve: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
+
+# The API under load needs wrk: `apt-get install wrk` (Debian/Ubuntu) or `brew install wrk` (macOS).
+bench-api: $(STAMP)
+	@command -v wrk >/dev/null || { echo "bench-api needs wrk: apt-get install wrk (or brew install wrk)"; exit 2; }
+	$(PY) -m bench.api
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info test-output

@@ -1,4 +1,5 @@
-"""Shared dependencies: settings, the job runner, and the bearer-token check for POST and DELETE."""
+"""Shared dependencies: settings, the app-scoped store, the job runner, and the bearer-token check for POST and
+DELETE."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Annotated
 
 from fastapi import Depends, Header, HTTPException, Request
 
+from registry.store.db import Store
 from service.jobs import JobRunner
 from service.settings import Settings
+from service.state import StoreState
 
 
 def get_settings(request: Request) -> Settings:
@@ -16,7 +19,18 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_runner(request: Request) -> JobRunner:
+    """The job runner, whose jobs live in the store: StoreUnavailableError (503) while it cannot be read."""
+    request.app.state.store_state.require()
     return request.app.state.runner
+
+
+def get_state(request: Request) -> StoreState:
+    return request.app.state.store_state
+
+
+def get_store(request: Request) -> Store:
+    """The app's store; StoreUnavailableError (503) while it cannot be read."""
+    return request.app.state.store_state.require()
 
 
 def require_token(settings: Annotated[Settings, Depends(get_settings)],
@@ -32,4 +46,6 @@ def require_token(settings: Annotated[Settings, Depends(get_settings)],
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RunnerDep = Annotated[JobRunner, Depends(get_runner)]
+StateDep = Annotated[StoreState, Depends(get_state)]
+StoreDep = Annotated[Store, Depends(get_store)]
 Authorized = Depends(require_token)

@@ -1,88 +1,146 @@
-"""``create_app(settings)``: the FastAPI app."""
+"""``create_app(settings)``: the FastAPI app. The store, the store watcher and the job worker live as long as the
+app: opened in its lifespan, closed after it."""
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable
+import sqlite3
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from sqlalchemy.exc import SQLAlchemyError
 
 import registry
+from registry.core.stacks import shorten
+from registry.store.db import Store, StoreUnavailableError
 from service import dashboard
 from service.jobs import Job, JobRunner
 from service.metrics import Metrics
+from service.middleware import ServiceMiddleware
 from service.models import ErrorPublic
 from service.routers import jobs, meta, ops, select, store
 from service.settings import Settings
+from service.state import StoreState
+from service.validation import InputError
 
 
-def _run_job(job: Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
-    import torch
+def docs_assets() -> Path:
+    """Swagger UI and ReDoc, as shipped by the fastapi-offline package: served from /static, never a CDN."""
+    import fastapi_offline
 
-    from registry.harness.verify import verify
-    from registry.profiling.timing import profile
-    from registry.store import evidence
-    from registry.store.db import Store
+    return Path(fastapi_offline.__file__).parent / "static"
 
-    params = job.params
-    dtypes = [getattr(torch, name) for name in params["dtypes"]]
 
-    def report(done: int, total: int, _label: str = "") -> None:
-        progress(done, total)
+def make_job_runner(store_: Store) -> Callable[[Job, Callable[[int, int], None]], dict[str, Any]]:
+    def run_job(job: Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
+        import torch
 
-    with Store() as db:
+        from registry.harness.verify import verify
+        from registry.profiling.timing import profile
+        from registry.store.benchlock import recorded_run, timed_run
+
+        params = job.params
+        dtypes = [getattr(torch, name) for name in params["dtypes"]]  # names checked against a closed Literal
+
+        def report(done: int, total: int, _label: str = "") -> None:
+            progress(done, total)
+
         if job.kind == "verify":
-            # One process: forking a threaded server is unsafe.
-            entries = verify(ops=params["ops"], stacks=params["stacks"], dtypes=dtypes, progress=report, workers=1)
-            db.write_entries(entries)
-            evidence.use_loader(None)
+            with recorded_run(store_, "verify"):
+                # One process: forking a threaded server is unsafe.
+                entries = verify(ops=params["ops"], stacks=params["stacks"], dtypes=dtypes, progress=report,
+                                 workers=1)
+            store_.write_entries(entries)  # bumps the generation: the watcher reloads the evidence
             counts: dict[str, int] = {}
             for entry in entries:
                 counts[entry.status] = counts.get(entry.status, 0) + 1
             return {"entries": len(entries), "statuses": counts}
-        profiles = profile(ops=params["ops"], workloads=params["workloads"], numels=params["numels"],
-                           batch_sizes=params["batch_sizes"], dtypes=dtypes, device=params["device"],
-                           min_run_time=params["min_run_time"], progress=report)
-        db.write_profiles(profiles)
-        evidence.use_profile_loader(None)
+        profiles = timed_run(store_, "profile", lambda: profile(
+            ops=params["ops"], workloads=params["workloads"], numels=params["numels"],
+            batch_sizes=params["batch_sizes"], dtypes=dtypes, device=params["device"],
+            min_run_time=params["min_run_time"], progress=report))
+        store_.write_profiles(profiles)
         return {"profiles": len(profiles), "timed": sum(p.valid for p in profiles)}
+
+    return run_job
+
+
+def _store_unavailable(error: Exception) -> JSONResponse:
+    if isinstance(error, StoreUnavailableError):
+        reason = str(error)
+    else:
+        reason = f"the store cannot be read: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+    return JSONResponse(status_code=503, content={
+        "detail": f"{reason}; check MULTICOMPOSITE_DB and the file, then retry (GET /readyz says when it is back)"},
+        headers={"Retry-After": "5"})
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    if settings.db:
-        os.environ["MULTICOMPOSITE_DB"] = settings.db  # the registry's store and evidence read it
     registry.load()
+    state = StoreState(settings.db, settings.evidence_poll_s, settings.cache_size, settings.cache_bytes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.open()  # StoreUnavailableError: the server does not start
+        runner = JobRunner(make_job_runner(state.require()), state.require(), settings.queue_size,
+                           settings.job_timeout_s, settings.job_retention_s)
+        app.state.runner = runner
+        app.state.metrics.runner = runner
+        runner.start()
+        try:
+            yield
+        finally:
+            runner.stop()
+            state.close()
+
     app = FastAPI(title="multicomposite", description="Which decomposition of a PyTorch op fits a transform stack",
-                  responses={code: {"model": ErrorPublic} for code in (401, 404, 409, 413, 422, 429)})
+                  responses={code: {"model": ErrorPublic} for code in (401, 404, 409, 413, 422, 429, 503)},
+                  lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    app.state.store_state = state
+    app.state.metrics = metrics = Metrics()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
-        # One readable string, like every other error of this API: where, and what is wrong.
-        parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()]
-        return JSONResponse(status_code=422, content={"detail": "; ".join(parts)})
-    app.state.settings = settings
-    app.state.runner = JobRunner(_run_job, settings.queue_size, settings.job_timeout_s)
-    app.state.metrics = metrics = Metrics(app.state.runner)
+        # One readable string, like every other error of this API: where, and what is wrong; never the input itself
+        # beyond a short prefix.
+        parts = [f"{'.'.join(shorten(p, 24) for p in e['loc'])}: {shorten(e['msg'], 200)}" for e in error.errors()]
+        return JSONResponse(status_code=422, content={"detail": "; ".join(parts[:5])})
 
-    @app.middleware("http")
-    async def limit_and_measure(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse(status_code=413, content={
-                "detail": f"request body of {length} bytes is over the limit of {settings.max_body_bytes}"})
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.observe(getattr(route, "path", "unmatched"), request.method, response.status_code,
-                        time.perf_counter() - start)
-        return response
+    @app.exception_handler(InputError)
+    async def input_error(_request: Request, error: InputError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": str(error)})
+
+    async def store_error(_request: Request, error: Exception) -> JSONResponse:
+        return _store_unavailable(error)
+
+    for kind in (StoreUnavailableError, SQLAlchemyError, sqlite3.Error):
+        app.add_exception_handler(kind, store_error)
+
+    static = docs_assets()
+    app.mount("/static", StaticFiles(directory=static), name="static")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="multicomposite API",
+                                   swagger_js_url="/static/swagger-ui-bundle.js",
+                                   swagger_css_url="/static/swagger-ui.css", swagger_favicon_url="/static/favicon.png")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title="multicomposite API",
+                              redoc_js_url="/static/redoc.standalone.js", redoc_favicon_url="/static/favicon.png",
+                              with_google_fonts=False)
 
     for module in (meta, ops, select, store, jobs, dashboard):
         app.include_router(module.router)
     app.get("/metrics", include_in_schema=False)(metrics.endpoint)
+    app.add_middleware(ServiceMiddleware, state=state, metrics=metrics, max_body_bytes=settings.max_body_bytes)
     return app

@@ -26,10 +26,11 @@ class CompositeBase(BaseModel):
 
 
 class CompositePublic(CompositeBase):
-    where: str = Field(description="file:line of the registration")
+    where: str = Field(description="file:line of the registration, relative to the package's root "
+                                   "(composites/index.py:12)")
     source: str
-    verified: list[str] = Field(description="stacks (outermost first, comma-joined) where every stored matrix entry "
-                                            "of this composite is ok")
+    verified: list[str] = Field(description="stacks, spelled vmap(grad), where every stored matrix entry of this "
+                                            "composite is ok")
 
 
 class OpBase(BaseModel):
@@ -54,9 +55,12 @@ class VerdictPublic(BaseModel):
     reason: str
 
 
+STACK_DOC = 'transforms, outermost first, spelled vmap(grad); "" with no transform'
+
+
 class DecisionPublic(BaseModel):
     op: str
-    stack: list[str]
+    stack: str = Field(description=STACK_DOC)
     batched: list[str]
     dtype: str | None
     device: str | None
@@ -65,3 +69,52 @@ class DecisionPublic(BaseModel):
     kind: str
     reason: str
     alternatives: list[VerdictPublic]
+    speedup: float | None = Field(description="measured: native's time over the chosen composite's, where both "
+                                              "were profiled here; null without timings")
+    runner_up_speedup: float | None = Field(description="measured: the next fastest valid composite's time over "
+                                                        "the chosen one's; null without two timings")
+
+
+class MatrixEntryPublic(BaseModel):
+    op: str
+    composite: str
+    kind: str
+    stack: str = Field(description=STACK_DOC)
+    pattern: str
+    dtype: str
+    status: str
+    detail: str
+    max_abs_error: float | None
+    max_rel_error: float | None
+    torch_version: str
+    device: str
+
+
+class ProfilePublic(BaseModel):
+    op: str
+    composite: str
+    kind: str
+    stack: str = Field(description="the stack the op sees, spelled vmap(grad)")
+    workload: str = Field(description="the transform the timing ran under: vmap, grad, vmap(grad), jacrev, ...")
+    dtype: str
+    device: str
+    device_name: str
+    numel_bucket: int
+    batch_size: int
+    valid: bool
+    detail: str
+    median_us: float | None
+    iqr_us: float | None
+    runs: int
+
+
+class MatrixPage(BaseModel):
+    items: list[MatrixEntryPublic]
+    total: int = Field(description="entries that match the filters, over all pages")
+    next_cursor: str | None = Field(description="pass as cursor for the next page; null on the last")
+
+
+class ProfilePage(BaseModel):
+    items: list[ProfilePublic]
+    total: int = Field(description="timings that match the filters, over all pages")
+    next_cursor: str | None = Field(description="pass as cursor for the next page; null on the last")

@@ -1,21 +1,68 @@
-"""Settings from the environment (``MULTICOMPOSITE_`` prefix) or the command line."""
+"""Settings from the environment (``MULTICOMPOSITE_`` prefix) or the command line, checked before the server starts:
+an empty token, a value of the wrong type or an unknown ``MULTICOMPOSITE_*`` name is refused with one line."""
 
 from __future__ import annotations
 
-from pydantic import Field
+import os
+
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PREFIX = "MULTICOMPOSITE_"
+
+
+class SettingsError(ValueError):
+    """A setting is missing, unknown or has a value that cannot work; the message is one line naming it."""
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MULTICOMPOSITE_")
+    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="forbid")
 
     db: str | None = Field(default=None, description="SQLAlchemy URL; default: SQLite in the user data dir")
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(default=8000, ge=1, le=65535)
     token: str | None = Field(default=None, description="when set, POST and DELETE need Authorization: Bearer")
-    queue_size: int = Field(default=8, ge=1)
+    queue_size: int = Field(default=8, ge=1, le=10_000)
     max_numel: int = Field(default=2**24, ge=1, description="elements per tensor a profiling job may use")
     max_batch: int = Field(default=1024, ge=1)
     max_contexts: int = Field(default=256, ge=1, description="(op, stack, batch, dtype) contexts per job")
     job_timeout_s: float = Field(default=600.0, gt=0)
-    max_body_bytes: int = 1 << 20
+    job_retention_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="finished jobs are deleted after this")
+    max_body_bytes: int = Field(default=1 << 20, ge=1)
+    evidence_poll_s: float = Field(default=0.25, gt=0, le=1.0,
+                                   description="how often the server checks the store's generation")
+    cache_size: int = Field(default=2048, ge=1, le=1_000_000, description="cached responses (LRU)")
+    cache_bytes: int = Field(default=64 << 20, ge=1 << 16, description="bytes of cached response bodies (LRU)")
+
+    @field_validator("token")
+    @classmethod
+    def _token_not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("is set but empty; set a secret, or unset it to serve without auth")
+        return value
+
+
+def _one_line(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        name = ".".join(str(p) for p in item["loc"]) or "settings"
+        given = item.get("input")
+        shown = f"={str(given)[:40]!r}" if isinstance(given, (str, int, float)) else ""
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "is not a setting"
+        parts.append(f"{PREFIX}{name.upper()}{shown}: {message}")
+    return "; ".join(parts)
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment and ``overrides`` (None: not given); SettingsError, one line, otherwise."""
+    known = {name.upper() for name in Settings.model_fields}
+    unknown = sorted(name for name in os.environ if name.startswith(PREFIX) and name.removeprefix(PREFIX) not in known)
+    if unknown:
+        valid = ", ".join(PREFIX + name for name in sorted(known))
+        raise SettingsError(f"{unknown[0]} is not a setting; settings are {valid}")
+    try:
+        return Settings(**{name: value for name, value in overrides.items() if value is not None})
+    except ValidationError as error:
+        raise SettingsError(_one_line(error)) from None

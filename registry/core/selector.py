@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import difflib
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from registry.core import rules
-from registry.core.context import Context, parse_stack
+from registry.core.context import Context
 from registry.core.model import KINDS, Composite
 from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES, ON_CHANGE, load
+from registry.core.stacks import format_stack, parse_stack, shorten
 from registry.profiling import noise
 from registry.store import evidence
 
@@ -48,12 +51,17 @@ class Decision:
         return COMPOSITES[self.op][self.composite].fn
 
 
-_cache: dict[tuple, Decision] = {}
+# Least recently used decisions, at most CACHE_SIZE: a key holds caller-supplied values (device, size), so an
+# unbounded dict would grow with every distinct query.
+CACHE_SIZE = 4096
+_cache: OrderedDict[tuple, Decision] = OrderedDict()
+_cache_lock = threading.Lock()
 
 
 def clear_cache() -> None:
-    """Forget every cached decision (after composites are added or removed)."""
-    _cache.clear()
+    """Forget every cached decision (after composites are added or removed, or the evidence changed)."""
+    with _cache_lock:
+        _cache.clear()
     for listener in CACHE_LISTENERS:
         listener()
 
@@ -63,13 +71,14 @@ ON_CHANGE.append(clear_cache)
 
 
 def unknown_op_message(op: str) -> str:
+    op = shorten(op)  # an error never echoes more than a short prefix of what was sent
     close = difflib.get_close_matches(op, OPS, n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else "."
     return f"unknown op {op!r}{hint} Covered ops: {', '.join(OPS)}"
 
 
 def _describe(ctx: Context) -> str:
-    where = f"({', '.join(ctx.stack)})" if ctx.stack else "(no transform)"
+    where = format_stack(ctx.stack) if ctx.stack else "(no transform)"
     if ctx.batched:
         where += f" with {', '.join(ctx.batched)} batched"
     return where
@@ -111,10 +120,24 @@ def decide(op: str, ctx: Context, policy: str = "auto", pin: str | None = None) 
     size = (ctx.numel or 1).bit_length()  # profiles are kept per power-of-two size
     key = (op, ctx.stack, ctx.batched, ctx.dtype, ctx.device, ctx.self_covers_batching, ctx.tensors, size, policy,
            pin)
-    decision = _cache.get(key)
-    if decision is None:
-        decision = _cache[key] = _decide(op, ctx, policy, pin)
+    with _cache_lock:
+        decision = _cache.get(key)
+        if decision is not None:
+            _cache.move_to_end(key)
+            return decision
+    decision = _decide(op, ctx, policy, pin)
+    with _cache_lock:
+        _cache[key] = decision
+        if len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
     return decision
+
+
+def _compared(ratio: float, other: str) -> str:
+    """``1.95x faster than native``; under 1, ``1.61x slower than native``, never ``0.62x faster``."""
+    if round(ratio, 2) == 1:
+        return f"as fast as {other}"
+    return f"{ratio:.2f}x faster than {other}" if ratio > 1 else f"{1 / ratio:.2f}x slower than {other}"
 
 
 def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
@@ -172,7 +195,7 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
             parts = []
             if speedup is not None and chosen.kind != "native":
                 parts.append(noise.ratio_text(best.score_us / measured[native].score_us, "native"))
-            if runner_up is not None:
+            if runner_up is not None and not (runner_up[1] == native and parts):  # native said once, not twice
                 parts.append(noise.ratio_text(best.score_us / runner_up[0], runner_up[1]))
             batches = ",".join(str(b) for b in best.batch_sizes)
             if within_noise:
@@ -201,7 +224,8 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
             reason += " (no profile here: rules decide)"
         elif policy == "auto":
             count = verified.get(chosen.name, 0)
-            reason += (f" (verified: {count} matrix entries ok here)" if count
+            entries = "matrix entry" if count == 1 else "matrix entries"
+            reason += (f" (verified: {count} {entries} ok here)" if count
                        else " (unverified: no measurement yet, rules decide)")
 
     return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
@@ -242,7 +266,7 @@ def select(
     pins: Mapping[str, str] | None = None,
     tensors: Iterable[str] | None = None,
 ) -> Decision:
-    """Which composite of ``op`` runs under ``stack`` (outermost first; ``"vmap,grad"`` or a sequence), and why.
+    """Which composite of ``op`` runs under ``stack`` (``"vmap(grad)"``, ``"vmap,grad"`` or a sequence), and why.
 
     ``batched`` names the tensor arguments batched at the innermost vmap; ``tensors`` the arguments that are tensors
     (default: all of the op's tensor parameters, the Tensor overloads).

@@ -34,9 +34,9 @@ import torch
 from torch import func
 from torch.autograd import forward_ad
 
-from registry.core.context import parse_stack
 from registry.core.model import Composite
 from registry.core.registration import COMPOSITES, RegistrationError, load
+from registry.core.stacks import format_stack, parse_stack
 from registry.harness.audit import audit
 from registry.harness.checks import FALLBACK_WARNING, entry_call, native_call
 from registry.harness.samples import SAMPLES, Args, Sample, fault_name, fault_samples
@@ -454,7 +454,8 @@ def verify(
         for done, entry in enumerate(results, 1):
             entries.append(entry)
             if progress is not None:
-                progress(done, len(labels), f"{entry.op}/{entry.composite} {','.join(entry.stack)} {entry.pattern}")
+                stack = format_stack(entry.stack) or "eager"
+                progress(done, len(labels), f"{entry.op}/{entry.composite} {stack} {entry.pattern}")
     finally:
         if workers > 1 and len(labels) >= 64:
             pool.close()

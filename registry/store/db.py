@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +27,15 @@ from sqlalchemy import (
     event,
     select,
     text,
+    update,
 )
 from sqlalchemy.engine import Row
 
+from registry.core.stacks import format_stack, split_stack
+
 STATUSES: tuple[str, ...] = ("ok", "slow", "error", "mismatch", "unsupported")
+JOB_STATES: tuple[str, ...] = ("queued", "running", "done", "failed", "cancelled", "interrupted")
+FINISHED_JOB_STATES: tuple[str, ...] = ("done", "failed", "cancelled", "interrupted")
 ENV_VAR = "MULTICOMPOSITE_DB"
 BUSY_TIMEOUT_MS = 30_000
 
@@ -127,6 +135,102 @@ _PROFILE_KEY = ("op", "composite", "workload", "dtype", "device", "device_name",
                 "torch_version")
 
 
+# One row per key. ``generation`` counts the writes of evidence (matrix, profiles): a reader compares it with the
+# value it last loaded at, one indexed read, instead of reloading the tables to see whether anything changed.
+_meta = Table(
+    "store_meta",
+    _metadata,
+    Column("key", String(100), primary_key=True),
+    Column("value", Integer, nullable=False),
+)
+GENERATION = "generation"
+SCHEMA_VERSION = "schema_version"
+# 2: stacks are stored in the one spelling, vmap(grad) (1 wrote vmap,grad).
+CURRENT_SCHEMA = 2
+
+_jobs = Table(
+    "jobs",
+    _metadata,
+    Column("id", String(64), primary_key=True),
+    Column("kind", String(50), nullable=False),
+    Column("params", Text, nullable=False),  # JSON
+    Column("state", String(20), nullable=False, index=True),
+    Column("done", Integer, nullable=False),
+    Column("total", Integer, nullable=False),
+    Column("result", Text, nullable=True),  # JSON
+    Column("error", Text, nullable=True),
+    Column("owner", String(300), nullable=False),  # host:pid of the server that accepted or runs it
+    Column("created_at", Float, nullable=False),
+    Column("started_at", Float, nullable=True),
+    Column("finished_at", Float, nullable=True),
+    Column("updated_at", Float, nullable=False),
+)
+
+# Benchmarking runs (profile, verify), so that a profile can tell whether another process ran while it timed.
+_runs = Table(
+    "bench_runs",
+    _metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("kind", String(50), nullable=False),
+    Column("host", String(300), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("finished_at", Float, nullable=True),
+)
+
+
+@dataclass
+class JobRecord:
+    """A verification or profiling job as stored: what was asked, where it stands, and how it ended."""
+
+    id: str
+    kind: str
+    params: dict[str, Any]
+    state: str = "queued"
+    done: int = 0
+    total: int = 0
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    owner: str = ""
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    updated_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    id: int
+    kind: str
+    host: str
+    pid: int
+    started_at: float
+    finished_at: float | None
+
+
+def this_process() -> str:
+    """``host:pid``: who owns a job."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def process_alive(owner: str) -> bool:
+    """Whether the ``host:pid`` process still runs; a process on another host is taken as alive (cannot tell)."""
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
+
+
+class StoreUnavailableError(RuntimeError):
+    """The store cannot be opened or read: a missing folder, a file that is not a database, a server down."""
+
+
 def default_url() -> str:
     """``$MULTICOMPOSITE_DB`` if set, else a SQLite file in the user data dir (created if missing)."""
     url = os.environ.get(ENV_VAR)
@@ -140,14 +244,39 @@ def default_url() -> str:
 
 def _encode_stack(stack: tuple[str, ...]) -> str:
     for name in stack:
-        # A comma or an empty name could not be told apart after joining.
-        if not name or "," in name:
+        # A separator or an empty name could not be told apart after joining.
+        if not name or any(mark in name for mark in ",()"):
             raise ValueError(f"invalid transform name in stack {stack!r}: {name!r}")
-    return ",".join(stack)
+    return format_stack(stack)
 
 
 def _decode_stack(value: str) -> tuple[str, ...]:
-    return tuple(value.split(",")) if value else ()
+    """Either spelling: rows written before schema 2 say vmap,grad."""
+    return tuple(split_stack(value))
+
+
+def data_dir(url: str) -> Path:
+    """The folder beside a SQLite store, else the user data dir: where the benchmark lock lives."""
+    if url.startswith("sqlite:///") and url.removeprefix("sqlite:///") not in ("", ":memory:"):
+        return Path(url.removeprefix("sqlite:///")).parent
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    folder = Path(base) / "multicomposite"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _job_row(job: JobRecord) -> dict[str, Any]:
+    values = vars(job).copy()
+    values["params"] = json.dumps(job.params)
+    values["result"] = json.dumps(job.result) if job.result is not None else None
+    return values
+
+
+def _job_from_row(row: Row[Any]) -> JobRecord:
+    values = dict(row._mapping)
+    values["params"] = json.loads(values["params"])
+    values["result"] = json.loads(values["result"]) if values["result"] is not None else None
+    return JobRecord(**values)
 
 
 def _to_row(entry: MatrixEntry) -> dict[str, Any]:
@@ -209,13 +338,70 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 class Store:
     """The compatibility matrix in a SQL database (SQLite by default)."""
 
-    def __init__(self, url: str | None = None) -> None:
+    def __init__(self, url: str | None = None, *, create: bool = True) -> None:
+        """Open the store at ``url``; with ``create``, make missing tables and bring old rows to this schema (once,
+        when a process opens it: a server does it in its lifespan, never per request)."""
         self.url = url if url is not None else default_url()
         self.engine: Engine = create_engine(self.url)
         self._sqlite = self.engine.dialect.name == "sqlite"
         if self._sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        _metadata.create_all(self.engine)
+        if create:
+            _metadata.create_all(self.engine)
+            self._migrate()
+
+    def _migrate(self) -> None:
+        with self.engine.begin() as conn:
+            stored = {row.key: row.value for row in conn.execute(select(_meta))}
+            if GENERATION not in stored:
+                conn.execute(_meta.insert(), [{"key": GENERATION, "value": 0}])
+            if stored.get(SCHEMA_VERSION, 1) < 2:
+                for table in (_matrix, _profiles):
+                    old = [row[0] for row in conn.execute(select(table.c.stack).distinct())]
+                    for value in old:
+                        new = format_stack(split_stack(value))
+                        if new != value:
+                            conn.execute(update(table).where(table.c.stack == value).values(stack=new))
+            if SCHEMA_VERSION in stored:
+                conn.execute(update(_meta).where(_meta.c.key == SCHEMA_VERSION).values(value=CURRENT_SCHEMA))
+            else:
+                conn.execute(_meta.insert(), [{"key": SCHEMA_VERSION, "value": CURRENT_SCHEMA}])
+
+    @staticmethod
+    def _bump(conn: Any) -> None:
+        conn.execute(update(_meta).where(_meta.c.key == GENERATION).values(value=_meta.c.value + 1))
+
+    def generation(self) -> int:
+        """How many times evidence was written: compare it with a remembered value to see whether to reload."""
+        with self.engine.connect() as conn:
+            value = conn.execute(select(_meta.c.value).where(_meta.c.key == GENERATION)).scalar()
+        return int(value or 0)
+
+    def data_dir(self) -> Path:
+        return data_dir(self.url)
+
+    def check(self) -> None:
+        """Raise StoreUnavailableError saying why, unless the store answers a query."""
+        if self._sqlite:
+            path = self.url.removeprefix("sqlite:///")
+            if path not in ("", ":memory:"):
+                try:
+                    with open(path, "rb") as file:
+                        header = file.read(16)
+                except FileNotFoundError:
+                    raise StoreUnavailableError(f"the store file {path} does not exist") from None
+                except OSError as error:
+                    raise StoreUnavailableError(f"the store file {path} cannot be opened: {error}") from None
+                # A pooled connection in WAL mode may answer from its cache after the file was overwritten: the
+                # header is read fresh every time.
+                if header and header != b"SQLite format 3\x00":
+                    raise StoreUnavailableError(f"the store file {path} is not a SQLite database (bad header)")
+        try:
+            self.generation()
+        except Exception as error:  # any driver error is the answer
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise StoreUnavailableError(f"the store at {self.url} cannot be read: {type(error).__name__}: "
+                                        f"{first}") from error
 
     def __enter__(self) -> Store:
         return self
@@ -239,6 +425,7 @@ class Store:
         with self.engine.begin() as conn:
             conn.execute(_matrix.delete().where(key_match), deletes)
             conn.execute(_matrix.insert(), rows)
+            self._bump(conn)
         return len(given)
 
     def entries(
@@ -283,6 +470,7 @@ class Store:
             conn.execute(_profiles.delete().where(key_match),
                          [{f"k_{name}": row[name] for name in _PROFILE_KEY} for row in unique])
             conn.execute(_profiles.insert(), unique)
+            self._bump(conn)
         return len(rows)
 
     def profiles(self, *, op: str | None = None, stack: tuple[str, ...] | None = None, dtype: str | None = None,
@@ -299,6 +487,11 @@ class Store:
         with self.engine.connect() as conn:
             return [_profile_from_row(row) for row in conn.execute(query)]
 
+    def profile_devices(self) -> list[str]:
+        """The device types stored timings name (one indexed scan, no rows built)."""
+        with self.engine.connect() as conn:
+            return sorted(row[0] for row in conn.execute(select(_profiles.c.device).distinct()))
+
     def fresh_profiles(self, *, source_hashes: Mapping[tuple[str, str], str], torch_version: str,
                        op: str | None = None) -> list[ProfileEntry]:
         """Timings still valid for these composite sources and this torch."""
@@ -310,6 +503,104 @@ class Store:
         with self.engine.begin() as conn:
             conn.execute(_matrix.delete())
             conn.execute(_profiles.delete())
+            self._bump(conn)
+
+    # Jobs ------------------------------------------------------------------------------------------------------
+
+    def add_job(self, job: JobRecord) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(_jobs.insert(), [_job_row(job)])
+
+    def update_job(self, job_id: str, **values: Any) -> None:
+        if "result" in values and values["result"] is not None:
+            values["result"] = json.dumps(values["result"])
+        values["updated_at"] = time.time()
+        with self.engine.begin() as conn:
+            conn.execute(update(_jobs).where(_jobs.c.id == job_id).values(**values))
+
+    def cancel_job(self, job_id: str) -> JobRecord | None:
+        """Cancel ``job_id`` if it is still queued (one statement: a worker cannot start it in between)."""
+        now = time.time()
+        with self.engine.begin() as conn:
+            conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "queued")
+                         .values(state="cancelled", finished_at=now, updated_at=now))
+        return self.job(job_id)
+
+    def job(self, job_id: str) -> JobRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(_jobs).where(_jobs.c.id == job_id)).first()
+        return _job_from_row(row) if row is not None else None
+
+    def jobs(self, *, states: Iterable[str] | None = None) -> list[JobRecord]:
+        """Jobs, oldest first, optionally only in ``states``."""
+        query = select(_jobs).order_by(_jobs.c.created_at, _jobs.c.id)
+        if states is not None:
+            query = query.where(_jobs.c.state.in_(list(states)))
+        with self.engine.connect() as conn:
+            return [_job_from_row(row) for row in conn.execute(query)]
+
+    def job_counts(self) -> dict[str, int]:
+        from sqlalchemy import func
+
+        with self.engine.connect() as conn:
+            return {state: count for state, count in
+                    conn.execute(select(_jobs.c.state, func.count()).group_by(_jobs.c.state))}
+
+    def recover_jobs(self, owner: str) -> tuple[list[str], list[JobRecord]]:
+        """After a restart: jobs left ``running`` by a process that is gone become ``interrupted`` (with the reason);
+        ``queued`` jobs of a gone process pass to ``owner``. Returns (interrupted ids, queued jobs to run)."""
+        now = time.time()
+        interrupted, adopted = [], []
+        with self.engine.begin() as conn:
+            for row in conn.execute(select(_jobs).where(_jobs.c.state.in_(("running", "queued")))).all():
+                job = _job_from_row(row)
+                if job.owner == owner or process_alive(job.owner):
+                    continue
+                if job.state == "running":
+                    reason = (f"interrupted: the server running it ({job.owner}) stopped before it finished, at "
+                              f"{job.done}/{job.total}; submit it again")
+                    conn.execute(update(_jobs).where(_jobs.c.id == job.id).values(
+                        state="interrupted", error=reason, finished_at=now, updated_at=now))
+                    interrupted.append(job.id)
+                else:
+                    conn.execute(update(_jobs).where(_jobs.c.id == job.id).values(owner=owner, updated_at=now))
+                    job.owner = owner
+                    adopted.append(job)
+        return interrupted, adopted
+
+    def prune_jobs(self, finished_before: float) -> int:
+        """Delete finished jobs (done, failed, cancelled, interrupted) that finished before ``finished_before``."""
+        with self.engine.begin() as conn:
+            result = conn.execute(_jobs.delete().where(_jobs.c.state.in_(FINISHED_JOB_STATES),
+                                                       _jobs.c.finished_at < finished_before))
+        return result.rowcount or 0
+
+    # Benchmarking runs -----------------------------------------------------------------------------------------
+
+    def begin_run(self, kind: str) -> int:
+        with self.engine.begin() as conn:
+            result = conn.execute(_runs.insert(), [{"kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
+                                                    "started_at": time.time(), "finished_at": None}])
+            return int(result.inserted_primary_key[0])
+
+    def end_run(self, run_id: int) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(_runs).where(_runs.c.id == run_id).values(finished_at=time.time()))
+
+    def overlapping_runs(self, run_id: int) -> list[BenchRun]:
+        """Other runs whose time overlapped run ``run_id`` (an unfinished one counts while its process lives)."""
+        with self.engine.connect() as conn:
+            mine = conn.execute(select(_runs).where(_runs.c.id == run_id)).one()
+            end = mine.finished_at if mine.finished_at is not None else time.time()
+            rows = conn.execute(select(_runs).where(_runs.c.id != run_id, _runs.c.started_at < end)).all()
+        overlapping = []
+        for row in rows:
+            run = BenchRun(**dict(row._mapping))
+            if run.finished_at is None and not process_alive(f"{run.host}:{run.pid}"):
+                continue  # killed before it finished: it is not running now, and when it ran is unknown
+            if run.finished_at is None or run.finished_at > mine.started_at:
+                overlapping.append(run)
+        return overlapping
 
     def integrity_ok(self) -> bool:
         """SQLite's ``PRAGMA integrity_check`` answered "ok"; always True for other backends."""

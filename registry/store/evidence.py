@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from registry.core.context import Context
+from registry.core.stacks import format_stack
 
 FAILING = ("slow", "error", "mismatch")
 
@@ -161,6 +162,16 @@ def _read_default_store(read: str) -> list[Any]:
         store.close()
 
 
+def use_store(store: Any) -> None:
+    """Read evidence from ``store`` (an open Store) from now on: reloaded lazily at the next decision."""
+    import torch
+
+    from registry.harness.verify import source_hashes
+
+    use_loader(lambda: store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__))
+    use_profile_loader(lambda: store.fresh_profiles(source_hashes=source_hashes(), torch_version=torch.__version__))
+
+
 def stored_entries() -> list[Any]:
     """The default evidence: the store's fresh matrix entries."""
     return _read_default_store("fresh_entries")
@@ -205,6 +216,6 @@ def evidence(op: str, composite: str, ctx: Context, tensor_args: tuple[str, ...]
         return None, len(applicable)
     worst = max(failing, key=lambda e: FAILING.index(e.status))
     amount = f" {worst.max_abs_error:.3g}" if worst.status == "mismatch" and worst.max_abs_error is not None else ""
-    where = ",".join(stack)
+    where = format_stack(stack) or "no transform"
     text = f"{composite}: {worst.status}{amount} under {where}, pattern {worst.pattern}, {worst.dtype}"
     return Evidence(worst.status, text), len(applicable)

@@ -2,53 +2,63 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Response
 from pydantic import BaseModel, Field
 
 import registry
-from registry.core.context import parse_stack
 from registry.core.selector import unknown_op_message
+from registry.core.stacks import canonical_workload, shorten
 from registry.profiling.timing import WORKLOADS
 from service.deps import Authorized, RunnerDep, SettingsDep
 from service.jobs import Job, QueueFullError
+from service.validation import InputError, host_device_types, parse_stack_input
 
 router = APIRouter(tags=["jobs"])
 
 Dtype = Literal["float32", "float64"]
 
 
+Name = Annotated[str, Field(max_length=64)]
+
+
 class VerifyCreate(BaseModel):
-    ops: list[str] | None = Field(default=None, description="default: every covered op")
-    stacks: list[str] | None = Field(default=None, description='e.g. ["vmap", "vmap,grad"]; default: all generated')
-    dtypes: list[Dtype] = ["float32"]
+    ops: list[Name] | None = Field(default=None, max_length=64, description="default: every covered op")
+    stacks: list[Annotated[str, Field(max_length=120)]] | None = Field(
+        default=None, max_length=256, description='e.g. ["vmap", "vmap(grad)"] (vmap,grad works too); default: all')
+    dtypes: list[Dtype] = Field(default=["float32"], max_length=2)
 
 
 class ProfileCreate(BaseModel):
-    ops: list[str] | None = None
-    workloads: list[Literal["vmap", "grad", "vmap(grad)", "jacrev", "jacfwd", "hessian"]] | None = None
-    batch_sizes: list[int] = Field(default=[32], min_length=1)
-    numels: list[int] = Field(default=[1024], min_length=1)
-    dtypes: list[Dtype] = ["float32"]
-    device: Literal["cpu", "cuda"] = "cpu"
+    ops: list[Name] | None = Field(default=None, max_length=64)
+    workloads: list[Annotated[str, Field(max_length=32)]] | None = Field(
+        default=None, max_length=16, description="vmap, grad, vmap(grad) (or vmap,grad), jacrev, jacfwd, hessian")
+    batch_sizes: list[int] = Field(default=[32], min_length=1, max_length=16)
+    numels: list[int] = Field(default=[1024], min_length=1, max_length=16)
+    dtypes: list[Dtype] = Field(default=["float32"], max_length=2)
+    device: str = Field(default="cpu", max_length=16, description="a device type this host has: cpu, cuda")
     min_run_time: float = Field(default=0.05, gt=0, le=5)
 
 
 class JobPublic(BaseModel):
     id: str
     kind: str
-    state: str
+    state: str = Field(description="queued, running, done, failed, cancelled or interrupted")
     done: int
     total: int
     params: dict
     result: dict | None
     error: str | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
 
 
 def _public(job: Job) -> JobPublic:
     return JobPublic(id=job.id, kind=job.kind, state=job.state, done=job.done, total=job.total, params=job.params,
-                     result=job.result, error=job.error)
+                     result=job.result, error=job.error, created_at=job.created_at, started_at=job.started_at,
+                     finished_at=job.finished_at)
 
 
 def _check_ops(ops: list[str] | None) -> list[str]:
@@ -72,10 +82,7 @@ def _submit(runner: RunnerDep, kind: str, params: dict, response: Response) -> J
 @router.post("/verify", status_code=202, dependencies=[Authorized])
 def post_verify(body: VerifyCreate, runner: RunnerDep, settings: SettingsDep, response: Response) -> JobPublic:
     ops = _check_ops(body.ops)
-    try:
-        stacks = [list(parse_stack(s)) for s in body.stacks] if body.stacks is not None else None
-    except ValueError as error:
-        raise HTTPException(status_code=422, detail=str(error)) from None
+    stacks = [list(parse_stack_input(s)) for s in body.stacks] if body.stacks is not None else None
     contexts = len(ops) * (len(stacks) if stacks is not None else 63) * len(body.dtypes)
     if contexts > settings.max_contexts:
         raise HTTPException(status_code=422, detail=f"{contexts} (op, stack, dtype) contexts is over the limit of "
@@ -87,6 +94,16 @@ def post_verify(body: VerifyCreate, runner: RunnerDep, settings: SettingsDep, re
 @router.post("/profiles", status_code=202, dependencies=[Authorized])
 def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep, response: Response) -> JobPublic:
     ops = _check_ops(body.ops)
+    if body.device not in host_device_types():
+        raise InputError(f"device {shorten(body.device, 16)!r} is not on this host; profile on "
+                         f"{', '.join(host_device_types())}")
+    try:
+        workloads = [canonical_workload(w) for w in body.workloads] if body.workloads else list(WORKLOADS)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise InputError(f"unknown workload {shorten(unknown[0], 32)!r}; workloads are {', '.join(WORKLOADS)}")
     for batch in body.batch_sizes:
         if not 1 <= batch <= settings.max_batch:
             raise HTTPException(status_code=422, detail=f"batch size {batch} is outside 1..{settings.max_batch} "
@@ -98,7 +115,6 @@ def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep,
         if max(body.batch_sizes) * numel > settings.max_numel:
             raise HTTPException(status_code=422, detail=f"batch {max(body.batch_sizes)} x numel {numel} is over "
                                                         f"{settings.max_numel} elements per tensor (max_numel)")
-    workloads = body.workloads or list(WORKLOADS)
     contexts = len(ops) * len(workloads) * len(body.batch_sizes) * len(body.numels) * len(body.dtypes)
     if contexts > settings.max_contexts:
         raise HTTPException(status_code=422, detail=f"{contexts} profiling contexts is over the limit of "
@@ -112,7 +128,7 @@ def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep,
 def get_job(job_id: str, runner: RunnerDep) -> JobPublic:
     job = runner.get(job_id)
     if job is None:
-        raise HTTPException(status_code=404, detail=f"no job {job_id!r}")
+        raise HTTPException(status_code=404, detail=f"no job {shorten(job_id)!r}")
     return _public(job)
 
 
@@ -120,7 +136,7 @@ def get_job(job_id: str, runner: RunnerDep) -> JobPublic:
 def delete_job(job_id: str, runner: RunnerDep) -> JobPublic:
     job = runner.cancel(job_id)
     if job is None:
-        raise HTTPException(status_code=404, detail=f"no job {job_id!r}")
+        raise HTTPException(status_code=404, detail=f"no job {shorten(job_id)!r}")
     if job.state != "cancelled":
         raise HTTPException(status_code=409, detail=f"job {job_id} is {job.state}; only a queued job can be "
                                                     "cancelled")

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
-import torch
-from fastapi import APIRouter, HTTPException
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path
 
 import registry
 from registry.core.selector import unknown_op_message
-from registry.harness.verify import source_hashes
-from registry.store.db import Store
+from registry.core.stacks import format_stack
+from service.deps import StateDep
 from service.models import CompositeBase, CompositePublic, OpPublic, OpSummary
+from service.views import fresh_matrix, package_relative, verified_stacks
 
 router = APIRouter(prefix="/ops", tags=["ops"])
 
@@ -18,7 +20,7 @@ def _base(op: registry.Op) -> dict:
 
 
 @router.get("")
-def list_ops() -> list[OpSummary]:
+async def list_ops() -> list[OpSummary]:
     return [
         OpSummary(**_base(op), composites=[CompositeBase(name=c.name, kind=c.kind, doc=c.doc)
                                            for c in registry.composites(op.name).values()])
@@ -26,20 +28,16 @@ def list_ops() -> list[OpSummary]:
     ]
 
 
+# Sync: the first call after a store write reads the store (in the thread pool); the middleware caches the answer.
 @router.get("/{op}")
-def get_op(op: str) -> OpPublic:
+def get_op(op: Annotated[str, Path(max_length=64)], state: StateDep) -> OpPublic:
     if op not in registry.OPS:
         raise HTTPException(status_code=404, detail=unknown_op_message(op))
-    with Store() as store:
-        entries = store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__, op=op)
-    statuses: dict[tuple[str, tuple[str, ...]], set[str]] = {}
-    for entry in entries:
-        statuses.setdefault((entry.composite, entry.stack), set()).add(entry.status)
+    verified = verified_stacks(fresh_matrix(state).items, op)
     return OpPublic(
         **_base(registry.OPS[op]),
-        composites=[CompositePublic(name=c.name, kind=c.kind, doc=c.doc, where=c.where, source=c.source,
-                                    verified=sorted(",".join(stack) for (name, stack), seen in statuses.items()
-                                                    if name == c.name and seen <= {"ok", "unsupported"}
-                                                    and "ok" in seen))
+        composites=[CompositePublic(name=c.name, kind=c.kind, doc=c.doc, where=package_relative(c.where),
+                                    source=c.source,
+                                    verified=sorted(format_stack(s) for s in verified.get(c.name, [])))
                     for c in registry.composites(op).values()],
     )

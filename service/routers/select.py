@@ -2,14 +2,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body, HTTPException, Query
+from fastapi import APIRouter, Body, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
 import registry
-from registry.core.selector import SelectionError, unknown_op_message
+from registry.core.selector import POLICIES, SelectionError, unknown_op_message
+from registry.core.stacks import MAX_STACK_TEXT, format_stack, shorten
 from service.models import DecisionPublic, VerdictPublic
+from service.validation import InputError, check_dtype_under_stack, parse_device, parse_dtype, parse_stack_input
 
 router = APIRouter(tags=["select"])
+
+MAX_QUERIES = 256
 
 
 def _names(text: str | None) -> list[str]:
@@ -17,55 +21,81 @@ def _names(text: str | None) -> list[str]:
 
 
 class SelectQuery(BaseModel):
-    op: str
-    stack: str = ""
-    batched: list[str] = []
-    dtype: str | None = None
-    device: str | None = None
+    op: str = Field(max_length=64)
+    stack: str = Field(default="", max_length=MAX_STACK_TEXT)
+    batched: list[str] = Field(default=[], max_length=8)
+    dtype: str | None = Field(default=None, max_length=32)
+    device: str | None = Field(default=None, max_length=32)
     numel: int | None = Field(default=None, ge=0, le=2**40)
-    policy: str = "auto"
-    pin: str | None = None
+    policy: str = Field(default="auto", max_length=16)
+    pin: str | None = Field(default=None, max_length=64)
 
 
-@router.post("/select")
-async def select_many(queries: Annotated[list[SelectQuery], Body(max_length=256)]) -> list[DecisionPublic]:
-    """Up to 256 queries in one call; the first bad one answers for the request, named by its index."""
-    if len(queries) > 256:
-        raise HTTPException(status_code=422, detail=f"{len(queries)} queries is over the limit of 256 per call")
-    answers = []
-    for index, query in enumerate(queries):
-        try:
-            answers.append(await select(query.op, query.stack, ",".join(query.batched), query.dtype, query.device,
-                                  query.numel, query.policy, query.pin))
-        except HTTPException as error:
-            raise HTTPException(status_code=error.status_code, detail=f"query {index}: {error.detail}") from None
-    return answers
-
-
-# async: a decision is a cached dict lookup, cheaper than the hop to a worker thread that a sync route costs.
-@router.get("/select")
-async def select(
-    op: Annotated[str, Query(description="ATen op packet name, e.g. index_fill")],
-    stack: Annotated[str, Query(description="transforms, outermost first: vmap,grad")] = "",
-    batched: Annotated[str | None, Query(description="tensor arguments batched at the innermost vmap")] = None,
-    dtype: Annotated[str | None, Query(description="float32, float64, int64, bool, ...")] = None,
-    device: Annotated[str | None, Query(description="cpu, cuda, ...")] = None,
-    numel: Annotated[int | None, Query(ge=0, le=2**40)] = None,
-    policy: Annotated[str, Query(description="auto, rules or native")] = "auto",
-    pin: Annotated[str | None, Query(description="force a kind or composite for this op")] = None,
-) -> DecisionPublic:
+def _decide(request: Request, op: str, stack: str, batched: list[str], dtype: str | None, device: str | None,
+            numel: int | None, policy: str, pin: str | None) -> DecisionPublic:
+    """Check every value against its closed set, then ask the selector (whose cache these values key)."""
+    state = request.app.state.store_state
+    state.require()  # decisions read the store's evidence: 503 while it cannot be read
     if op not in registry.OPS:
         raise HTTPException(status_code=404, detail=unknown_op_message(op))
+    tensor_args = registry.OPS[op].tensor_args
+    unknown = [name for name in batched if name not in tensor_args]
+    if unknown:
+        raise InputError(f"batched name {shorten(unknown[0])!r} is not a tensor argument of {op}; its tensor "
+                         f"arguments are {', '.join(tensor_args)}")
+    if policy not in POLICIES:
+        raise InputError(f"unknown policy {shorten(policy, 16)!r}; policies are {', '.join(POLICIES)}")
+    parsed = parse_stack_input(stack)
+    torch_dtype = parse_dtype(dtype) if dtype is not None else None
+    check_dtype_under_stack(torch_dtype, parsed)
+    device_type = parse_device(device, state.device_types()) if device is not None else None
     try:
-        decision = registry.select(op, stack=stack, batched=_names(batched), dtype=dtype, device=device, numel=numel,
-                                   policy=policy, pins={op: pin} if pin else None)
+        decision = registry.select(op, stack=parsed, batched=batched, dtype=torch_dtype, device=device_type,
+                                   numel=numel, policy=policy, pins={op: pin} if pin else None)
     except SelectionError as error:
         raise HTTPException(status_code=422, detail=str(error)) from None
     ctx = decision.context
     return DecisionPublic(
-        op=op, stack=list(ctx.stack), batched=list(ctx.batched),
+        op=op, stack=format_stack(ctx.stack), batched=list(ctx.batched),
         dtype=str(ctx.dtype).removeprefix("torch.") if ctx.dtype else None, device=ctx.device, policy=policy,
         composite=decision.composite, kind=decision.kind, reason=decision.reason,
         alternatives=[VerdictPublic(composite=v.composite, kind=v.kind, ok=v.ok, reason=v.reason)
                       for v in decision.alternatives],
+        speedup=decision.speedup, runner_up_speedup=decision.runner_up_speedup,
     )
+
+
+@router.post("/select")
+async def select_many(request: Request, queries: Annotated[list[SelectQuery], Body(max_length=MAX_QUERIES)]
+                      ) -> list[DecisionPublic]:
+    """Up to 256 queries in one call; the first bad one answers for the request, named by its index."""
+    answers = []
+    for index, query in enumerate(queries):
+        try:
+            answers.append(_decide(request, query.op, query.stack, query.batched, query.dtype, query.device,
+                                   query.numel, query.policy, query.pin))
+        except HTTPException as error:
+            raise HTTPException(status_code=error.status_code, detail=f"query {index}: {error.detail}") from None
+        except InputError as error:
+            raise InputError(f"query {index}: {error}") from None
+    return answers
+
+
+# async: a decision is a cached dict lookup, cheaper than the hop to a worker thread that a sync route costs; and
+# every value is checked against a fixed table first, so no input can make it import or load anything.
+@router.get("/select")
+async def select(
+    request: Request,
+    op: Annotated[str, Query(max_length=64, description="ATen op packet name, e.g. index_fill")],
+    stack: Annotated[str, Query(max_length=MAX_STACK_TEXT,
+                                description="transforms, outermost first: vmap(grad) or vmap,grad")] = "",
+    batched: Annotated[str | None, Query(max_length=200,
+                                         description="tensor arguments batched at the innermost vmap")] = None,
+    dtype: Annotated[str | None, Query(max_length=32, description="float32, float64, int64, bool, ...")] = None,
+    device: Annotated[str | None, Query(max_length=32, description="a device type this host has, or one a "
+                                                                  "profile names: cpu, cuda, ...")] = None,
+    numel: Annotated[int | None, Query(ge=0, le=2**40)] = None,
+    policy: Annotated[str, Query(max_length=16, description="auto, fastest, rules or native")] = "auto",
+    pin: Annotated[str | None, Query(max_length=64, description="force a kind or composite for this op")] = None,
+) -> DecisionPublic:
+    return _decide(request, op, stack, _names(batched), dtype, device, numel, policy, pin)

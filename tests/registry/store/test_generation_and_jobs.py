@@ -1,0 +1,74 @@
+"""The store's generation (what a server compares to see new evidence), the one stack spelling in its rows, and
+job rows."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from registry.store.db import JobRecord, Store, StoreUnavailableError
+from tests.registry.store.test_store import entry
+
+
+def test_every_evidence_write_bumps_the_generation(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    writer, reader = Store(url), Store(url)
+    assert reader.generation() == 0
+    writer.write_entries([entry()])
+    assert reader.generation() == 1
+    writer.write_entries([])  # nothing written: nothing to reload
+    assert reader.generation() == 1
+    writer.clear()
+    assert reader.generation() == 2
+    writer.add_job(JobRecord(id="j", kind="verify", params={}))  # jobs are not evidence
+    assert reader.generation() == 2
+    writer.close()
+    reader.close()
+
+
+def test_stacks_are_stored_in_one_spelling_and_old_rows_migrate(tmp_path: Path) -> None:
+    path = tmp_path / "m.db"
+    with Store(f"sqlite:///{path}") as store:
+        store.write_entries([entry(stack=("vmap", "grad"))])
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("SELECT stack FROM matrix_entries").fetchall() == [("vmap(grad)",)]
+        # A row as schema 1 wrote it.
+        raw.execute("UPDATE matrix_entries SET stack = 'vmap,grad'")
+        raw.execute("UPDATE store_meta SET value = 1 WHERE key = 'schema_version'")
+    with Store(f"sqlite:///{path}") as store:
+        assert [e.stack for e in store.entries(stack=("vmap", "grad"))] == [("vmap", "grad")]
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("SELECT stack FROM matrix_entries").fetchall() == [("vmap(grad)",)]
+
+
+def test_check_names_what_is_wrong(tmp_path: Path) -> None:
+    path = tmp_path / "c.db"
+    store = Store(f"sqlite:///{path}")
+    store.check()
+    path.write_bytes(b"garbage" * 10)
+    with pytest.raises(StoreUnavailableError, match=f"^the store file {path} is not a SQLite database"):
+        store.check()
+    path.unlink()
+    with pytest.raises(StoreUnavailableError, match=f"^the store file {path} does not exist$"):
+        store.check()
+    store.close()
+
+
+def test_job_rows(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'j.db'}")
+    store.add_job(JobRecord(id="a", kind="profile", params={"ops": ["to"]}, owner="h:1"))
+    store.update_job("a", state="running", done=1, total=4, started_at=time.time())
+    assert store.cancel_job("a").state == "running"  # only a queued job can be cancelled
+    store.update_job("a", state="done", result={"profiles": 4}, finished_at=time.time())
+    job = store.job("a")
+    assert (job.state, job.done, job.total, job.params, job.result) == ("done", 1, 4, {"ops": ["to"]},
+                                                                       {"profiles": 4})
+    store.add_job(JobRecord(id="b", kind="verify", params={}))
+    assert store.cancel_job("b").state == "cancelled"
+    assert store.job_counts() == {"done": 1, "cancelled": 1}
+    assert store.prune_jobs(time.time() + 1) == 2
+    assert store.jobs() == []
+    store.close()

@@ -1,0 +1,64 @@
+"""Defect 4: with the store missing or corrupt, /select, /ops/{op}, /matrix and /profiles answered a plain-text 500
+with a traceback. Now every store-backed route answers JSON 503 saying what is wrong, and answers again once the
+store is back."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+STORE_ROUTES = ("/select?op=index_fill", "/ops/index_fill", "/matrix", "/profiles", "/readyz", "/jobs/abc")
+ADVICE = "; check MULTICOMPOSITE_DB and the file, then retry (GET /readyz says when it is back)"
+
+
+def _all_503(client: TestClient, detail: str) -> None:
+    for route in STORE_ROUTES:
+        response = client.get(route)
+        assert response.status_code == 503, (route, response.text)
+        assert response.headers["content-type"] == "application/json"
+        assert response.json() == {"detail": detail + ADVICE}, route
+    assert client.get("/healthz").json() == {"status": "ok"}  # alive all the same
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_every_store_route_answers_503_json_then_recovers(serve, tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "store.db"
+    client: TestClient = serve()
+    for route in STORE_ROUTES[:-1]:
+        assert client.get(route).status_code == 200, route  # and cached: the damage must still show
+    backup = tmp_path / "backup.db"
+    shutil.copy(path, backup)
+    state = client.app.state.store_state
+    if damage == "missing":
+        path.unlink()
+        expected = f"the store file {path} does not exist"
+    else:
+        path.write_bytes(b"this is not a database" * 1000)
+        expected = f"the store file {path} is not a SQLite database (bad header)"
+    state.poll()
+    _all_503(client, expected)
+    shutil.copy(backup, path)
+    state.poll()
+    assert client.get("/select", params={"op": "index_fill"}).status_code == 200
+    assert client.get("/readyz").json() == {"status": "ok"}
+
+
+def test_a_driver_error_inside_a_request_is_503_json(serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    client: TestClient = serve()
+    store = client.app.state.store_state.store
+
+    def broken(**_kwargs: object) -> list:
+        raise OperationalError("SELECT ...", {}, sqlite3.OperationalError("disk I/O error"))
+
+    monkeypatch.setattr(store, "fresh_entries", broken)
+    response = client.get("/matrix")
+    assert response.status_code == 503
+    assert response.json() == {"detail": "the store cannot be read: OperationalError: (sqlite3.OperationalError) "
+                                         "disk I/O error" + ADVICE}
