@@ -61,12 +61,14 @@ def make_job_runner(store_: Store) -> Callable[[Job, Callable[[int, int], None]]
             for entry in entries:
                 counts[entry.status] = counts.get(entry.status, 0) + 1
             return {"entries": len(entries), "statuses": counts}
+        refused: list[str] = []
         profiles = timed_run(store_, "profile", lambda: profile(
             ops=params["ops"], workloads=params["workloads"], numels=params["numels"],
             batch_sizes=params["batch_sizes"], dtypes=dtypes, device=params["device"],
-            min_run_time=params["min_run_time"], progress=report))
+            min_run_time=params["min_run_time"], progress=report, refused=refused))
         store_.write_profiles(profiles)
-        return {"profiles": len(profiles), "timed": sum(p.valid for p in profiles)}
+        # Contexts whose timings stayed disturbed are not stored: the result says which, and why.
+        return {"profiles": len(profiles), "timed": sum(p.valid for p in profiles), "refused": refused}
 
     return run_job
 
