@@ -67,8 +67,9 @@ def test_matrix_and_profiles_read_the_store(client: TestClient) -> None:
     with Store() as store:
         store.write_entries(verify(ops=["masked_fill"], stacks=["vmap"], dtypes=(torch.float32,),
                                    composites=["native", "functional"]))
+        # What the API reads back, not the noise control: a 10 ms run on a loaded machine is always disturbed.
         store.write_profiles(profile(ops=["masked_fill"], workloads=["vmap"], batch_sizes=(4,), numels=(64,),
-                                     min_run_time=0.01))
+                                     min_run_time=0.01, spread_limit=float("inf")))
     functional = client.get("/ops/masked_fill").json()["composites"][2]
     assert functional["name"] == "functional" and "vmap" in functional["verified"]
     matrix = client.get("/matrix", params={"op": "masked_fill", "stack": "vmap"}).json()
