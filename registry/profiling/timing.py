@@ -155,7 +155,8 @@ def profile(
     ``noise.SPREAD_LIMIT`` (IQR over median), or whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times off its
     ``earlier`` profile (default: the store's), is re-measured up to ``retries`` times (its entries say so in
     ``detail``); one still disturbed after that is not returned at all, so it is never stored, and ``refused`` (if
-    given) gets a line saying why. ``spread_limit=math.inf`` keeps every timing (tests of what is stored).
+    given, else a RuntimeWarning) gets a line saying why. ``spread_limit=math.inf`` keeps every timing (tests of
+    what is stored).
     """
     load()
     op_names = list(ops) if ops is not None else list(COMPOSITES)
@@ -212,9 +213,12 @@ def profile(
         timed, notes = _measure(runners, native_name, earlier_us, rounds=rounds, retries=retries,
                                 min_run_time=min_run_time, clock=clock, device=device, spread_limit=spread_limit)
         if timed is None:
+            line = f"{label}: not stored, still disturbed after {retries} re-measurements ({'; '.join(notes[-1:])})"
             if refused is not None:
-                refused.append(f"{label}: not stored, still disturbed after {retries} re-measurements "
-                               f"({'; '.join(notes[-1:])})")
+                refused.append(line)
+            else:  # nobody collects them: say so, or an empty profile run would look like success
+                warnings.warn(f"profile: {line}; re-run on a quieter machine or with a longer min_run_time",
+                              RuntimeWarning, stacklevel=2)
             entries.extend(context)
             continue
         detail = f"re-measured {len(notes)}x: {'; '.join(notes)}" if notes else ""

@@ -97,8 +97,9 @@ def test_matrix_and_profiles_read_the_store(client: TestClient, db_url: str) -> 
     with Store(db_url) as store:
         store.write_entries(verify(ops=["masked_fill"], stacks=["vmap"], dtypes=(torch.float32,),
                                    composites=["native", "functional"]))
+        # What the API reads back, not the noise control: a 10 ms run on a loaded machine is always disturbed.
         store.write_profiles(profile(ops=["masked_fill"], workloads=["vmap"], batch_sizes=(4,), numels=(64,),
-                                     min_run_time=0.01))
+                                     min_run_time=0.01, spread_limit=float("inf")))
     time.sleep(0.3)  # the watcher sees the new generation
     functional = client.get("/ops/masked_fill").json()["composites"][2]
     assert functional["name"] == "functional" and "vmap" in functional["verified"]
