@@ -3,7 +3,8 @@
 (a) the fused primitives and auto vs native under vmap and vmap(grad), batch 256 x 1,000 float32, beside one pass
     over the data (targets: masked_scatter >= 5x; masked_fill, index_fill >= 5x under vmap, >= 3x under
     vmap(grad); auto >= 0.97x native where native has a batching rule)
-(b) added cost per call inside use(): an uncovered op (target <= 0.5 us) and a covered op (target <= 2 us)
+(r1)-(r4) what routing at the dispatcher costs (bench/routing.py): use() enter + exit, a vmap(grad) call whose
+    covered op runs native, a routed op over its composite, eager covered and uncovered ops
 (c) a small MLP training step, forward + backward + optimizer (20+ ops), inside vs outside use() (target <= 3%)
 """
 
@@ -21,6 +22,7 @@ import registry
 from bench.api import print_api
 from bench.fused import print_compare, print_pieces
 from bench.kinds import print_kinds
+from bench.routing import print_routing
 from bench.sweep import print_sweep
 
 
@@ -41,19 +43,6 @@ def _side_by_side(native, routed, rounds: int, min_run_time: float, statistic=st
         with registry.use():
             routed_times.append(_median_us(routed, min_run_time))
     return statistic(native_times), statistic(routed_times)
-
-
-def bench_overhead(rounds: int, min_run_time: float) -> dict[str, float]:
-    a, b = torch.randn(8), torch.randn(8)
-    x, index, source = torch.randn(8, 4), torch.tensor([0, 3]), torch.randn(2, 4)
-    uncovered_out, uncovered_in = _side_by_side(lambda: torch.add(a, b), lambda: torch.add(a, b), rounds,
-                                                min_run_time, min)
-    covered_out, covered_in = _side_by_side(lambda: x.index_add(0, index, source),
-                                            lambda: x.index_add(0, index, source), rounds, min_run_time, min)
-    return {
-        "uncovered_native_us": uncovered_out, "uncovered_added_us": uncovered_in - uncovered_out,
-        "covered_native_us": covered_out, "covered_added_us": covered_in - covered_out,
-    }
 
 
 class _MLP(nn.Module):
@@ -109,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print_pieces(args.rounds, args.min_run_time, cpu_time=args.cpu_time, compile=args.compile)
     if args.only_fused:
         return 0
-    result = bench_overhead(args.rounds, args.min_run_time)
-    print(f"(b) added per call inside use() (min over rounds): uncovered torch.add "
-          f"{result['uncovered_added_us']:+.2f} us "
-          f"(native {result['uncovered_native_us']:.2f} us; target <= 0.5 us); covered index_add "
-          f"{result['covered_added_us']:+.2f} us (native {result['covered_native_us']:.2f} us; target <= 2 us)")
+    print_routing(args.rounds, args.min_run_time)  # (r1)-(r4): what routing at the dispatcher costs
     result = bench_mlp(args.rounds, args.min_run_time)
     print(f"(c) MLP training step (min over rounds): outside {result['outside_us']:.0f} us, "
           f"inside use() {result['inside_us']:.0f} us "
