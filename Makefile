@@ -37,7 +37,7 @@ browser-deps:
 	fi
 
 test: $(STAMP) lint browser-deps
-	MULTICOMPOSITE_REQUIRE_BROWSER=$(AS_ROOT) $(PY) -m pytest
+	DASHBOARD_TEST_REQUIRE_BROWSER=$(AS_ROOT) $(PY) -m pytest
 
 serve: $(STAMP)
 	$(VENV)/bin/multicomposite serve

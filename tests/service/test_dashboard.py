@@ -5,7 +5,7 @@ Each view is loaded and its rendered content compared with what the JSON API ans
 errors beyond the HTTP errors a step provokes on purpose; a verify job and a profile job run to completion from the
 page and a queued job is cancelled from it. Screenshots at 1280x800 and 400 px wide go to test-output/dashboard/.
 
-`make test` installs chromium and chromium-driver when run as root (and then sets MULTICOMPOSITE_REQUIRE_BROWSER=1, so
+`make test` installs chromium and chromium-driver when run as root (and then sets DASHBOARD_TEST_REQUIRE_BROWSER=1, so
 a missing browser fails instead of skipping); elsewhere this module skips and says how to install them.
 """
 
@@ -129,7 +129,7 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _free_port() -> int:
-    wanted = os.environ.get("MULTICOMPOSITE_TEST_PORT")  # a fixed port where the machine's ports are shared out
+    wanted = os.environ.get("DASHBOARD_TEST_PORT")  # a fixed port where the machine's ports are shared out
     if wanted:
         return int(wanted)
     with socket.socket() as probe:
@@ -198,7 +198,7 @@ def api(base: str, path: str, **params: str) -> Any:
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
     why_not = _missing_browser()
     if why_not is not None:
-        if os.environ.get("MULTICOMPOSITE_REQUIRE_BROWSER") == "1":  # make test as root: it could install them
+        if os.environ.get("DASHBOARD_TEST_REQUIRE_BROWSER") == "1":  # make test as root: it could install them
             pytest.fail(why_not, pytrace=False)
         pytest.skip(why_not)
     options = webdriver.ChromeOptions()
