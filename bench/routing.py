@@ -30,12 +30,12 @@ def _us(stmt: Callable[[], object], min_run_time: float) -> float:
 
 
 def _pair(outside: Callable[[], object], inside: Callable[[], object], rounds: int, min_run_time: float,
-          inside_use: bool = True) -> tuple[float, float]:
-    """(outside, inside) microseconds, min over alternating rounds; ``inside`` runs within ``use()``."""
+          inside_use: bool = True, pins: dict[str, str] | None = None) -> tuple[float, float]:
+    """(outside, inside) microseconds, min over alternating rounds; ``inside`` runs within ``use(pins=pins)``."""
     outside_times, inside_times = [], []
     for _ in range(rounds):
         outside_times.append(_us(outside, min_run_time))
-        with registry.use() if inside_use else contextlib.nullcontext():
+        with registry.use(pins=pins) if inside_use else contextlib.nullcontext():
             inside_times.append(_us(inside, min_run_time))
     return min(outside_times), min(inside_times)
 
@@ -77,10 +77,11 @@ def bench_routed_over_composite(rounds: int, min_run_time: float) -> dict[str, f
     functional = registry.composites("masked_scatter")["functional"].fn
     direct = func.vmap(functional)
     routed = func.vmap(lambda s, m, v: s.masked_scatter(m, v))
-    with registry.use():
+    pins = {"masked_scatter": "functional"}  # the same composite both ways, whatever the profiles would pick
+    with registry.use(pins=pins):
         torch.testing.assert_close(routed(x, mask, source), direct(x, mask, source))
     direct_us, routed_us = _pair(lambda: direct(x, mask, source), lambda: routed(x, mask, source), rounds,
-                                 min_run_time)
+                                 min_run_time, pins=pins)
     return {"composite_us": direct_us, "routed_us": routed_us, "added_us": routed_us - direct_us}
 
 

@@ -473,3 +473,20 @@ def test_wrapped_numbers_reach_pytorchs_kernel() -> None:
     assert out.dtype == torch.float64
     with registry.use():
         assert func.vmap(func.vmap(lambda r: r * 2))(torch.ones(2, 3, 4)).eq(2).all()
+
+
+def test_first_routed_call_of_a_process_can_be_under_vmap() -> None:
+    """The first decision reads the store's evidence, which imports the harness; that import must not run under
+    vmap (it once built samples with torch.randn there: 'called random operation while in randomness error mode')."""
+    import subprocess
+    import sys
+
+    code = ("import torch, registry\n"
+            "from torch import func\n"
+            "x = torch.randn(4, 5)\n"
+            "with registry.use():\n"
+            "    y = func.vmap(func.grad(lambda r: r.index_add(0, torch.tensor([1]), r[:1]).pow(2).sum()))(x)\n"
+            "print(tuple(y.shape))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "(4, 5)"
