@@ -37,7 +37,11 @@ def docs_assets() -> Path:
     return Path(fastapi_offline.__file__).parent / "static"
 
 
-def make_job_runner(store_: Store) -> Callable[[Job, Callable[[int, int], None]], dict[str, Any]]:
+def make_job_runner(store_: Store, on_written: Callable[[], None] = lambda: None,
+                    ) -> Callable[[Job, Callable[[int, int], None]], dict[str, Any]]:
+    """``on_written``: called after a job writes the store and before it is reported done, so that a client that
+    sees the job done never reads a response cached before the write (the watcher would notice only at its poll)."""
+
     def run_job(job: Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
         import torch
 
@@ -57,6 +61,7 @@ def make_job_runner(store_: Store) -> Callable[[Job, Callable[[int, int], None]]
                 entries = verify(ops=params["ops"], stacks=params["stacks"], dtypes=dtypes, progress=report,
                                  workers=1)
             store_.write_entries(entries)  # bumps the generation: the watcher reloads the evidence
+            on_written()
             counts: dict[str, int] = {}
             for entry in entries:
                 counts[entry.status] = counts.get(entry.status, 0) + 1
@@ -67,6 +72,7 @@ def make_job_runner(store_: Store) -> Callable[[Job, Callable[[int, int], None]]
             batch_sizes=params["batch_sizes"], dtypes=dtypes, device=params["device"],
             min_run_time=params["min_run_time"], progress=report, refused=refused))
         store_.write_profiles(profiles)
+        on_written()
         # Contexts whose timings stayed disturbed are not stored: the result says which, and why.
         return {"profiles": len(profiles), "timed": sum(p.valid for p in profiles), "refused": refused}
 
@@ -91,7 +97,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.open()  # StoreUnavailableError: the server does not start
-        runner = JobRunner(make_job_runner(state.require()), state.require(), settings.queue_size,
+        runner = JobRunner(make_job_runner(state.require(), on_written=state.poll), state.require(),
+                           settings.queue_size,
                            settings.job_timeout_s, settings.job_retention_s)
         app.state.runner = runner
         app.state.metrics.runner = runner
