@@ -6,13 +6,14 @@
     registry.select("index_fill", stack="vmap,grad").reason
 """
 
-from registry.core.context import Context, current_stack, parse_stack
+from registry.core.context import Context, current_stack
 from registry.core.decompositions import decomposition_table
 from registry.core.model import KINDS, Composite, Op
 from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES, RegistrationError, load, register, unregister
 from registry.core.routing import register_kernels, routing_active, use
 from registry.core.selector import POLICIES, Decision, SelectionError, Verdict, clear_cache, select
+from registry.core.stacks import format_stack, parse_stack
 
 
 def composites(op: str) -> dict[str, Composite]:
@@ -41,6 +42,7 @@ __all__ = [
     "composites",
     "current_stack",
     "decomposition_table",
+    "format_stack",
     "load",
     "parse_stack",
     "register",

@@ -133,13 +133,6 @@ def decide(op: str, ctx: Context, policy: str = "auto", pin: str | None = None) 
     return decision
 
 
-def _compared(ratio: float, other: str) -> str:
-    """``1.95x faster than native``; under 1, ``1.61x slower than native``, never ``0.62x faster``."""
-    if round(ratio, 2) == 1:
-        return f"as fast as {other}"
-    return f"{ratio:.2f}x faster than {other}" if ratio > 1 else f"{1 / ratio:.2f}x slower than {other}"
-
-
 def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
     load()
     if op not in OPS:
