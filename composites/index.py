@@ -20,12 +20,49 @@ from composites.checks import (
     native_alpha,
 )
 from composites.masked import Fill, laid_out_like, scalar_or_tensor
+from registry.core import rules
+from registry.core.context import Context
 from registry.core.primitive import apply, batch_first, zeros_if_none
-from registry.core.registration import register
+from registry.core.registration import define_op, register
+from registry.core.rules import Problem
 
 # Composites call the dispatcher directly, never a covered entry point that use() may have patched,
 # and Dynamo traces it under torch.compile.
 aten = torch.ops.aten
+
+
+# --- the ops: one entry each, with what is known of where PyTorch's own kernel and the clone-and-mutate form fail --
+
+
+def _index_fill_derivative(ctx: Context) -> Problem | None:
+    """index_fill's derivative formulas, shared by the native op and its in-place form: they index with the raw,
+    negative, index. The gradient of a tensor value always does, and functorch's grad and jvp do for self too."""
+    if "grad" in ctx.stack or "jvp" in ctx.stack or ("autograd" in ctx.stack and "value" in ctx.tensors):
+        return Problem("error", "index_fill's derivative formulas fail on negative indices (INDICES element is "
+                                "out of DATA bounds) under torch.func grad and jvp, and for a tensor value")
+    return None
+
+
+def _index_fill_native(ctx: Context) -> Problem | None:
+    if not rules.under_vmap(ctx):
+        return _index_fill_derivative(ctx)
+    if "value" in ctx.tensors and not ctx.self_covers_batching:
+        return Problem("mismatch", "index_fill with a batched value into an unbatched self returns wrong values "
+                                   "under vmap")
+    return Problem("error", "index_fill decomposes to index_fill_, which vmap rejects under vmap(jacfwd) and "
+                            "vmap(vmap) and loops over with a tensor value")
+
+
+define_op("index_add", "", tensors=("self", "index", "source"), doc="self with alpha * source added at index along dim",
+          opinfo=("index_add",), generate=())
+define_op("index_copy", "", tensors=("self", "index", "source"), doc="self with source copied to index along dim",
+          opinfo=("index_copy",), generate=())
+# index_fill's Tensor-value overloads also get a kernel at the Autograd key: their gradient fails even in eager
+# autograd ("index out of range").
+define_op("index_fill", "int_Tensor", tensors=("self", "index", "value"),
+          doc="self with value written at index along dim", opinfo=("index_fill",),
+          eager_autograd=("index_fill.int_Tensor", "index_fill_.int_Tensor"),
+          rules={"native": _index_fill_native, "mutating": _index_fill_derivative}, generate=())
 
 
 def _rank1_view(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor | None):

@@ -11,12 +11,32 @@ from torch.autograd import Function
 
 from composites import fused
 from composites.checks import check_masked_fill, check_masked_scatter, source_too_small
+from registry.core import rules
 from registry.core.primitive import apply, batch_first
-from registry.core.registration import register, register_derivative
+from registry.core.registration import define_op, register, register_derivative
 
 # Composites call the dispatcher directly, never a covered entry point that use() may have patched,
 # and Dynamo traces it under torch.compile.
 aten = torch.ops.aten
+
+# --- the ops: one entry each, with what is known of where PyTorch's own kernel and the clone-and-mutate form fail --
+
+_masked_scatter_backward = rules.backward_without_batching_rule("aten::masked_scatter_backward")
+
+define_op(
+    "masked_fill", "Tensor", tensors=("self", "mask", "value"), doc="self with value where mask is True",
+    opinfo=("masked_fill",),
+    rules={"native": rules.fails_when(lambda ctx: rules.under_vmap(ctx) and "value" in ctx.tensors, "slow",
+                                      "aten::masked_fill.Tensor has no batching rule, so vmap runs a per-sample loop")},
+    generate=(),
+)
+define_op(
+    "masked_scatter", "", tensors=("self", "mask", "source"),
+    doc="self with source's elements, in order, where mask is True", opinfo=("masked_scatter",),
+    rules={"native": rules.first_of(rules.no_batching_rule("aten::masked_scatter"), _masked_scatter_backward),
+           "mutating": _masked_scatter_backward},
+    generate=(),
+)
 
 
 def scalar_or_tensor(value: Any, like: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,34 @@ import torch
 from torch.autograd import Function
 
 from composites.checks import check_contiguous, check_to
+from registry.core import rules
+from registry.core.ops import TO_ADAPTERS, overloads
 from registry.core.primitive import batch_first, copy_laid_out, is_laid_out, laid_out
-from registry.core.registration import register
+from registry.core.registration import define_op, register
 
 # Composites call the dispatcher directly, never a covered entry point that use() may have patched,
 # and Dynamo traces it under torch.compile.
 aten = torch.ops.aten
+
+
+# --- the ops: one entry each, with what is known of where PyTorch's own kernel and the clone-and-mutate form fail --
+
+
+def _memory_format_fails(op: str) -> rules.Rule:
+    return rules.fails_when(rules.under_vmap, "error",
+                            f"{op} with a memory_format other than contiguous_format fails under vmap (NYI: "
+                            "is_contiguous / clone(memory_format) inside vmap)")
+
+
+define_op("contiguous", "", tensors=("self",), doc="self laid out in memory_format, self itself when it already is",
+          rules={"native": _memory_format_fails("contiguous")}, generate=())
+define_op("to", "dtype_layout", tensors=("self",), doc="self converted to dtype, device and memory_format",
+          overloads=overloads("to", adapters=TO_ADAPTERS),
+          rules={"native": _memory_format_fails("to"),
+                 "mutating": rules.fails_when(lambda ctx: "jvp" in ctx.stack, "mismatch",
+                                              "copy_'s forward-AD formula keeps the source's dtype, so the tangent "
+                                              "of a dtype-changing to comes out in the wrong dtype")},
+          generate=())
 
 # --- contiguous --------------------------------------------------------------------------------------------------
 

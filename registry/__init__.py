@@ -26,6 +26,10 @@ def composites(op: str) -> dict[str, Composite]:
     return dict(COMPOSITES[op])
 
 
+# The built-in composites modules define the ops (OPS) and their composites: import them now, so that every import
+# of the registry sees every op.
+load()
+
 __all__ = [
     "COMPOSITES",
     "KINDS",

@@ -61,6 +61,10 @@ class Op:
     # Overloads whose derivative formula PyTorch gets wrong in eager autograd too (no transform): these also get a
     # kernel at the Autograd key, which routes them while autograd records.
     eager_autograd: tuple[str, ...] = field(default=())
+    # The op_db entries (``name`` or ``name.variant``) whose OpInfo samples exercise this op: where its test, verify
+    # and survey cases come from when it has no hand-written samples (``registry.harness.samples``).
+    opinfo: tuple[str, ...] = field(default=())
+    family: str = ""  # the composites module that defines it: ``composites.index``
 
     @property
     def qualified_entry_points(self) -> tuple[str, ...]:

@@ -57,15 +57,21 @@ def _to_keywords(self: Any, names: tuple[str, ...], positional: tuple[Any, ...],
     return (self,), keywords
 
 
-def _overloads(name: str, *extra: str, adapters: dict[str, Any] | None = None) -> tuple[Overload, ...]:
+# What translates each ``to`` overload's arguments into ``to.dtype_layout``'s keywords.
+TO_ADAPTERS: dict[str, Any] = {"to.device": _to_device, "to.dtype": _to_dtype, "to.other": _to_other}
+
+
+def overloads(name: str, *extra: str, adapters: dict[str, Any] | None = None, inplace: bool = True,
+               only: tuple[str, ...] | None = None) -> tuple[Overload, ...]:
     """The functional and in-place overloads of ``name`` whose parameters are the composites' own.
 
-    ``extra`` names more overloads (``to.dtype``) and ``adapters`` maps an overload to what translates its arguments.
-    ``out=`` and Dimname overloads are left to PyTorch: functorch cannot batch into an ``out`` tensor, and named
-    tensors do not work under functorch transforms.
+    ``extra`` names more overloads (``to.dtype``) and ``adapters`` maps an overload to what translates its arguments;
+    ``inplace=False`` leaves the in-place variants to PyTorch (``fill_`` is every factory's building block); ``only``
+    keeps just the named overloads (``take``, ``narrow.Tensor``). ``out=`` and Dimname overloads are left to PyTorch:
+    functorch cannot batch into an ``out`` tensor, and named tensors do not work under functorch transforms.
     """
     found = []
-    for packet in (name, f"{name}_"):
+    for packet in (name, f"{name}_") if inplace else (name,):
         for schema in torch._C._jit_get_schemas_for_operator(f"aten::{packet}"):
             overload = schema.overload_name
             if overload == "out" or overload.endswith("_out") or "imname" in overload:
@@ -73,11 +79,31 @@ def _overloads(name: str, *extra: str, adapters: dict[str, Any] | None = None) -
             found.append(f"{packet}.{overload}" if overload else packet)
     adapters = adapters or {}
     found += [overload for overload in extra if overload not in found]
+    if only is not None:
+        missing = [o for o in only if o not in found]
+        if missing:
+            raise ValueError(f"aten::{name} has no overload {', '.join(missing)}; it has {', '.join(found)}")
+        found = [o for o in found if o in only]
     return tuple(
         Overload(name=overload, inplace=overload.partition(".")[0].endswith("_"), adapt=adapters.get(overload))
         for overload in found
         if not overload.startswith("to.prim")  # TorchScript's own overloads: never reached from Python or ATen
     )
+
+
+# Python namespaces whose functions reach an aten op, and the prefix aten puts before their names.
+_NAMESPACES: tuple[tuple[Any, str], ...] = (
+    (torch.Tensor, ""), (torch, ""), (torch.nn.functional, ""), (torch.special, "special_"),
+    (torch.linalg, "linalg_"), (torch.fft, "fft_"),
+)
+
+
+def _entry_points(name: str) -> tuple[tuple[Any, str], ...]:
+    found = []
+    for owner, prefix in _NAMESPACES:
+        if name.startswith(prefix) and hasattr(owner, name.removeprefix(prefix)):
+            found.append((owner, name.removeprefix(prefix)))
+    return tuple(found)
 
 
 def define(
@@ -88,40 +114,30 @@ def define(
     *,
     overloads: tuple[Overload, ...] | None = None,
     eager_autograd: tuple[str, ...] = (),
+    opinfo: tuple[str, ...] = (),
+    family: str = "",
 ) -> Op:
+    """An ``Op`` for ``aten::name.overload``: its parameters from the schema, its entry points from where PyTorch
+    exposes the name (``torch.Tensor``, ``torch``, ``torch.nn.functional``, ``torch.special``, ...)."""
     params = tuple(param for param, _ in schema_params(name, overload))
-    entry_points: list[tuple[Any, str]] = [(torch.Tensor, name)]
-    if hasattr(torch, name):
-        entry_points.append((torch, name))
-    if hasattr(torch.nn.functional, name):
-        entry_points.append((torch.nn.functional, name))
+    unknown = [t for t in tensor_args if t not in params]
+    if unknown:
+        raise ValueError(f"aten::{name}.{overload or 'default'} has no parameter {', '.join(unknown)}; "
+                         f"it takes {', '.join(params)}")
     return Op(
         name=name,
         overload=overload,
-        entry_points=tuple(entry_points),
+        entry_points=_entry_points(name),
         tensor_args=tensor_args,
         doc=doc,
         params=params,
-        overloads=overloads if overloads is not None else _overloads(name),
+        overloads=overloads if overloads is not None else overloads(name),
         eager_autograd=eager_autograd,
+        opinfo=opinfo,
+        family=family,
     )
 
 
-OPS: dict[str, Op] = {
-    op.name: op
-    for op in (
-        define("index_add", "", ("self", "index", "source"), "self with alpha * source added at index along dim"),
-        define("index_copy", "", ("self", "index", "source"), "self with source copied to index along dim"),
-        # index_fill's formulas index with the raw, possibly negative, index: a tensor value's gradient fails
-        # ("index out of range") even in eager autograd.
-        define("index_fill", "int_Tensor", ("self", "index", "value"), "self with value written at index along dim",
-               eager_autograd=("index_fill.int_Tensor", "index_fill_.int_Tensor")),
-        define("masked_fill", "Tensor", ("self", "mask", "value"), "self with value where mask is True"),
-        define("masked_scatter", "", ("self", "mask", "source"),
-               "self with source's elements, in order, where mask is True"),
-        define("contiguous", "", ("self",), "self laid out in memory_format, self itself when it already is"),
-        define("to", "dtype_layout", ("self",), "self converted to dtype, device and memory_format",
-               overloads=_overloads("to", adapters={"to.device": _to_device, "to.dtype": _to_dtype,
-                                                    "to.other": _to_other})),
-    )
-}
+# Every covered op, by name, in definition order: filled by ``registry.core.registration.define_op`` as the
+# composites modules (``composites.index``, ...) are imported; ``import registry`` imports them all.
+OPS: dict[str, Op] = {}

@@ -5,14 +5,16 @@ from __future__ import annotations
 import importlib
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import TypeVar
 
 import torch
 
-from registry.core.model import KINDS, Composite, Kind
-from registry.core.ops import OPS, schema_params
+from registry.core import rules as rule_tables
+from registry.core.model import KINDS, Composite, Kind, Op, Overload
+from registry.core.ops import OPS, define, schema_params
+from registry.core.ops import overloads as ops_overloads
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -20,10 +22,10 @@ ENTRY_POINT_GROUP = "multicomposite.composites"
 PRIMITIVE_STATICMETHODS = ("forward", "setup_context", "backward", "jvp", "vmap")
 
 # op name -> composite name -> Composite, in registration order.
-COMPOSITES: dict[str, dict[str, Composite]] = {name: {} for name in OPS}
+COMPOSITES: dict[str, dict[str, Composite]] = {}
 # op -> aten overload of one of its derivative ops (``masked_scatter_backward``, which autograd calls for the
 # native op's gradient) -> a functional form of it: routed under vmap, where PyTorch's kernel has no batching rule.
-DERIVATIVES: dict[str, dict[str, Callable[..., object]]] = {name: {} for name in OPS}
+DERIVATIVES: dict[str, dict[str, Callable[..., object]]] = {}
 _loaded = False
 ON_CHANGE: list[Callable[[], None]] = []  # called after every change to COMPOSITES (the selector drops its cache)
 _load_lock = threading.Lock()
@@ -82,6 +84,110 @@ def _check_primitive(op_name: str, fn: Callable[..., object], function: type | N
             f"a primitive defines {', '.join(PRIMITIVE_STATICMETHODS)} so that autograd, forward AD and vmap "
             "never decompose it"
         )
+
+
+def define_op(
+    name: str,
+    overload: str = "",
+    *,
+    tensors: tuple[str, ...],
+    doc: str,
+    opinfo: tuple[str, ...] = (),
+    rules: Mapping[str, rule_tables.Rule] | None = None,
+    overloads: tuple[Overload, ...] | None = None,
+    inplace: bool = True,
+    eager_autograd: tuple[str, ...] = (),
+    generate: tuple[str, ...] = ("native",),
+) -> Op:
+    """Cover ``aten::name.overload``: the one entry an op needs, next to its composites in ``composites/<family>.py``.
+
+    ``tensors``: the schema names of its tensor parameters, ``self`` first. ``opinfo``: the op_db entries whose
+    samples test, verify and survey it (ops with hand-written samples in ``registry.harness.samples`` leave it
+    empty). ``rules``: what is known of where each kind fails, keyed by kind (``registry.core.rules`` has the
+    families). ``overloads``: the aten overloads routed to its composites (default: the functional ones and, with
+    ``inplace``, their in-place variants). ``generate``: composites made from the schema where they are mechanical:
+    ``native`` (PyTorch's own kernel) and ``mutating`` (clone, then the in-place overload).
+    """
+    if name in OPS:
+        raise RegistrationError(f"define_op: {name} is already defined by {OPS[name].family or 'an earlier call'}")
+    unknown = sorted(set(generate) - {"native", "mutating"})
+    if unknown:
+        raise RegistrationError(f"define_op({name}): cannot generate {', '.join(unknown)}; only native and mutating "
+                                "composites are mechanical")
+    family = _caller_module()
+    try:
+        op = define(name, overload, tensors, doc,
+                    overloads=overloads if overloads is not None else ops_overloads(name, inplace=inplace),
+                    eager_autograd=eager_autograd, opinfo=opinfo, family=family)
+    except ValueError as error:
+        raise RegistrationError(f"define_op: {error}") from None
+    for kind in rules or {}:
+        if kind not in KINDS:
+            raise RegistrationError(f"define_op({name}): rules for unknown kind {kind!r}; kinds are {', '.join(KINDS)}")
+    OPS[name] = op
+    COMPOSITES[name] = {}
+    DERIVATIVES[name] = {}
+    rule_tables.OP_RULES[name] = dict(rules or {})
+    if "native" in generate:
+        register(name, "native")(_generated_native(op))
+    if "mutating" in generate:
+        register(name, "mutating")(_generated_mutating(op))
+    return op
+
+
+def _caller_module() -> str:
+    frame = inspect.currentframe()
+    caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    return caller.f_globals.get("__name__", "") if caller is not None else ""
+
+
+def _schema_signature(op: Op) -> inspect.Signature:
+    """The Python signature of ``op``'s schema: positional parameters, then keyword-only ones, with defaults."""
+    packet = getattr(torch.ops.aten, op.name)
+    schema = getattr(packet, op.overload or "default")._schema
+    parameters = []
+    for arg in schema.arguments:
+        if arg.name == "out":
+            continue
+        kind = inspect.Parameter.KEYWORD_ONLY if arg.kwarg_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        default = inspect.Parameter.empty if not arg.has_default_value() else arg.default_value
+        parameters.append(inspect.Parameter(arg.name, kind, default=default))
+    return inspect.Signature(parameters)
+
+
+def _generated_native(op: Op) -> Callable[..., object]:
+    overload = getattr(getattr(torch.ops.aten, op.name), op.overload or "default")
+    signature = _schema_signature(op)
+
+    def native(*args: object, **kwargs: object) -> object:
+        return overload(*args, **kwargs)
+
+    native.__signature__ = signature  # type: ignore[attr-defined]
+    native.__doc__ = f"PyTorch's own {op.name} (aten::{op.name}{'.' + op.overload if op.overload else ''})."
+    native.__name__ = f"{op.name}_native"
+    native.__module__ = op.family or __name__
+    return native
+
+
+def _generated_mutating(op: Op) -> Callable[..., object]:
+    packet = getattr(torch.ops.aten, f"{op.name}_", None)
+    overload = getattr(packet, op.overload or "default", None) if packet is not None else None
+    if overload is None:
+        raise RegistrationError(f"define_op({op.name}): no in-place aten::{op.name}_.{op.overload or 'default'} to "
+                                "generate a mutating composite from; write one or drop 'mutating' from generate")
+    signature = _schema_signature(op)
+    first = next(iter(signature.parameters))
+
+    def mutating(*args: object, **kwargs: object) -> object:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments[first] = bound.arguments[first].clone()  # type: ignore[union-attr]
+        return overload(*bound.args, **bound.kwargs)
+
+    mutating.__signature__ = signature  # type: ignore[attr-defined]
+    mutating.__doc__ = f"Clone {first}, then aten::{op.name}_ in place."
+    mutating.__name__ = f"{op.name}_mutating"
+    mutating.__module__ = op.family or __name__
+    return mutating
 
 
 def register(op: str, kind: Kind, *, name: str | None = None, function: type | None = None) -> Callable[[F], F]:

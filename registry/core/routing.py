@@ -48,10 +48,24 @@ class _Frame:
         self.pins = pins
         self.signature = (policy, tuple(sorted(pins.items())))
         # The decision cache key's prefix per op, interned to an int: hashing it costs nothing on the hot path.
-        self.prefixes = {op: _PREFIXES.setdefault((op, policy, pins.get(op)), len(_PREFIXES)) for op in OPS}
+        self.prefixes = _Prefixes(policy, pins)
 
 
 _PREFIXES: dict[tuple[str, str, str | None], int] = {}
+
+
+class _Prefixes(dict):
+    """op -> the interned (op, policy, pin) of a frame; an op defined after the frame was made (a plugin) is interned
+    on its first call."""
+
+    def __init__(self, policy: str, pins: dict[str, str]) -> None:
+        super().__init__()
+        self.policy = policy
+        self.pins = pins
+
+    def __missing__(self, op: str) -> int:
+        prefix = self[op] = _PREFIXES.setdefault((op, self.policy, self.pins.get(op)), len(_PREFIXES))
+        return prefix
 _FRAMES: dict[tuple[str, tuple[tuple[str, str], ...]], _Frame] = {}
 
 
@@ -75,6 +89,7 @@ _traced_signatures: set[tuple[str, tuple[tuple[str, str], ...]] | None] = set()
 
 _register_lock = threading.Lock()
 _libraries: list[torch.library.Library] = []
+_routed_ops: set[str] = set()  # ops whose overloads have routing kernels (ops defined later get theirs at use())
 KERNEL_CALLS: dict[str, int] = {}  # overload name -> calls that a routing kernel decided; tests read it
 
 
@@ -247,12 +262,12 @@ _contiguous.__doc__ = _original_contiguous.__doc__
 
 def register_kernels() -> None:
     """Register the routing kernels, once per process (``use()`` calls it; it costs about 12 us an overload)."""
-    if _libraries:
+    if _libraries and len(_routed_ops) == len(OPS):
         return
     with _register_lock:
-        if _libraries:
-            return
         load()
+        if _libraries and len(_routed_ops) == len(OPS):
+            return
         # The first decision reads the store's evidence, whose staleness check imports the harness: import it here,
         # outside any transform, rather than inside the first routed call (import-time code would run under vmap).
         importlib.import_module("registry.harness.verify")
@@ -260,7 +275,8 @@ def register_kernels() -> None:
         with warnings.catch_warnings():
             # PyTorch warns once that a kernel overrides FuncTorchDynamicLayerFrontMode's: that is the point here.
             warnings.filterwarnings("ignore", message="Warning only once for all operators")
-            for op in OPS.values():
+            for op in [op for op in OPS.values() if op.name not in _routed_ops]:
+                _routed_ops.add(op.name)
                 for overload in op.overloads:
                     native = torch.library.get_kernel(overload.qualified_name, DISPATCH_KEY)
                     library.impl(overload.name, _make_kernel(op, overload, native), DISPATCH_KEY, with_keyset=True)
@@ -275,7 +291,7 @@ def register_kernels() -> None:
                     library.impl(name, _make_derivative_kernel(name, functional, native), DISPATCH_KEY,
                                  with_keyset=True)
         torch.Tensor.contiguous = _contiguous  # type: ignore[method-assign]
-        _libraries.append(library)
+        _libraries.append(library)  # every Library object stays alive: dropping one unregisters its kernels
 
 
 def _validate(policy: str, pins: Mapping[str, str] | None) -> dict[str, str]:
@@ -319,7 +335,7 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
     __slots__ = ("_frame",)
 
     def __init__(self, policy: str = "auto", pins: Mapping[str, str] | None = None) -> None:
-        if not _libraries:
+        if len(_routed_ops) != len(OPS) or not _libraries:
             register_kernels()
         self._frame = _frame(policy, pins)
 

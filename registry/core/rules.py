@@ -26,65 +26,74 @@ def _under_vmap(ctx: Context) -> bool:
     return "vmap" in ctx.stack or "compile" in ctx.stack
 
 
-# Ops whose backward (shared by the native op and its in-place form) has no batching rule on 2.13.
-_UNBATCHED_BACKWARD = {"masked_scatter": "aten::masked_scatter_backward"}
+# op -> kind -> its rule: filled by ``define_op(..., rules=...)`` from the composites module that defines the op, so an
+# op's rules sit next to its composites. The rules of a kind as such (KIND_RULES) apply first, to every op.
+OP_RULES: dict[str, dict[str, Rule]] = {}
 
 
-def _backward_problem(op: str, ctx: Context) -> Problem | None:
-    """Problems of the derivative formulas that the native op shares with its in-place form."""
-    if op == "index_fill" and (
-        "grad" in ctx.stack or "jvp" in ctx.stack or ("autograd" in ctx.stack and "value" in ctx.tensors)
-    ):
-        # The formulas index with the raw, negative, index: the gradient of a tensor value always does, and
-        # functorch's grad and jvp do for self too.
-        return Problem("error", "index_fill's derivative formulas fail on negative indices (INDICES element is "
-                                "out of DATA bounds) under torch.func grad and jvp, and for a tensor value")
-    if op in _UNBATCHED_BACKWARD and "grad" in ctx.stack:
-        # jacrev and hessian run the forward under grad alone, then vmap over the backward.
-        return Problem("slow", f"{_UNBATCHED_BACKWARD[op]} has no batching rule, and jacrev and hessian vmap "
-                               "over the backward")
-    return None
+# --- rule families: what the op-specific tables are made of -------------------------------------------------------
 
 
-def _native_masked_scatter(ctx: Context) -> Problem | None:
-    if _under_vmap(ctx):
-        return Problem("slow", "aten::masked_scatter has no batching rule, so vmap runs a per-sample loop")
-    return _backward_problem("masked_scatter", ctx)
+def first_of(*rules: Rule) -> Rule:
+    """The first problem any of ``rules`` finds."""
 
-
-def _native_masked_fill(ctx: Context) -> Problem | None:
-    if _under_vmap(ctx) and "value" in ctx.tensors:
-        return Problem("slow", "aten::masked_fill.Tensor has no batching rule, so vmap runs a per-sample loop")
-    return None
-
-
-def _native_index_fill(ctx: Context) -> Problem | None:
-    if not _under_vmap(ctx):
-        return _backward_problem("index_fill", ctx)
-    if "value" in ctx.tensors and not ctx.self_covers_batching:
-        return Problem("mismatch", "index_fill with a batched value into an unbatched self returns wrong values "
-                                   "under vmap")
-    return Problem("error", "index_fill decomposes to index_fill_, which vmap rejects under vmap(jacfwd) and "
-                            "vmap(vmap) and loops over with a tensor value")
-
-
-def _native_memory_format(op: str) -> Rule:
     def rule(ctx: Context) -> Problem | None:
-        if _under_vmap(ctx):
-            return Problem("error", f"{op} with a memory_format other than contiguous_format fails under vmap "
-                                    "(NYI: is_contiguous / clone(memory_format) inside vmap)")
+        for each in rules:
+            found = each(ctx)
+            if found is not None:
+                return found
         return None
 
     return rule
 
 
-NATIVE_RULES: dict[str, Rule] = {
-    "masked_scatter": _native_masked_scatter,
-    "masked_fill": _native_masked_fill,
-    "index_fill": _native_index_fill,
-    "contiguous": _native_memory_format("contiguous"),
-    "to": _native_memory_format("to"),
-}
+def no_batching_rule(aten: str, *, status: str = "slow", detail: str = "") -> Rule:
+    """``aten`` (the op's own forward) has no batching rule: vmap loops over the batch (``slow``) or raises."""
+    what = detail or ("vmap runs a per-sample loop" if status == "slow" else "vmap raises")
+    evidence = f"{aten} has no batching rule, so {what}"
+
+    def rule(ctx: Context) -> Problem | None:
+        return Problem(status, evidence) if _under_vmap(ctx) else None
+
+    return rule
+
+
+def backward_without_batching_rule(aten: str, *, status: str = "slow") -> Rule:
+    """A derivative op ``aten`` that the op's backward calls has no batching rule: slow under vmap(grad), and under
+    grad alone too, because jacrev and hessian run the forward under grad and vmap over the backward."""
+    evidence = f"the backward calls {aten}, which has no batching rule; vmap(grad), jacrev and hessian vmap over it"
+
+    def rule(ctx: Context) -> Problem | None:
+        return Problem(status, evidence) if "grad" in ctx.stack else None
+
+    return rule
+
+
+def forward_ad_without_batching_rule(aten: str, *, status: str = "slow") -> Rule:
+    """The op's forward-AD formula calls ``aten``, which has no batching rule: jacfwd and vmap(jvp) loop or raise."""
+    evidence = f"the forward-AD formula calls {aten}, which has no batching rule (jacfwd is vmap over jvp)"
+
+    def rule(ctx: Context) -> Problem | None:
+        return Problem(status, evidence) if "jvp" in ctx.stack and _under_vmap(ctx) else None
+
+    return rule
+
+
+def fails_when(predicate: Callable[[Context], bool], status: str, evidence: str) -> Rule:
+    """A measured problem in the contexts ``predicate`` accepts."""
+
+    def rule(ctx: Context) -> Problem | None:
+        return Problem(status, evidence) if predicate(ctx) else None
+
+    return rule
+
+
+def under_vmap(ctx: Context) -> bool:
+    return _under_vmap(ctx)
+
+
+def differentiating(ctx: Context) -> bool:
+    return "grad" in ctx.stack or "jvp" in ctx.stack
 
 
 def _mutating(ctx: Context) -> Problem | None:
@@ -93,13 +102,6 @@ def _mutating(ctx: Context) -> Problem | None:
             return Problem("error", "an in-place op cannot write a batched argument into an unbatched clone of self")
         return Problem("error", "in-place ops under vmap raise or fall back to vmap's per-sample loop "
                                 "(measured under vmap, vmap(grad), vmap(jacfwd) and hessian)")
-    return None
-
-
-def _mutating_forward_ad(op: str, ctx: Context) -> Problem | None:
-    if op == "to" and "jvp" in ctx.stack:
-        return Problem("mismatch", "copy_'s forward-AD formula keeps the source's dtype, so the tangent of a "
-                                   "dtype-changing to comes out in the wrong dtype")
     return None
 
 
@@ -120,13 +122,14 @@ KIND_RULES: dict[str, Rule] = {"mutating": _mutating, "functional": _functional,
 
 
 def problem(op: str, kind: str, ctx: Context) -> Problem | None:
-    """The known problem of ``op``'s ``kind`` composite in ``ctx``, or None when the rules know of none."""
-    if kind == "native":
-        rule = NATIVE_RULES.get(op)
-        return rule(ctx) if rule else None
-    if kind == "mutating":
-        return _mutating(ctx) or _backward_problem(op, ctx) or _mutating_forward_ad(op, ctx)
-    return KIND_RULES[kind](ctx)
+    """The known problem of ``op``'s ``kind`` composite in ``ctx``, or None when the rules know of none: the rule of
+    the kind as such first, then the op's own rule for that kind."""
+    generic = KIND_RULES.get(kind)
+    found = generic(ctx) if generic is not None else None
+    if found is not None:
+        return found
+    specific = OP_RULES.get(op, {}).get(kind)
+    return specific(ctx) if specific is not None else None
 
 
 def preference(ctx: Context) -> tuple[str, ...]:

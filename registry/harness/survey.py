@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -530,8 +530,9 @@ def _static_reason(case: SurveyCase, stack: str, dtype: torch.dtype) -> str | No
 
 
 def check_case(stack: str, case: SurveyCase, ref: _Reference, dtype: torch.dtype, *, inside_use: bool,
-               timeout_s: float) -> Outcome:
-    """Run ``stack`` on ``case`` (inside ``registry.use()`` when asked) and classify it against the reference."""
+               timeout_s: float, pins: Mapping[str, str] | None = None) -> Outcome:
+    """Run ``stack`` on ``case`` (inside ``registry.use(pins=pins)`` when asked) and classify it against the
+    reference."""
     if (reason := _static_reason(case, stack, dtype)) is not None:
         return Outcome("unsupported", reason)
     try:
@@ -556,7 +557,7 @@ def check_case(stack: str, case: SurveyCase, ref: _Reference, dtype: torch.dtype
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                with _deadline(timeout_s), (_use() if inside_use else contextlib.nullcontext()):
+                with _deadline(timeout_s), (_use(pins) if inside_use else contextlib.nullcontext()):
                     actual = run_stack(stack, case)
             except _Timeout as error:
                 return Outcome("error", str(error))
@@ -580,10 +581,10 @@ def check_case(stack: str, case: SurveyCase, ref: _Reference, dtype: torch.dtype
     return Outcome("ok")
 
 
-def _use() -> contextlib.AbstractContextManager[Any]:
+def _use(pins: Mapping[str, str] | None = None) -> contextlib.AbstractContextManager[Any]:
     import registry
 
-    return registry.use()
+    return registry.use(pins=pins)
 
 
 # --- one op_db entry ----------------------------------------------------------------------------------------------

@@ -35,8 +35,10 @@ from torch import func
 from torch.autograd import forward_ad
 
 from registry.core.model import Composite
+from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES, RegistrationError, load
 from registry.core.stacks import format_stack, parse_stack
+from registry.harness import opinfo
 from registry.harness.audit import audit
 from registry.harness.checks import FALLBACK_WARNING, entry_call, native_call
 from registry.harness.samples import SAMPLES, Args, Sample, fault_name, fault_samples
@@ -422,14 +424,23 @@ def verify(
     A composite that fails its audit (``registry.harness.audit``) gets ``error`` entries that say why, without running.
     """
     load()
-    op_names = list(ops) if ops is not None else list(SAMPLES)
+    op_names = list(ops) if ops is not None else list(OPS)
     stack_list = [_stack_tuple(s) for s in stacks] if stacks is not None else default_stacks()
     pattern_list = tuple(patterns) if patterns is not None else PATTERNS
     wanted = set(composites) if composites is not None else None
     work = []
+    labels: list[tuple[str, str, str, tuple[str, ...], str, tuple[int, ...]]] = []
     for op in op_names:
         for composite in COMPOSITES[op].values():
             if wanted is not None and composite.name not in wanted:
+                continue
+            if op not in SAMPLES:  # samples from OpInfo: the survey's four stacks (registry.harness.opinfo)
+                for dtype in dtypes:
+                    for stack in [s for s in stack_list if s in opinfo.STACKS]:
+                        for pattern in opinfo.patterns_for(stack):
+                            if pattern in pattern_list or pattern == NO_PATTERN:
+                                labels.append((op, composite.name, str(dtype).removeprefix("torch."), stack,
+                                               pattern, ()))
                 continue
             for dtype_index, dtype in enumerate(dtypes):
                 samples = [s for s in SAMPLES[op] if s.dtype == dtype]
@@ -439,9 +450,9 @@ def verify(
                     use_samples = samples[:1] if "compile" in stack else samples
                     for pattern in _patterns_for(samples[0], stack, pattern_list):
                         work.append((op, composite, dtype, stack, pattern, use_samples))
-    labels = [(op, composite.name, str(dtype).removeprefix("torch."), stack, pattern,
-               tuple(SAMPLES[op].index(sample) for sample in use_samples))
-              for op, composite, dtype, stack, pattern, use_samples in work]
+    labels += [(op, composite.name, str(dtype).removeprefix("torch."), stack, pattern,
+                tuple(SAMPLES[op].index(sample) for sample in use_samples))
+               for op, composite, dtype, stack, pattern, use_samples in work]
     workers = workers if workers is not None else min(2, os.cpu_count() or 1)
     if workers <= 1 or len(labels) < 64:
         results = map(_run_item, labels)
@@ -470,6 +481,8 @@ def _run_item(label: tuple[str, str, str, tuple[str, ...], str, tuple[int, ...]]
     """One matrix entry: the worst outcome of ``composite`` over the samples, or its failed audit."""
     op, name, dtype, stack, pattern, sample_ids = label
     composite = COMPOSITES[op][name]
+    if op not in SAMPLES:
+        return opinfo.matrix_entry(op, name, dtype, stack, pattern, source_hash(composite))
     if (op, name) not in _audits:
         try:
             audit(op, name)
