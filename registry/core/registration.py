@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import threading
@@ -114,7 +115,7 @@ def define_op(
     if unknown:
         raise RegistrationError(f"define_op({name}): cannot generate {', '.join(unknown)}; only native and mutating "
                                 "composites are mechanical")
-    family = _caller_module()
+    family, where = _caller()
     try:
         op = define(name, overload, tensors, doc,
                     overloads=overloads if overloads is not None else ops_overloads(name, inplace=inplace),
@@ -128,17 +129,21 @@ def define_op(
     COMPOSITES[name] = {}
     DERIVATIVES[name] = {}
     rule_tables.OP_RULES[name] = dict(rules or {})
-    if "native" in generate:
-        register(name, "native")(_generated_native(op))
-    if "mutating" in generate:
-        register(name, "mutating")(_generated_mutating(op))
+    for kind, make in (("native", _generated_native), ("mutating", _generated_mutating)):
+        if kind in generate:
+            register(name, kind)(make(op))
+            # Generated from the schema: the define_op entry is where it comes from.
+            COMPOSITES[name][kind] = dataclasses.replace(COMPOSITES[name][kind], where=where)
     return op
 
 
-def _caller_module() -> str:
+def _caller() -> tuple[str, str]:
+    """(module name, "file:line") of the ``define_op`` call."""
     frame = inspect.currentframe()
     caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
-    return caller.f_globals.get("__name__", "") if caller is not None else ""
+    if caller is None:
+        return "", "<unknown>"
+    return caller.f_globals.get("__name__", ""), f"{caller.f_code.co_filename}:{caller.f_lineno}"
 
 
 def _schema_signature(op: Op) -> inspect.Signature:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch._C._functorch import maybe_current_level
 
+from registry.core import dynamic
 from registry.core.context import context_of, functorch_stack, vmap_levels
 from registry.core.model import KINDS, Op, Overload
 from registry.core.ops import OPS, ORIGINAL
@@ -89,6 +90,7 @@ _traced_signatures: set[tuple[str, tuple[tuple[str, str], ...]] | None] = set()
 
 _register_lock = threading.Lock()
 _libraries: list[torch.library.Library] = []
+_refusing: set[str] = set()  # dynamic-shape overloads refused under vmap (registry.core.dynamic)
 _routed_ops: set[str] = set()  # ops whose overloads have routing kernels (ops defined later get theirs at use())
 KERNEL_CALLS: dict[str, int] = {}  # overload name -> calls that a routing kernel decided; tests read it
 
@@ -203,6 +205,12 @@ def _make_kernel(op: Op, overload: Overload, native: Any, *, eager_autograd: boo
     return kernel
 
 
+def _routing_on() -> bool:
+    """Inside ``use()`` with a policy that routes, and not inside a composite or a decided native call."""
+    frames = _local.frames
+    return bool(frames) and not _local.busy and frames[-1].policy != "native"
+
+
 def _records_autograd(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -290,6 +298,7 @@ def register_kernels() -> None:
                     native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
                     library.impl(name, _make_derivative_kernel(name, functional, native), DISPATCH_KEY,
                                  with_keyset=True)
+        dynamic.register(library, _routing_on, _refusing)
         torch.Tensor.contiguous = _contiguous  # type: ignore[method-assign]
         _libraries.append(library)  # every Library object stays alive: dropping one unregisters its kernels
 

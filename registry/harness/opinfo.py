@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -69,11 +70,22 @@ def _routed_calls(op: str) -> int:
 def check(op: str, composite: str, dtype: torch.dtype, stack: tuple[str, ...], pattern: str, *,
           limit_samples: int = LIMIT_SAMPLES, timeout_s: float = CASE_TIMEOUT_S) -> survey.Outcome:
     """The worst outcome of ``composite`` over ``op``'s OpInfo samples under ``stack`` and ``pattern``."""
-    if stack not in STACKS:
-        raise ValueError(f"{op}: OpInfo cases run under {', '.join(map(str, STACKS))}, not {stack}")
-    kind = COMPOSITES[op][composite].kind
-    batchings = (PATTERNS[pattern],) if pattern != NO_PATTERN else survey.BATCHINGS
-    worst: survey.Outcome | None = None
+    return check_all(op, [composite], dtype, [(stack, pattern)], limit_samples=limit_samples,
+                     timeout_s=timeout_s)[composite, stack, pattern]
+
+
+def check_all(op: str, composites: Sequence[str], dtype: torch.dtype,
+              cells: Sequence[tuple[tuple[str, ...], str]], *, limit_samples: int = LIMIT_SAMPLES,
+              timeout_s: float = CASE_TIMEOUT_S) -> dict[tuple[str, tuple[str, ...], str], survey.Outcome]:
+    """The worst outcome of each composite over ``op``'s OpInfo samples in each (stack, pattern) cell; every case
+    (and its reference, computed once) is shared by all composites and cells."""
+    for stack, _ in cells:
+        if stack not in STACKS:
+            raise ValueError(f"{op}: OpInfo cases run under {', '.join(map(str, STACKS))}, not {stack}")
+    worst: dict[tuple[str, tuple[str, ...], str], survey.Outcome | None] = {
+        (name, stack, pattern): None for name in composites for stack, pattern in cells}
+    batchings = sorted({b for _, pattern in cells
+                        for b in ((PATTERNS[pattern],) if pattern != NO_PATTERN else survey.BATCHINGS)})
     for entry in entries(op):
         name = survey.entry_id(entry)
         if dtype not in entry.supported_dtypes("cpu"):
@@ -83,37 +95,53 @@ def check(op: str, composite: str, dtype: torch.dtype, stack: tuple[str, ...], p
             torch.manual_seed(survey.SEED)
             samples = survey.pick_samples(entry, dtype, limit_samples)
             for index, sample in enumerate(samples):
+                random = survey._is_random(entry, sample)
                 for batching in batchings:
+                    wanted = [(stack, pattern) for stack, pattern in cells
+                              if pattern == NO_PATTERN or PATTERNS[pattern] == batching]
                     try:
                         case = survey.SurveyCase(entry, sample, batching, survey.DEFAULT_BATCH)
                     except Exception as error:  # OpInfo's sample cannot be varied per sample: nothing to check
                         outcome = survey.Outcome("unsupported", f"cannot build per-sample arguments: {error}")
-                        worst = survey._worse(worst, outcome)
+                        for key in [(c, s, p) for c in composites for s, p in wanted]:
+                            worst[key] = survey._worse(worst[key], outcome)
                         continue
-                    case.random = survey._is_random(entry, sample)
+                    case.random = random
                     case.dynamic = survey._is_dynamic(entry, sample, case.batched)
                     reference = survey._Reference(case)
-                    for survey_stack in STACKS[stack]:
-                        before = _routed_calls(op)
-                        outcome = survey._dynamic(case, survey_stack, survey.check_case(
-                            survey_stack, case, reference, dtype, inside_use=kind != "native", timeout_s=timeout_s,
-                            pins={op: composite}))
-                        if kind != "native" and outcome.status in ("ok", "slow") and _routed_calls(op) == before:
-                            outcome = survey.Outcome(
-                                "unsupported", f"{name} sample {index} never reached aten::{op} under {survey_stack}")
-                        if outcome.status != "ok" and outcome.detail:
-                            outcome = survey.Outcome(outcome.status,
-                                                     f"{name} #{index} {batching} {survey_stack}: {outcome.detail}",
-                                                     outcome.max_abs_error, outcome.max_rel_error)
-                        worst = survey._worse(worst, outcome)
-    return worst or survey.Outcome("unsupported", f"no OpInfo sample of {op} in {str(dtype).removeprefix('torch.')}")
+                    for stack, pattern in wanted:
+                        for survey_stack in STACKS[stack]:
+                            for composite in composites:
+                                outcome = _one(op, composite, case, reference, survey_stack, dtype, timeout_s)
+                                if outcome.status != "ok" and outcome.detail:
+                                    outcome = survey.Outcome(
+                                        outcome.status, f"{name} #{index} {batching} {survey_stack}: "
+                                                        f"{outcome.detail}", outcome.max_abs_error,
+                                        outcome.max_rel_error)
+                                key = (composite, stack, pattern)
+                                worst[key] = survey._worse(worst[key], outcome)
+    nothing = survey.Outcome("unsupported", f"no OpInfo sample of {op} in {str(dtype).removeprefix('torch.')}")
+    return {key: outcome or nothing for key, outcome in worst.items()}
 
 
-def matrix_entry(op: str, composite: str, dtype: str, stack: tuple[str, ...], pattern: str, source_hash: str,
-                 ) -> MatrixEntry:
-    outcome = check(op, composite, getattr(torch, dtype), stack, pattern)
-    return MatrixEntry(
-        op=op, composite=composite, kind=COMPOSITES[op][composite].kind, stack=stack, pattern=pattern, dtype=dtype,
+def _one(op: str, composite: str, case: survey.SurveyCase, reference: Any, survey_stack: str, dtype: torch.dtype,
+         timeout_s: float) -> survey.Outcome:
+    """One case under one survey stack: native outside ``use()``, another composite pinned inside it."""
+    native = COMPOSITES[op][composite].kind == "native"
+    before = _routed_calls(op)
+    outcome = survey._dynamic(case, survey_stack, survey.check_case(
+        survey_stack, case, reference, dtype, inside_use=not native, timeout_s=timeout_s, pins={op: composite}))
+    if not native and outcome.status in ("ok", "slow") and _routed_calls(op) == before:
+        # The pinned composite never ran: its pass would be native's. Said, not counted.
+        return survey.Outcome("unsupported", f"the case never reached aten::{op} under {survey_stack}")
+    return outcome
+
+
+def matrix_entries(op: str, dtype: str, composites: Sequence[str], cells: Sequence[tuple[tuple[str, ...], str]],
+                   source_hashes: dict[str, str]) -> list[MatrixEntry]:
+    outcomes = check_all(op, composites, getattr(torch, dtype), cells)
+    return [MatrixEntry(
+        op=op, composite=name, kind=COMPOSITES[op][name].kind, stack=stack, pattern=pattern, dtype=dtype,
         status=outcome.status, detail=outcome.detail[:500], max_abs_error=outcome.max_abs_error,
-        max_rel_error=outcome.max_rel_error, source_hash=source_hash, torch_version=torch.__version__, device="cpu",
-    )
+        max_rel_error=outcome.max_rel_error, source_hash=source_hashes[name], torch_version=torch.__version__,
+        device="cpu") for (name, stack, pattern), outcome in outcomes.items()]

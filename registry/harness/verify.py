@@ -48,6 +48,7 @@ BASE_TRANSFORMS = ("vmap", "grad", "jvp")
 OUTER_TRANSFORMS = ("functionalize", "compile")
 PATTERNS = ("all", "self", "others", "in_dims1")
 NO_PATTERN = "-"  # stacks without vmap batch nothing
+OPINFO_ITEM = "opinfo"  # the pattern slot of a work item that is an OpInfo op's whole block for one dtype
 # How an entry aggregates its samples, worst last: "unsupported" only when no sample could run at all.
 BAD_ORDER = ("unsupported", "ok", "slow", "mismatch", "error")
 
@@ -429,18 +430,12 @@ def verify(
     pattern_list = tuple(patterns) if patterns is not None else PATTERNS
     wanted = set(composites) if composites is not None else None
     work = []
-    labels: list[tuple[str, str, str, tuple[str, ...], str, tuple[int, ...]]] = []
+    labels: list[tuple[Any, ...]] = []
     for op in op_names:
         for composite in COMPOSITES[op].values():
             if wanted is not None and composite.name not in wanted:
                 continue
-            if op not in SAMPLES:  # samples from OpInfo: the survey's four stacks (registry.harness.opinfo)
-                for dtype in dtypes:
-                    for stack in [s for s in stack_list if s in opinfo.STACKS]:
-                        for pattern in opinfo.patterns_for(stack):
-                            if pattern in pattern_list or pattern == NO_PATTERN:
-                                labels.append((op, composite.name, str(dtype).removeprefix("torch."), stack,
-                                               pattern, ()))
+            if op not in SAMPLES:  # samples from OpInfo: one item per dtype (registry.harness.opinfo)
                 continue
             for dtype_index, dtype in enumerate(dtypes):
                 samples = [s for s in SAMPLES[op] if s.dtype == dtype]
@@ -450,6 +445,17 @@ def verify(
                     use_samples = samples[:1] if "compile" in stack else samples
                     for pattern in _patterns_for(samples[0], stack, pattern_list):
                         work.append((op, composite, dtype, stack, pattern, use_samples))
+    for op in op_names:
+        if op in SAMPLES:
+            continue
+        # OpInfo cases: the survey's four stacks; one item per (op, dtype) shares each case and its reference
+        # between the composites and cells.
+        names = tuple(c.name for c in COMPOSITES[op].values() if wanted is None or c.name in wanted)
+        cells = tuple((stack, pattern) for stack in stack_list if stack in opinfo.STACKS
+                      for pattern in opinfo.patterns_for(stack) if pattern in pattern_list or pattern == NO_PATTERN)
+        if names and cells:
+            labels += [(op, names, str(dtype).removeprefix("torch."), cells, OPINFO_ITEM, ())  # type: ignore[misc]
+                       for dtype in dtypes]
     labels += [(op, composite.name, str(dtype).removeprefix("torch."), stack, pattern,
                 tuple(SAMPLES[op].index(sample) for sample in use_samples))
                for op, composite, dtype, stack, pattern, use_samples in work]
@@ -462,9 +468,10 @@ def verify(
         results = pool.imap(_run_item, labels, chunksize=8)
     entries = []
     try:
-        for done, entry in enumerate(results, 1):
-            entries.append(entry)
+        for done, produced in enumerate(results, 1):
+            entries.extend(produced)
             if progress is not None:
+                entry = produced[-1]
                 stack = format_stack(entry.stack) or "eager"
                 progress(done, len(labels), f"{entry.op}/{entry.composite} {stack} {entry.pattern}")
     finally:
@@ -477,12 +484,19 @@ def verify(
 _audits: dict[tuple[str, str], str | None] = {}
 
 
-def _run_item(label: tuple[str, str, str, tuple[str, ...], str, tuple[int, ...]]) -> MatrixEntry:
+def _run_item(label: tuple[Any, ...]) -> list[MatrixEntry]:
+    """The entries of one work item: an OpInfo op's whole (dtype) block, or one entry of a seed op."""
+    op, names, dtype, cells, pattern, _ = label
+    if pattern == OPINFO_ITEM:
+        hashes = {name: source_hash(COMPOSITES[op][name]) for name in names}
+        return opinfo.matrix_entries(op, dtype, names, cells, hashes)
+    return [_run_seed_item(label)]
+
+
+def _run_seed_item(label: tuple[str, str, str, tuple[str, ...], str, tuple[int, ...]]) -> MatrixEntry:
     """One matrix entry: the worst outcome of ``composite`` over the samples, or its failed audit."""
     op, name, dtype, stack, pattern, sample_ids = label
     composite = COMPOSITES[op][name]
-    if op not in SAMPLES:
-        return opinfo.matrix_entry(op, name, dtype, stack, pattern, source_hash(composite))
     if (op, name) not in _audits:
         try:
             audit(op, name)

@@ -23,8 +23,11 @@ import torch
 from torch import func
 
 from registry.core import context
+from registry.core.model import Composite
 from registry.core.ops import ORIGINAL
 from registry.core.registration import COMPOSITES, load
+from registry.core.routing import use
+from registry.harness.samples import SAMPLES
 from registry.harness.verify import source_hash
 from registry.profiling import noise
 from registry.store.db import ProfileEntry
@@ -127,6 +130,64 @@ def _native_key(op: str, workload: str, dtype: str, device: str, numel_bucket: i
     return (op, workload, dtype, device, numel_bucket, batch)
 
 
+# Workloads of ops whose cases come from OpInfo (registry.harness.opinfo): the survey's batched stacks, on OpInfo's
+# first sample (its own size: ``numels`` does not apply), batched over ``batch`` varied copies.
+OPINFO_WORKLOADS = ("vmap", "vmap(grad)")
+_OPINFO_STACKS = {"vmap": ("vmap",), "vmap(grad)": ("vmap", "grad")}
+
+
+class _NoCase(Exception):  # noqa: N818 -- a reason, not a failure
+    """OpInfo has no sample of this op that the workload can run."""
+
+
+Context = tuple[tuple[str, ...], int, Callable[[Composite], Callable[[], Any]], Any]
+
+
+def _seed_context(op: str, workload: str, numel: int, batch: int, dtype: torch.dtype, device: str) -> Context:
+    """(stack the op sees, its element count, composite -> runner, reference result) from the hand-made cases."""
+    size = JACOBIAN_NUMEL if workload in ("jacrev", "jacfwd", "hessian") else numel
+    functional = COMPOSITES[op]["functional"].fn
+    # The reference is the functional composite, which the verified matrix shows ok in every stack.
+    reference_case = _case(op, functional, size, batch, dtype, device)
+    stack, seen_numel = _seen_by_op(workload, reference_case)
+    reference = _runner(workload, reference_case)()
+
+    def calls(composite: Composite) -> Callable[[], Any]:
+        call = getattr(ORIGINAL.Tensor, op) if composite.kind == "native" else composite.fn
+        return _runner(workload, _case(op, call, size, batch, dtype, device))
+
+    return stack, seen_numel, calls, reference
+
+
+def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype) -> Context:
+    """The same from OpInfo's first sample through the survey's interpreter: native outside ``use()``, every other
+    composite pinned inside it (so the router's own cost is in its time); the reference is the per-sample loop of
+    native outside any transform."""
+    from registry.harness import opinfo, survey
+
+    entry = opinfo.entries(op)[0]
+    samples = survey.pick_samples(entry, dtype, 1)
+    if not samples:
+        raise _NoCase(f"OpInfo has no {dtype} sample of {survey.entry_id(entry)}")
+    case = survey.SurveyCase(entry, samples[0], "input", batch)
+    if workload == "vmap(grad)" and not case.diff:
+        raise _NoCase("nothing to differentiate in its first sample")
+    reference = survey.reference(workload, survey._Reference(case))
+
+    def calls(composite: Composite) -> Callable[[], Any]:
+        if composite.kind == "native":
+            return lambda: survey.run_stack(workload, case)
+
+        def pinned() -> Any:
+            with use(pins={op: composite.name}):
+                return survey.run_stack(workload, case)
+
+        return pinned
+
+    numel = case.per_sample[0][0].numel() if case.per_sample[0] else 0
+    return _OPINFO_STACKS[workload], numel, calls, reference
+
+
 def profile(
     ops: Iterable[str] | None = None,
     workloads: Sequence[str] | None = None,
@@ -171,25 +232,28 @@ def profile(
         if p.kind == "native" and p.valid and p.median_us
     }
     plan = [(op, w, n, b, d) for op in op_names for w in workload_list for n in numels for b in batch_sizes
-            for d in dtypes]
+            for d in dtypes if op in SAMPLES or (w in OPINFO_WORKLOADS and n == numels[0])]
     total = sum(len(COMPOSITES[op]) for op, *_ in plan)
     done = 0
     entries: list[ProfileEntry] = []
     for op, workload, numel, batch, dtype in plan:
-        size = JACOBIAN_NUMEL if workload in ("jacrev", "jacfwd", "hessian") else numel
-        functional = COMPOSITES[op]["functional"].fn
-        # The reference is the functional composite, which the verified matrix shows ok in every stack.
-        reference_case = _case(op, functional, size, batch, dtype, device)
-        stack, seen_numel = _seen_by_op(workload, reference_case)
-        reference = _runner(workload, reference_case)()
+        if op in SAMPLES:
+            stack, seen_numel, calls, reference = _seed_context(op, workload, numel, batch, dtype, device)
+        else:
+            try:
+                stack, seen_numel, calls, reference = _opinfo_context(op, workload, batch, dtype)
+            except _NoCase as why:
+                if refused is not None:
+                    refused.append(f"{op} {workload} b={batch}: not profiled, {why}")
+                done += len(COMPOSITES[op])
+                continue
         context: list[ProfileEntry] = []
         runners: dict[str, Callable[[], Any]] = {}
         commons: dict[str, dict[str, Any]] = {}
         native_name = None
         for composite in COMPOSITES[op].values():
             done += 1
-            call = getattr(ORIGINAL.Tensor, op) if composite.kind == "native" else composite.fn
-            run = _runner(workload, _case(op, call, size, batch, dtype, device))
+            run = calls(composite)
             common = dict(op=op, composite=composite.name, kind=composite.kind, stack=stack, workload=workload,
                           dtype=str(dtype).removeprefix("torch."), device=device.split(":")[0],
                           device_name=device_name, numel_bucket=bucket(seen_numel), batch_size=batch,
@@ -198,7 +262,7 @@ def profile(
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # native's fallback loop is timed, not reported here
                     if not _close(run(), reference):
-                        raise ValueError(f"{composite.name} differs from the functional composite in {workload}")
+                        raise ValueError(f"{composite.name} differs from the reference in {workload}")
                 runners[composite.name], commons[composite.name] = _quiet(run), common
                 native_name = composite.name if composite.kind == "native" else native_name
             except Exception as error:  # a composite that fails here is data: stored invalid, never timed
