@@ -54,15 +54,15 @@ def _index_fill_native(ctx: Context) -> Problem | None:
 
 
 define_op("index_add", "", tensors=("self", "index", "source"), doc="self with alpha * source added at index along dim",
-          opinfo=("index_add",), generate=())
+          opinfo=("index_add",))
 define_op("index_copy", "", tensors=("self", "index", "source"), doc="self with source copied to index along dim",
-          opinfo=("index_copy",), generate=())
+          opinfo=("index_copy",))
 # index_fill's Tensor-value overloads also get a kernel at the Autograd key: their gradient fails even in eager
 # autograd ("index out of range").
 define_op("index_fill", "int_Tensor", tensors=("self", "index", "value"),
           doc="self with value written at index along dim", opinfo=("index_fill",),
           eager_autograd=("index_fill.int_Tensor", "index_fill_.int_Tensor"),
-          rules={"native": _index_fill_native, "mutating": _index_fill_derivative}, generate=())
+          rules={"native": _index_fill_native, "mutating": _index_fill_derivative})
 
 
 def _rank1_view(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor | None):
@@ -80,12 +80,6 @@ def _scatter_index(index: torch.Tensor, source: torch.Tensor, dim: int) -> torch
 
 
 # --- index_add ---------------------------------------------------------------------------------------------------
-
-
-@register("index_add", "native")
-def index_add_native(self, dim, index, source, *, alpha=1):
-    """PyTorch's own index_add."""
-    return aten.index_add(self, dim, index, source, alpha=alpha)
 
 
 @register("index_add", "mutating")
@@ -208,12 +202,6 @@ def index_add_primitive(self, dim, index, source, *, alpha=1):
 
 
 # --- index_copy --------------------------------------------------------------------------------------------------
-
-
-@register("index_copy", "native")
-def index_copy_native(self, dim, index, source):
-    """PyTorch's own index_copy."""
-    return aten.index_copy(self, dim, index, source)
 
 
 @register("index_copy", "mutating")
@@ -346,12 +334,6 @@ def _index_mask(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tens
     if self.dim() == 0:
         return hits.reshape(())
     return hits.reshape((-1,) + (1,) * (self.dim() - dim % self.dim() - 1))
-
-
-@register("index_fill", "native")
-def index_fill_native(self, dim, index, value):
-    """PyTorch's own index_fill."""
-    return aten.index_fill(self, dim, index, value)
 
 
 @register("index_fill", "mutating")

@@ -28,14 +28,12 @@ define_op(
     opinfo=("masked_fill",),
     rules={"native": rules.fails_when(lambda ctx: rules.under_vmap(ctx) and "value" in ctx.tensors, "slow",
                                       "aten::masked_fill.Tensor has no batching rule, so vmap runs a per-sample loop")},
-    generate=(),
 )
 define_op(
     "masked_scatter", "", tensors=("self", "mask", "source"),
     doc="self with source's elements, in order, where mask is True", opinfo=("masked_scatter",),
     rules={"native": rules.first_of(rules.no_batching_rule("aten::masked_scatter"), _masked_scatter_backward),
            "mutating": _masked_scatter_backward},
-    generate=(),
 )
 
 
@@ -95,12 +93,6 @@ class Fill(Function):
 
 
 # --- masked_fill -------------------------------------------------------------------------------------------------
-
-
-@register("masked_fill", "native")
-def masked_fill_native(self, mask, value):
-    """PyTorch's own masked_fill."""
-    return aten.masked_fill(self, mask, value)
 
 
 @register("masked_fill", "mutating")
@@ -235,12 +227,6 @@ class MaskedGather(Function):
 def _broadcast_mask(self: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shape = torch.broadcast_shapes(self.shape, mask.shape)
     return self.expand(shape), mask.expand(shape)
-
-
-@register("masked_scatter", "native")
-def masked_scatter_native(self, mask, source):
-    """PyTorch's own masked_scatter."""
-    return aten.masked_scatter(self, mask, source)
 
 
 @register("masked_scatter", "mutating")

@@ -31,22 +31,15 @@ def _memory_format_fails(op: str) -> rules.Rule:
 
 
 define_op("contiguous", "", tensors=("self",), doc="self laid out in memory_format, self itself when it already is",
-          rules={"native": _memory_format_fails("contiguous")}, generate=())
+          rules={"native": _memory_format_fails("contiguous")})
 define_op("to", "dtype_layout", tensors=("self",), doc="self converted to dtype, device and memory_format",
           overloads=overloads("to", adapters=TO_ADAPTERS),
           rules={"native": _memory_format_fails("to"),
                  "mutating": rules.fails_when(lambda ctx: "jvp" in ctx.stack, "mismatch",
                                               "copy_'s forward-AD formula keeps the source's dtype, so the tangent "
-                                              "of a dtype-changing to comes out in the wrong dtype")},
-          generate=())
+                                              "of a dtype-changing to comes out in the wrong dtype")})
 
 # --- contiguous --------------------------------------------------------------------------------------------------
-
-
-@register("contiguous", "native")
-def contiguous_native(self, *, memory_format=torch.contiguous_format):
-    """PyTorch's own contiguous."""
-    return aten.contiguous(self, memory_format=memory_format)
 
 
 @register("contiguous", "mutating")
@@ -120,14 +113,6 @@ def _needs_copy(self: torch.Tensor, dtype, device, copy, memory_format) -> bool:
         or (device is not None and torch.device(device) != self.device)
         or not is_laid_out(self, memory_format)
     )
-
-
-@register("to", "native")
-def to_native(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, copy=False,
-              memory_format=None):
-    """PyTorch's own to."""
-    return aten.to.dtype_layout(self, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory,
-                                non_blocking=non_blocking, copy=copy, memory_format=memory_format)
 
 
 @register("to", "mutating")

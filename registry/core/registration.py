@@ -161,11 +161,12 @@ def _schema_signature(op: Op) -> inspect.Signature:
 
 
 def _generated_native(op: Op) -> Callable[..., object]:
-    overload = getattr(getattr(torch.ops.aten, op.name), op.overload or "default")
+    # The packet, not the one overload: it resolves a Python scalar value to a Scalar overload as PyTorch does.
+    packet = getattr(torch.ops.aten, op.name)
     signature = _schema_signature(op)
 
     def native(*args: object, **kwargs: object) -> object:
-        return overload(*args, **kwargs)
+        return packet(*args, **kwargs)
 
     native.__signature__ = signature  # type: ignore[attr-defined]
     native.__doc__ = f"PyTorch's own {op.name} (aten::{op.name}{'.' + op.overload if op.overload else ''})."
