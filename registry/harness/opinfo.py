@@ -37,6 +37,7 @@ STACKS: dict[tuple[str, ...], tuple[str, ...]] = {
 PATTERNS: dict[str, str] = {"self": "input", "others": "others"}  # matrix pattern -> survey batching variant
 NO_PATTERN = "-"
 LIMIT_SAMPLES = 2
+SKIPPED_SAMPLES = 8  # samples that call none of the op's routed overloads, looked past to find limit_samples that do
 CASE_TIMEOUT_S = 20.0
 
 
@@ -86,42 +87,72 @@ def check_all(op: str, composites: Sequence[str], dtype: torch.dtype,
         (name, stack, pattern): None for name in composites for stack, pattern in cells}
     batchings = sorted({b for _, pattern in cells
                         for b in ((PATTERNS[pattern],) if pattern != NO_PATTERN else survey.BATCHINGS)})
+    judged_here = any(COMPOSITES[op][name].kind != "native" for name in composites)
     for entry in entries(op):
-        name = survey.entry_id(entry)
         if dtype not in entry.supported_dtypes("cpu"):
             continue
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore")
             torch.manual_seed(survey.SEED)
-            samples = survey.pick_samples(entry, dtype, limit_samples)
+            # A sample that calls none of the op's routed overloads (narrow with an int start, where only
+            # narrow.Tensor is routed) checks nothing: it does not count toward the limit, and is reported only
+            # when no sample of the entry reaches the op at all.
+            samples = survey.pick_samples(entry, dtype, limit_samples + (SKIPPED_SAMPLES if judged_here else 0))
+            checked = 0
+            unreached: dict[tuple[str, tuple[str, ...], str], survey.Outcome] | None = None
             for index, sample in enumerate(samples):
-                random = survey._is_random(entry, sample)
-                for batching in batchings:
-                    wanted = [(stack, pattern) for stack, pattern in cells
-                              if pattern == NO_PATTERN or PATTERNS[pattern] == batching]
-                    try:
-                        case = survey.SurveyCase(entry, sample, batching, survey.DEFAULT_BATCH)
-                    except Exception as error:  # OpInfo's sample cannot be varied per sample: nothing to check
-                        outcome = survey.Outcome("unsupported", f"cannot build per-sample arguments: {error}")
-                        for key in [(c, s, p) for c in composites for s, p in wanted]:
-                            worst[key] = survey._worse(worst[key], outcome)
-                        continue
-                    case.random = random
-                    case.dynamic = survey._is_dynamic(entry, sample, case.batched)
-                    reference = survey._Reference(case)
-                    for stack, pattern in wanted:
-                        for survey_stack in STACKS[stack]:
-                            for composite in composites:
-                                outcome = _one(op, composite, case, reference, survey_stack, dtype, timeout_s)
-                                if outcome.status != "ok" and outcome.detail:
-                                    outcome = survey.Outcome(
-                                        outcome.status, f"{name} #{index} {batching} {survey_stack}: "
-                                                        f"{outcome.detail}", outcome.max_abs_error,
-                                        outcome.max_rel_error)
-                                key = (composite, stack, pattern)
-                                worst[key] = survey._worse(worst[key], outcome)
+                if checked >= limit_samples:
+                    break
+                found, reached = _sample_outcomes(op, composites, cells, batchings, entry, sample, index, dtype,
+                                                  timeout_s)
+                if not found:
+                    continue
+                if reached or not judged_here:
+                    checked += 1
+                    for key, outcome in found.items():
+                        worst[key] = survey._worse(worst[key], outcome)
+                elif unreached is None:
+                    unreached = found
+            if checked == 0 and unreached is not None:
+                for key, outcome in unreached.items():
+                    worst[key] = survey._worse(worst[key], outcome)
     nothing = survey.Outcome("unsupported", f"no OpInfo sample of {op} in {str(dtype).removeprefix('torch.')}")
     return {key: outcome or nothing for key, outcome in worst.items()}
+
+
+def _sample_outcomes(op: str, composites: Sequence[str], cells: Sequence[tuple[tuple[str, ...], str]],
+                     batchings: Sequence[str], entry: Any, sample: Any, index: int, dtype: torch.dtype,
+                     timeout_s: float) -> tuple[dict[tuple[str, tuple[str, ...], str], survey.Outcome], bool]:
+    """(the worst outcome per (composite, stack, pattern) on one sample, whether a pinned composite ran on it)."""
+    name = survey.entry_id(entry)
+    found: dict[tuple[str, tuple[str, ...], str], survey.Outcome] = {}
+    reached = False
+    random = survey._is_random(entry, sample)
+    for batching in batchings:
+        wanted = [(stack, pattern) for stack, pattern in cells
+                  if pattern == NO_PATTERN or PATTERNS[pattern] == batching]
+        try:
+            case = survey.SurveyCase(entry, sample, batching, survey.DEFAULT_BATCH)
+        except Exception as error:  # OpInfo's sample cannot be varied per sample: nothing to check
+            outcome = survey.Outcome("unsupported", f"cannot build per-sample arguments: {error}")
+            for key in [(c, s, p) for c in composites for s, p in wanted]:
+                found[key] = survey._worse(found.get(key), outcome)
+            continue
+        case.random = random
+        case.dynamic = survey._is_dynamic(entry, sample, case.batched)
+        reference = survey._Reference(case)
+        for stack, pattern in wanted:
+            for survey_stack in STACKS[stack]:
+                for composite in composites:
+                    before = _routed_calls(op)
+                    outcome = _one(op, composite, case, reference, survey_stack, dtype, timeout_s)
+                    reached = reached or _routed_calls(op) != before
+                    if outcome.status != "ok" and outcome.detail:
+                        outcome = survey.Outcome(outcome.status, f"{name} #{index} {batching} {survey_stack}: "
+                                                 f"{outcome.detail}", outcome.max_abs_error, outcome.max_rel_error)
+                    key = (composite, stack, pattern)
+                    found[key] = survey._worse(found.get(key), outcome)
+    return found, reached
 
 
 def _one(op: str, composite: str, case: survey.SurveyCase, reference: Any, survey_stack: str, dtype: torch.dtype,
