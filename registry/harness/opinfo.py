@@ -37,7 +37,7 @@ STACKS: dict[tuple[str, ...], tuple[str, ...]] = {
 PATTERNS: dict[str, str] = {"self": "input", "others": "others"}  # matrix pattern -> survey batching variant
 NO_PATTERN = "-"
 LIMIT_SAMPLES = 2
-SKIPPED_SAMPLES = 8  # samples that call none of the op's routed overloads, looked past to find limit_samples that do
+SKIPPED_SAMPLES = 16  # samples that call none of the op's routed overloads, looked past to find limit_samples that do
 CASE_TIMEOUT_S = 20.0
 
 
