@@ -202,7 +202,8 @@ def register(op: str, kind: Kind, *, name: str | None = None, function: type | N
     ``name`` defaults to the kind and must be unique per op. A ``primitive`` names its ``torch.autograd.Function``.
     """
     if op not in OPS:
-        raise RegistrationError(f"register: unknown op {op!r}; covered ops are {', '.join(OPS)}")
+        raise RegistrationError(f"register: unknown op {op!r}; define it first with define_op(...) in its "
+                                "composites module")
     if kind not in KINDS:
         raise RegistrationError(f"register({op}): unknown kind {kind!r}; kinds are {', '.join(KINDS)}")
 
@@ -236,7 +237,8 @@ def register_derivative(op: str, overload: str) -> Callable[[F], F]:
     ``decomposition_table()`` lists it wherever ``op`` itself is decomposed.
     """
     if op not in OPS:
-        raise RegistrationError(f"register_derivative: unknown op {op!r}; covered ops are {', '.join(OPS)}")
+        raise RegistrationError(f"register_derivative: unknown op {op!r}; define it first with define_op(...) in "
+                                "its composites module")
     name, _, overload_name = overload.partition(".")
 
     def decorator(fn: F) -> F:
