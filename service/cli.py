@@ -140,8 +140,7 @@ def _png(text: str) -> Path:
     if path.suffix.lower() != ".png":
         raise argparse.ArgumentTypeError(f"{shorten(path.name)!r} does not end in .png")
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{shorten(path, 80)} is a folder; name a file in it, such as "
-                                         f"{shorten(path / 'report.png', 80)}")
+        raise argparse.ArgumentTypeError(f"{shorten(path, 80)} is a folder; name a PNG file inside it")
     return path
 
 
