@@ -413,3 +413,44 @@ def test_json_has_no_nan(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plain_table_pads_all_but_the_last_column() -> None:
     assert cli_output.plain_table(("a", "bb", "c"), [("xxx", None, "free text"), ("y", 0.123456, "")]) == [
         "a    bb     c", "xxx  -      free text", "y    0.123"]
+
+
+# --- the commands that run: verify and profile -----------------------------------------------------------------------
+
+
+def test_verify_prints_choices_and_progress_goes_to_stderr(empty_store: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, stdout, stderr = _run(["verify", "--op", "masked_fill", "--stack", "vmap", "--dtype", "float32"], capsys)
+    assert code == 0
+    lines = stdout.splitlines()
+    assert lines[:3] == ["the composite auto chooses (all arguments batched) [its worst status]",
+                         "stack  masked_fill", "vmap   functional [ok]"]
+    assert lines[3].startswith("16 entries in ") and lines[3].endswith(f" s, written to {empty_store}")
+    progress = stderr.splitlines()
+    # Entries finish in worker processes, in no fixed order: the counts are exact, the labels any entry's.
+    assert progress[0].startswith("multicomposite verify: entries 1/16 (6%) masked_fill/")
+    assert progress[-1].startswith("multicomposite verify: entries 16/16 (100%) masked_fill/")
+    assert all(line.startswith("multicomposite verify: entries ") for line in progress)
+
+    code, stdout, stderr = _run(["verify", "--op", "masked_fill", "--stack", "vmap", "--dtype", "float32", "--json"],
+                                capsys)
+    entries = json.loads(stdout)
+    assert code == 0 and len(entries) == 16
+    assert {(e["composite"], e["pattern"], e["status"]) for e in entries if e["composite"] == "functional"} == {
+        ("functional", pattern, "ok") for pattern in ("all", "self", "others", "in_dims1")}
+    assert stderr.splitlines()[-1].startswith("multicomposite verify: entries 16/16 (100%) masked_fill/")
+
+
+def test_profile_json_holds_the_profiles_and_the_refused(empty_store: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    code, stdout, stderr = _run(["profile", "--op", "index_fill", "--stack", "vmap", "--batch", "4",
+                                 "--min-run-time", "0.02", "--json"], capsys)
+    assert code == 0
+    answer = json.loads(stdout)
+    assert sorted(answer) == ["profiles", "refused", "seconds"]
+    timed = {p["composite"] for p in answer["profiles"]}
+    # Either every composite of the context was stored, or the context was refused as too noisy (and said why).
+    assert timed == set(registry.composites("index_fill")) or (
+        len(answer["refused"]) == 1 and answer["refused"][0].startswith("index_fill vmap n=1024 b=4 float32: not "
+                                                                        "stored"))
+    assert stderr.splitlines()[-1] == "multicomposite profile: timings 4/4 (100%) index_fill/primitive vmap n=1024 b=4"
