@@ -3,7 +3,8 @@
 Each subcommand is one row of SUBCOMMANDS: its name, its help, a ``configure(parser)`` that adds its arguments and
 sets ``run`` (``parser.set_defaults(run=...)``, a function of the parsed arguments returning the exit code), and
 whether it only reads (a read command takes ``--json``; a test checks it). Adding a subcommand is one row here and a
-``configure`` function, which may live in its own module.
+``configure`` function, which may live in its own module; such a module raises ``service.cli_output.UsageError``
+for bad input (one line on stderr, exit 2) and writes through ``service.cli_output`` (tables, JSON, progress).
 
 Exit codes: 0 done; 1 done, but what ran found a failure (``verify``); 2 bad input, said in one line on stderr.
 """
@@ -22,16 +23,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import registry
 from registry.core.stacks import canonical_workload, format_stack, parse_bounded_stack, shorten
 from service import cli_output as out
+from service.cli_output import UsageError
 
 if TYPE_CHECKING:
     from registry.store.db import MatrixEntry, ProfileEntry, Store
 
 # The dtypes verify and profile run: the floating point ones the samples are written for.
 RUN_DTYPES = ("float32", "float64", "float16", "bfloat16")
-
-
-class UsageError(Exception):
-    """Bad input on the command line: printed as one line, exit code 2."""
 
 
 class _ParserExit(Exception):  # noqa: N818 -- a way out of argparse, not a failure

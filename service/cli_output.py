@@ -15,6 +15,12 @@ from contextlib import contextmanager
 from typing import Any, TextIO
 
 Progress = Callable[[int, int, str], None]
+
+
+class UsageError(Exception):
+    """Bad input on the command line: ``main`` prints it as one line on stderr and exits with code 2."""
+
+
 PLAIN_PROGRESS_STEP = 10  # percent: a plain progress line at most every this many percent (and at the end)
 
 

@@ -454,3 +454,30 @@ def test_profile_json_holds_the_profiles_and_the_refused(empty_store: str,
         len(answer["refused"]) == 1 and answer["refused"][0].startswith("index_fill vmap n=1024 b=4 float32: not "
                                                                         "stored"))
     assert stderr.splitlines()[-1] == "multicomposite profile: timings 4/4 (100%) index_fill/primitive vmap n=1024 b=4"
+
+
+def test_a_subcommand_plugs_in_as_one_row(monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """How `db upgrade` or `worker` join: a row in SUBCOMMANDS and a configure() in their own module."""
+    from service import cli
+    from service.cli_output import UsageError
+
+    def upgrade(args: argparse.Namespace) -> int:
+        if args.to == "bad":
+            raise UsageError("no revision 'bad'; revisions: head")
+        print(f"upgraded to {args.to}")
+        return 0
+
+    def configure(parser: argparse.ArgumentParser) -> None:
+        actions = parser.add_subparsers(dest="db_command", required=True, parser_class=type(parser),
+                                        metavar="ACTION", help="what to do with the store")
+        step = actions.add_parser("upgrade", help="bring the schema up to date")
+        step.add_argument("--to", default="head", help="the revision (default: head)")
+        step.set_defaults(run=upgrade)
+
+    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, cli.Subcommand("db", "manage the store", configure)])
+    assert _run(["db", "upgrade"], capsys)[:2] == (0, "upgraded to head\n")
+    assert _run(["db", "upgrade", "--to", "bad"], capsys)[::2] == (
+        2, "multicomposite db: no revision 'bad'; revisions: head\n")
+    assert _run(["db", "downgrade"], capsys)[0] == 2
+    assert [f"{w} {a.dest}" for w, a in _actions(cli.build_parser()) if not a.help] == []
