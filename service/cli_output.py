@@ -66,8 +66,11 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[object]], *, tit
         from rich.table import Table
 
         table = Table(title=title, title_justify="left", header_style="bold")
-        for name in columns:
-            table.add_column(name, overflow="fold")
+        # Short columns keep their width; the last (free text: reasons, details) wraps in what is left.
+        for i, name in enumerate(columns):
+            last = i == len(columns) - 1
+            table.add_column(name, no_wrap=not last, overflow="fold" if last else "ellipsis",
+                             min_width=20 if last else None, ratio=1 if last else None)
         for row in rows:
             table.add_row(*(_cell(value) for value in row))
         _console(sys.stdout).print(table)
