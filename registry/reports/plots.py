@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,38 @@ def render_matrix_png(
     return out
 
 
+# --- the speedup report ----------------------------------------------------------------------------------------------
+
+# Statuses that make a composite invalid in a context: the selector never chooses it there (registry.store.evidence).
+INVALID_STATUSES: tuple[str, ...] = ("slow", "error", "mismatch")
+# An invalid composite's bar spans 1/INVALID_SPAN .. INVALID_SPAN around 1x: a marker, not a speed.
+INVALID_SPAN = 1.25
+INVALID_COLOUR = "#bdbdbd"
+INVALID_HATCH = "xx"
+REMEASURED_HATCH = "//"
+
+
+@dataclass(frozen=True)
+class SpeedupBar:
+    """One bar of the report: a non-native composite in one context (op, workload, dtype, device; the largest batch
+    and size profiled there), as a speedup over native or as invalid."""
+
+    op: str
+    workload: str
+    dtype: str
+    device: str
+    batch_size: int
+    numel_bucket: int
+    composite: str
+    kind: str
+    speedup: float | None  # native median / composite median; None when invalid or native has no timing
+    low: float | None  # the ratio's low and high ends: each median -+ half its IQR
+    high: float | None
+    remeasured: bool  # this context was re-measured (the first run was disturbed)
+    invalid: str | None  # why this composite is not a speed here, or None
+    native_invalid: str | None  # why native itself is invalid here (its time is still the 1x reference), or None
+
+
 def _speedup_with_spread(native: Any, composite: Any) -> tuple[float, float, float]:
     """(native median / composite median, and the ratio's low and high ends): each median +- half its IQR."""
     ratio = native.median_us / composite.median_us
@@ -108,74 +141,180 @@ def remeasured(profiles: Sequence[Any]) -> list[str]:
     return [lines[key] for key in sorted(lines)]
 
 
-def speedup_rows(profiles: Sequence[Any]) -> list[tuple[str, str, str, float, float, float, bool]]:
-    """(op, workload, composite, speedup, low, high, re-measured) per valid non-native composite at each (op,
-    workload)'s largest batch: what the report plots."""
-    timed = [p for p in profiles if p.valid and p.median_us]
-    largest: dict[tuple[str, str], int] = {}
-    for p in timed:
-        key = (p.op, p.workload)
-        largest[key] = max(largest.get(key, 0), p.batch_size)
-    native = {(p.op, p.workload): p for p in timed
-              if p.kind == "native" and p.batch_size == largest[(p.op, p.workload)]}
-    rows = []
-    for p in sorted(timed, key=lambda p: (p.op, p.workload, p.composite)):
-        key = (p.op, p.workload)
-        if p.kind == "native" or p.batch_size != largest[key] or key not in native:
+def _matrix_index(matrix: Iterable[MatrixEntry]) -> dict[tuple[str, str, tuple[str, ...], str], list[MatrixEntry]]:
+    index: dict[tuple[str, str, tuple[str, ...], str], list[MatrixEntry]] = {}
+    for entry in matrix:
+        index.setdefault((entry.op, entry.composite, tuple(entry.stack), entry.dtype), []).append(entry)
+    return index
+
+
+def matrix_problem(index: Mapping[tuple[str, str, tuple[str, ...], str], Sequence[MatrixEntry]], profile: Any
+                   ) -> str | None:
+    """Why the verified matrix says ``profile``'s composite is invalid in its context, or None.
+
+    A profile batches every tensor argument (pattern ``all`` or ``in_dims1`` under vmap, ``-`` without), and its
+    stack is the one the op saw (``autograd`` is not a matrix transform: left out, as the selector does).
+    """
+    stack = tuple(t for t in profile.stack if t != "autograd")
+    patterns = ("all", "in_dims1") if "vmap" in stack else ("-",)
+    failing = [e for e in index.get((profile.op, profile.composite, stack, profile.dtype), ())
+               if e.status in INVALID_STATUSES and e.pattern in patterns]
+    if not failing:
+        return None
+    worst = max(failing, key=lambda e: INVALID_STATUSES.index(e.status))
+    return f"{worst.status} in the verified matrix under {stack_label(stack)}, pattern {worst.pattern}"
+
+
+def speedup_bars(profiles: Sequence[Any], matrix: Iterable[MatrixEntry] = ()) -> list[SpeedupBar]:
+    """The report's bars: per context (op, workload, dtype, device) at its largest batch (and, at that batch, its
+    largest size), each non-native composite's speedup over native with its spread, or why it is invalid there: its
+    profile is invalid (it raised or differed from the functional composite), or ``matrix`` (the verified matrix)
+    has a failing entry for it in that context. Ordered by op, workload, dtype, device, composite."""
+    index = _matrix_index(matrix)
+    largest: dict[tuple[str, str, str, str], tuple[int, int]] = {}
+    for p in profiles:
+        key = (p.op, p.workload, p.dtype, p.device)
+        largest[key] = max(largest.get(key, (0, 0)), (p.batch_size, p.numel_bucket))
+    chosen = [p for p in profiles if (p.batch_size, p.numel_bucket) == largest[(p.op, p.workload, p.dtype, p.device)]]
+    natives = {(p.op, p.workload, p.dtype, p.device): p for p in chosen if p.kind == "native"}
+    bars = []
+    for p in sorted(chosen, key=lambda p: (p.op, p.workload, p.dtype, p.device, p.composite)):
+        if p.kind == "native":
             continue
-        ratio, low, high = _speedup_with_spread(native[key], p)
-        again = p.detail.startswith("re-measured") or native[key].detail.startswith("re-measured")
-        rows.append((p.op, p.workload, p.composite, ratio, low, high, again))
-    return rows
+        native = natives.get((p.op, p.workload, p.dtype, p.device))
+        native_ok = native is not None and native.valid and bool(native.median_us)
+        native_invalid = None
+        if native is not None:
+            native_invalid = (f"profile invalid: {native.detail}" if not native.valid
+                              else matrix_problem(index, native))
+        invalid = f"profile invalid: {p.detail}" if not p.valid else matrix_problem(index, p)
+        speedup = low = high = None
+        if invalid is None and native_ok and p.median_us:
+            speedup, low, high = _speedup_with_spread(native, p)
+        again = p.valid and (p.detail.startswith("re-measured")
+                             or (native is not None and native.valid and native.detail.startswith("re-measured")))
+        bars.append(SpeedupBar(op=p.op, workload=p.workload, dtype=p.dtype, device=p.device, batch_size=p.batch_size,
+                               numel_bucket=p.numel_bucket, composite=p.composite, kind=p.kind, speedup=speedup,
+                               low=low, high=high, remeasured=again, invalid=invalid,
+                               native_invalid=native_invalid))
+    return bars
 
 
-def speedup_lines(profiles: Sequence[Any]) -> list[str]:
-    """The report's bars as text: speedup over native with its low..high range, re-measured ones marked."""
-    return [f"  {op:15s} {workload:11s} {name:11s} {ratio:7.2f}x  [{low:.2f} .. {high:.2f}]"
-            f"{'  (re-measured)' if again else ''}"
-            for op, workload, name, ratio, low, high, again in speedup_rows(profiles)]
+def speedup_lines(profiles: Sequence[Any], matrix: Iterable[MatrixEntry] = ()) -> list[str]:
+    """The report's bars as text: speedup over native with its low..high range (re-measured ones marked), or why
+    the composite is invalid, or that native has no timing to compare with."""
+    lines = []
+    for bar in speedup_bars(profiles, matrix):
+        head = f"  {bar.op:15s} {bar.workload:11s} {bar.composite:11s}"
+        if bar.invalid is not None:
+            lines.append(f"{head} invalid: {bar.invalid}")
+        elif bar.speedup is None:
+            lines.append(f"{head} no valid native timing to compare with")
+        else:
+            lines.append(f"{head} {bar.speedup:7.2f}x  [{bar.low:.2f} .. {bar.high:.2f}]"
+                         f"{'  (re-measured)' if bar.remeasured else ''}")
+    return lines
 
 
-def render_speedups_png(profiles: Sequence[Any], path: str | Path, *,
-                        title: str = "multicomposite: speedup over native") -> Path:
-    """Bars of native's median over each valid composite's, per op and workload (largest batch), log scale, each
-    with an error bar from the two medians' spread (median +- half the IQR); a bar of a context that was re-measured
-    is hatched."""
+def _ratio_label(value: float) -> str:
+    """Tick and bar labels: 1x, 2x, 0.5x, 1.37x."""
+    return f"{value:.3g}x" if value < 10 else f"{value:.0f}x"
+
+
+def speedup_figure(bars: Sequence[SpeedupBar], *, title: str = "multicomposite: speedup over native") -> Any:
+    """A matplotlib Figure of ``bars``: on a log axis centred on 1x, each composite's bar starts at 1x and ends at
+    its speedup (faster above, slower below), with a value label beyond its error bar (median +- IQR/2 of both
+    timings); an invalid composite is a grey hatched marker around 1x labelled "invalid"; a context that was
+    re-measured has hatched bars. Inspect it (``figure.axes[0]``) or save it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    rows = speedup_rows(profiles)
-    if not rows:
-        raise ValueError("no timed profiles to plot")
-    groups = sorted({(op, workload) for op, workload, *_ in rows})
-    names = sorted({name for _, _, name, *_ in rows})
-    figure = Figure(figsize=(min(max(10.0, 0.35 * len(groups)), 26.0), 6.5))
+    shown = [bar for bar in bars if bar.speedup is not None or bar.invalid is not None]
+    if not shown:
+        raise ValueError("no timed or invalid composites to plot: profile them first (multicomposite profile)")
+    groups = list(dict.fromkeys((b.op, b.workload, b.dtype, b.device) for b in shown))
+    names = sorted({b.composite for b in shown})
+    several_dtypes = len({b.dtype for b in shown}) > 1
+    several_devices = len({b.device for b in shown}) > 1
+    width = 0.8 / len(names)
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+    colours = {name: palette[i % len(palette)] for i, name in enumerate(names)}
+    figure = Figure(figsize=(min(max(8.0, 0.45 * len(shown) + 2.0), 26.0), 7.0))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
-    width = 0.8 / max(len(names), 1)
-    for i, name in enumerate(names):
-        xs, ys, below, above, hatches = [], [], [], [], []
-        for op, workload, composite, ratio, low, high, again in rows:
-            if composite != name:
-                continue
-            xs.append(groups.index((op, workload)) + i * width)
-            ys.append(ratio)
-            below.append(ratio - low)
-            above.append(high - ratio)
-            hatches.append("//" if again else "")
-        bars = axes.bar(xs, ys, width=width, label=name, yerr=[below, above], capsize=2,
-                        error_kw={"elinewidth": 0.8, "ecolor": "#333333"})
-        for bar, hatch in zip(bars, hatches, strict=True):
-            bar.set_hatch(hatch)
-    axes.axhline(1.0, color="black", linewidth=0.8)
+    extent = INVALID_SPAN
+    rotate = 90 if len(shown) > 10 else 0
+    for bar in shown:
+        x = groups.index((bar.op, bar.workload, bar.dtype, bar.device)) + (names.index(bar.composite)
+                                                                          - (len(names) - 1) / 2) * width
+        if bar.invalid is not None:
+            drawn = axes.bar([x], [INVALID_SPAN - 1 / INVALID_SPAN], bottom=1 / INVALID_SPAN, width=width,
+                             color=INVALID_COLOUR, edgecolor="#7f7f7f", hatch=INVALID_HATCH, linewidth=0.6)
+            drawn.patches[0].set_gid(f"invalid:{bar.op}/{bar.composite}/{bar.workload}")
+            axes.annotate("invalid", (x, INVALID_SPAN), xytext=(0, 3), textcoords="offset points", ha="center",
+                          va="bottom", fontsize=7, color="#555555", rotation=rotate)
+            continue
+        speedup = bar.speedup if bar.speedup is not None else 1.0  # shown: valid bars have a speedup
+        low = bar.low if bar.low is not None else speedup
+        high = bar.high if bar.high is not None else speedup
+        drawn = axes.bar([x], [speedup - 1.0], bottom=1.0, width=width, color=colours[bar.composite],
+                         edgecolor="#333333", linewidth=0.5, hatch=REMEASURED_HATCH if bar.remeasured else "",
+                         yerr=[[speedup - low], [high - speedup]], capsize=2,
+                         error_kw={"elinewidth": 0.8, "ecolor": "#333333"})
+        drawn.patches[0].set_gid(f"speedup:{bar.op}/{bar.composite}/{bar.workload}")
+        faster = speedup >= 1.0
+        axes.annotate(_ratio_label(speedup), (x, high if faster else low),
+                      xytext=(0, 3 if faster else -3), textcoords="offset points", ha="center",
+                      va="bottom" if faster else "top", fontsize=7, rotation=rotate)
+        extent = max(extent, high, 1.0 / max(low, 1e-9))
+    # Centred on 1x: as far below as above, with room for the labels.
+    extent = extent ** 1.25
     axes.set_yscale("log")
-    axes.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
-    axes.set_xticklabels([f"{op}\n{workload}" for op, workload in groups], rotation=60, ha="right", fontsize=7)
-    axes.set_ylabel("speedup over native (native median / composite median)\nerror bars: median +- IQR/2")
-    axes.set_title(title + (" (hatched: re-measured, the first run was disturbed)"
-                            if any(row[-1] for row in rows) else ""))
-    axes.legend(title="composite", fontsize=8)
+    axes.set_ylim(1.0 / extent, extent)
+    # Ticks mirrored around 1x (2x above, 0.5x below); the fine steps only while the range is narrow.
+    steps = [v for v in (1.25, 1.5, 2.0, 4.0, 10.0, 30.0, 100.0, 1000.0) if v < extent]
+    if len(steps) > 4:
+        steps = [v for v in steps if v >= 2.0]
+    axes.yaxis.set_major_locator(FixedLocator(sorted([1.0, *steps, *(1.0 / v for v in steps)])))
+    axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: _ratio_label(value)))
+    axes.yaxis.set_minor_locator(NullLocator())
+    axes.axhline(1.0, color="black", linewidth=0.9)
+    axes.text(0.005, 0.99, "faster than native", transform=axes.transAxes, ha="left", va="top", fontsize=8,
+              color="#2ca02c")
+    axes.text(0.005, 0.01, "slower than native", transform=axes.transAxes, ha="left", va="bottom", fontsize=8,
+              color="#d62728")
+
+    def group_label(op: str, workload: str, dtype: str, device: str) -> str:
+        extra = " ".join(value for value, several in ((dtype, several_dtypes), (device, several_devices)) if several)
+        natives = {b.native_invalid for b in shown if (b.op, b.workload, b.dtype, b.device) == (op, workload, dtype,
+                                                                                                 device)}
+        flag = "\n(native invalid)" if natives - {None} else ""
+        return f"{op}\n{workload}{' ' + extra if extra else ''}{flag}"
+
+    axes.set_xticks(range(len(groups)))
+    axes.set_xticklabels([group_label(*group) for group in groups], rotation=60 if len(groups) > 6 else 0,
+                         ha="right" if len(groups) > 6 else "center", fontsize=7)
+    axes.set_xlim(-0.6, len(groups) - 0.4)
+    axes.set_ylabel("speedup over native (native median / composite median, log scale)\n"
+                    "error bars: each median +- IQR/2")
+    hatched = any(b.remeasured for b in shown)
+    axes.set_title(title + ("\n(hatched //: re-measured, the first run was disturbed)" if hatched else ""))
+    handles = [Patch(facecolor=colours[name], edgecolor="#333333", label=name) for name in names
+               if any(b.composite == name and b.invalid is None for b in shown)]
+    if any(b.invalid is not None for b in shown):
+        handles.append(Patch(facecolor=INVALID_COLOUR, edgecolor="#7f7f7f", hatch=INVALID_HATCH,
+                             label="invalid (not a speed)"))
+    axes.legend(handles=handles, title="composite", fontsize=8, loc="upper right")
     figure.tight_layout()
+    return figure
+
+
+def render_speedups_png(profiles: Sequence[Any], path: str | Path, *, matrix: Iterable[MatrixEntry] = (),
+                        title: str = "multicomposite: speedup over native") -> Path:
+    """Write ``speedup_figure`` of ``profiles`` (checked against ``matrix``) as a PNG at ``path``; return it."""
+    figure = speedup_figure(speedup_bars(profiles, matrix), title=title)
     out = Path(path)
     figure.savefig(out, dpi=110)
     return out

@@ -83,11 +83,11 @@ def test_docs_are_served_without_a_cdn(client: TestClient) -> None:
 
 
 def test_cli_select(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["select", "masked_scatter", "--stack", "vmap(grad)"]) == 0
+    assert main(["select", "masked_scatter", "--stack", "vmap(grad)", "--json"]) == 0
     out = capsys.readouterr().out
     assert '"composite": "functional"' in out and '"stack": "vmap(grad)"' in out
     assert main(["select", "nope"]) == 2
-    assert capsys.readouterr().err.startswith("multicomposite select: unknown op 'nope'")
+    assert capsys.readouterr().err.startswith("multicomposite select: argument op: unknown op 'nope'")
 
 
 def test_matrix_and_profiles_read_the_store(client: TestClient, db_url: str) -> None:

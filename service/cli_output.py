@@ -1,0 +1,135 @@
+"""How the ``multicomposite`` command writes: tables, JSON and progress.
+
+On a terminal, tables and progress bars are drawn by rich; anywhere else (a pipe, a file, a test) the same content
+comes as plain lines with no escape codes and no bars, so that it can be read by ``grep``, ``cut`` and diff. Progress
+always goes to stderr, results to stdout; ``--json`` output is exactly one JSON document on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TextIO
+
+Progress = Callable[[int, int, str], None]
+
+
+class UsageError(Exception):
+    """Bad input on the command line: ``main`` prints it as one line on stderr and exits with code 2."""
+
+
+PLAIN_PROGRESS_STEP = 10  # percent: a plain progress line at most every this many percent (and at the end)
+
+
+def is_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is an interactive terminal (rich output there, plain lines elsewhere)."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
+def _console(stream: TextIO) -> Any:
+    from rich.console import Console
+
+    # The stream is looked up when writing, so that a redirected sys.stdout (a test's capture) is honoured.
+    return Console(file=stream, highlight=False, soft_wrap=False)
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def plain_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    """``rows`` under a header, columns padded to their widest cell and two spaces apart; the last column is not
+    padded (it holds free text: reasons, details)."""
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [max([len(name)] + [len(row[i]) for row in cells]) for i, name in enumerate(columns)]
+    lines = []
+    for row in [list(columns), *cells]:
+        padded = [text.ljust(widths[i]) if i < len(row) - 1 else text for i, text in enumerate(row)]
+        lines.append("  ".join(padded).rstrip())
+    return lines
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[object]], *, title: str | None = None) -> None:
+    """A table on stdout: rich on a terminal, ``plain_table`` lines elsewhere (the title as a first line)."""
+    if is_terminal(sys.stdout):
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left", header_style="bold")
+        # Short columns keep their width; the last (free text: reasons, details) wraps in what is left.
+        for i, name in enumerate(columns):
+            last = i == len(columns) - 1
+            table.add_column(name, no_wrap=not last, overflow="fold" if last else "ellipsis",
+                             min_width=20 if last else None, ratio=1 if last else None)
+        for row in rows:
+            table.add_row(*(_cell(value) for value in row))
+        _console(sys.stdout).print(table)
+        return
+    if title:
+        print(title)
+    for line in plain_table(columns, rows):
+        print(line)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: such a float becomes null (an error that could not be computed)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def print_json(value: Any) -> None:
+    """One JSON document on stdout (strict JSON: no NaN), and nothing else."""
+    sys.stdout.write(json.dumps(_finite(value), indent=2, allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+def note(command: str, text: str) -> None:
+    """A remark about the run (not a result) on stderr: ``multicomposite verify: ...``."""
+    print(f"multicomposite {command}: {text}", file=sys.stderr)
+
+
+@contextmanager
+def progress(command: str, what: str) -> Iterator[Progress]:
+    """A ``progress(done, total, label)`` callback for the length of the block, writing to stderr: a rich bar on a
+    terminal; elsewhere one plain line per PLAIN_PROGRESS_STEP percent (and the last), such as
+    ``multicomposite verify: entries 40/120 (33%) index_fill/functional vmap all``."""
+    if is_terminal(sys.stderr):
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as Bar
+
+        with Bar(TextColumn(f"{what}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 TextColumn("{task.description}"), console=_console(sys.stderr), transient=False) as bar:
+            task = bar.add_task("", total=None)
+
+            def advance(done: int, total: int, label: str) -> None:
+                bar.update(task, completed=done, total=total, description=label[:60])
+
+            yield advance
+        return
+    last_step = [-1]
+
+    def line(done: int, total: int, label: str) -> None:
+        percent = 100 * done // total if total else 100
+        step = percent // PLAIN_PROGRESS_STEP
+        if step == last_step[0] and done != total:
+            return
+        last_step[0] = step
+        print(f"multicomposite {command}: {what} {done}/{total} ({percent}%) {label}".rstrip(), file=sys.stderr,
+              flush=True)
+
+    yield line
