@@ -1,5 +1,5 @@
 """Built-in composites, one module per operator family. Importing this package registers them all."""
 
-from composites import elementwise, index, indexing, masked, memory
+from composites import elementwise, index, indexing, masked, memory, statistics
 
-__all__ = ["elementwise", "index", "indexing", "masked", "memory"]
+__all__ = ["elementwise", "index", "indexing", "masked", "memory", "statistics"]

@@ -52,14 +52,16 @@ def _logical_dtype(args: Sequence[Any], in_dims: Sequence[int | None]) -> torch.
     return dtype
 
 
-def batch_broadcast(info: Any, in_dims: Sequence[int | None], args: Sequence[Any]) -> list[Any]:
+def batch_broadcast(info: Any, in_dims: Sequence[int | None], args: Sequence[Any], *,
+                    promote: bool = True) -> list[Any]:
     """The arguments of a broadcasting op at one vmap level, as physical tensors the op broadcasts right: batched
     tensors with their batch dimension first and singleton dimensions after it up to the largest logical rank,
-    unbatched ones as they are (they broadcast against the batch dimension), cast to the logical promoted dtype."""
+    unbatched ones as they are (they broadcast against the batch dimension), cast to the logical promoted dtype
+    (unless ``promote`` is False: ops such as isclose that require equal dtypes keep raising as natively)."""
     ranks = [value.dim() - (dim is not None) for value, dim in zip(args, in_dims, strict=True)
              if isinstance(value, torch.Tensor)]
     rank = max(ranks, default=0)
-    dtype = _logical_dtype(args, in_dims)
+    dtype = _logical_dtype(args, in_dims) if promote else None
     moved = []
     for value, dim in zip(args, in_dims, strict=True):
         if isinstance(value, torch.Tensor):
@@ -73,7 +75,7 @@ def batch_broadcast(info: Any, in_dims: Sequence[int | None], args: Sequence[Any
 
 
 def broadcasting(name: str, call: Callable[..., torch.Tensor], *, partials: dict[int, Partial] | None = None,
-                 jvp_zero_tangent_is_zero: bool = False) -> type[Function]:
+                 jvp_zero_tangent_is_zero: bool = False, promote: bool = True) -> type[Function]:
     """A primitive for the broadcasting elementwise op ``call`` (PyTorch's own kernel).
 
     ``partials``: argument position -> its partial derivative (PyTorch's formula); None for an op PyTorch does not
@@ -129,7 +131,7 @@ def broadcasting(name: str, call: Callable[..., torch.Tensor], *, partials: dict
         return total if total is not None else torch.zeros_like(output)
 
     def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[torch.Tensor, int]:
-        return apply(primitive, *batch_broadcast(info, in_dims, args)), 0
+        return apply(primitive, *batch_broadcast(info, in_dims, args, promote=promote)), 0
 
     primitive = type(f"Broadcasting_{name}", (Function,), {
         "__doc__": f"{name}, elementwise: PyTorch's own kernel once over the whole batch under vmap.",
@@ -142,20 +144,25 @@ def broadcasting(name: str, call: Callable[..., torch.Tensor], *, partials: dict
 
 def register_broadcasting(op: str, overload: str, call: Callable[..., torch.Tensor], *,
                           partials: dict[int, Partial] | None = None, jvp_zero_tangent_is_zero: bool = False,
-                          ) -> type[Function]:
+                          promote: bool = True) -> type[Function]:
     """Register ``broadcasting(...)`` as ``op``'s primitive composite, with the schema's parameters."""
-    primitive = broadcasting(op, call, partials=partials, jvp_zero_tangent_is_zero=jvp_zero_tangent_is_zero)
+    primitive = broadcasting(op, call, partials=partials, jvp_zero_tangent_is_zero=jvp_zero_tangent_is_zero,
+                             promote=promote)
     schema = getattr(getattr(aten, op), overload or "default")._schema
     parameters = [inspect.Parameter(arg.name, inspect.Parameter.KEYWORD_ONLY if arg.kwarg_only
-                                    else inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                    else inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                    default=arg.default_value if arg.has_default_value() else inspect.Parameter.empty)
                   for arg in schema.arguments if arg.name != "out"]
-    names = [p.name for p in parameters]
+    signature = inspect.Signature(parameters)
 
     def composite(*args: Any, **kwargs: Any) -> torch.Tensor:
-        values = list(args) + [kwargs[name] for name in names[len(args):]]
-        return apply(primitive, *values)
+        if len(args) == len(parameters):  # the dispatcher's usual call: every argument positional
+            return apply(primitive, *args)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return apply(primitive, *bound.arguments.values())
 
-    composite.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    composite.__signature__ = signature  # type: ignore[attr-defined]
     composite.__name__ = f"{op}_primitive"
     composite.__doc__ = (f"{primitive.__name__}: PyTorch's own {op} kernel, called once on the whole batch under "
                          "vmap (batch dimensions aligned), with the op's derivative formula as backward and jvp.")
@@ -210,3 +217,130 @@ define_op("special_entr", "", tensors=("self",), doc="-self * log(self), element
 # derivatives.yaml: grad * (-(1 + self.log()))
 register_broadcasting("special_entr", "", aten.special_entr, partials={0: lambda args, out: -(1 + args[0].log())},
                       jvp_zero_tangent_is_zero=True)
+
+
+# --- comparisons: isclose, isin ----------------------------------------------------------------------------------
+
+define_op("isclose", "", tensors=("self", "other"), doc="whether self and other are close, elementwise",
+          opinfo=("isclose",), inplace=False, rules={"native": rules.no_batching_rule("aten::isclose")})
+# isclose requires equal dtypes: no promotion, so a mixed call raises as natively.
+register_broadcasting("isclose", "", aten.isclose, promote=False)
+
+
+def _sorted_membership(elements: torch.Tensor, test_elements: torch.Tensor) -> torch.Tensor:
+    """Per batch row b, whether each of ``elements[b]`` is among ``test_elements[b]`` (both (batch, n), same
+    dtype): a sort and a binary search, which batch (isin's own kernel does not, and a broadcast comparison costs
+    n * m). NaN is sorted last and never equals itself, as in isin."""
+    if test_elements.shape[1] == 0:
+        return torch.zeros(elements.shape, dtype=torch.bool, device=elements.device)
+    ordered = test_elements.sort(-1).values
+    position = torch.searchsorted(ordered, elements).clamp_max(ordered.shape[1] - 1)
+    return ordered.gather(1, position) == elements
+
+
+class IsIn(Function):
+    """isin(elements, test_elements) with its own vmap rule: PyTorch's kernel once over the batch where only the
+    elements are batched, a batched sort and binary search where the test elements are. Not differentiable."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(elements: Any, test_elements: Any, assume_unique: bool, invert: bool) -> torch.Tensor:
+        return torch.isin(elements, test_elements, assume_unique=assume_unique, invert=invert)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.mark_non_differentiable(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        raise RuntimeError("the derivative for 'isin' is not implemented.")
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> torch.Tensor:
+        raise RuntimeError("the derivative for 'isin' is not implemented.")
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], elements: Any, test_elements: Any, assume_unique: bool,
+             invert: bool) -> tuple[torch.Tensor, int]:
+        if in_dims[1] is None:  # a test set shared by every sample: isin itself, once over the whole batch
+            return apply(IsIn, elements.movedim(in_dims[0], 0), test_elements, assume_unique, invert), 0
+        dtype = _logical_dtype((elements, test_elements), in_dims[:2]) if isinstance(elements, torch.Tensor) else None
+        test = test_elements.movedim(in_dims[1], 0)
+        if not isinstance(elements, torch.Tensor):
+            elements = torch.tensor(elements, dtype=test.dtype, device=test.device)  # scalar: promotion as isin's
+        dtype = dtype or torch.result_type(elements, test)
+        if in_dims[0] is None:
+            elements = elements.expand(info.batch_size, *elements.shape)
+        else:
+            elements = elements.movedim(in_dims[0], 0)
+        shape = elements.shape
+        found = _sorted_membership(elements.reshape(info.batch_size, -1).to(dtype),
+                                   test.reshape(info.batch_size, -1).to(dtype)).reshape(shape)
+        return (~found if invert else found), 0
+
+
+define_op("isin", "Tensor_Tensor", tensors=("elements", "test_elements"),
+          doc="whether each of elements is among test_elements", opinfo=("isin",), inplace=False,
+          rules={"native": rules.no_batching_rule("aten::isin")})
+
+
+@register("isin", "primitive", function=IsIn)
+def isin_primitive(elements, test_elements, *, assume_unique=False, invert=False):
+    """IsIn: isin's own kernel once over the batch, or a batched sort and binary search for batched test
+    elements."""
+    return apply(IsIn, elements, test_elements, assume_unique, invert)
+
+
+# --- conversions, normalizations, gates ---------------------------------------------------------------------------
+
+define_op("chalf", "", tensors=("self",), doc="self as complex32", opinfo=("chalf",), inplace=False,
+          rules={"native": rules.no_batching_rule("aten::chalf")})
+
+
+@register("chalf", "functional")
+def chalf_functional(self, *, memory_format=None):
+    """_to_copy to complex32, which batches (chalf is a CompositeExplicit wrapper of it without a batching rule)."""
+    return aten._to_copy(self, dtype=torch.complex32, memory_format=memory_format)
+
+
+define_op("renorm", "", tensors=("self",), doc="self with each slice along dim rescaled to p-norm at most maxnorm",
+          opinfo=("renorm",), inplace=False, rules={"native": rules.no_batching_rule("aten::renorm")})
+
+
+@register("renorm", "functional")
+def renorm_functional(self, p, dim, maxnorm):
+    """self * where(norm > maxnorm, maxnorm / (norm + 1e-7), 1), the norm over every dimension but dim (as
+    PyTorch's kernel and torch._refs.renorm compute it)."""
+    if isinstance(p, complex) or isinstance(maxnorm, complex):
+        raise RuntimeError("renorm: p and maxnorm must be real-valued")
+    if not p > 0:
+        raise RuntimeError("renorm: non-positive-norm not supported")
+    if maxnorm < 0:
+        raise RuntimeError(f"renorm: expected maxnorm to be >= 0 but got {maxnorm}")
+    if self.dim() <= 1:
+        raise RuntimeError(f"renorm: input needs at least 2 dimensions, got {self.dim()} dimensions")
+    reduce = [d for d in range(self.dim()) if d != dim % self.dim()]
+    accumulate = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+    norm = torch.linalg.vector_norm(self, p, reduce, keepdim=True, dtype=accumulate)
+    factor = torch.where(norm > maxnorm, maxnorm / (norm + 1e-7), torch.ones((), dtype=norm.dtype))
+    return self * factor.to(self.dtype)
+
+
+define_op("glu", "", tensors=("self",), doc="first half of self along dim times the sigmoid of the second half",
+          opinfo=("nn.functional.glu",), inplace=False,
+          rules={"native": rules.forward_ad_without_batching_rule("aten::glu_jvp")})
+
+
+@register("glu", "functional")
+def glu_functional(self, dim=-1):
+    """a * sigmoid(b) for the two halves a, b of self along dim: its forward AD is that of mul and sigmoid, which
+    batch (glu's own, glu_jvp, does not)."""
+    if self.dim() == 0:
+        raise RuntimeError("glu does not support scalars because halving size must be even")
+    size = self.shape[dim]
+    if size % 2:
+        wrapped = dim % self.dim()
+        raise RuntimeError(f"Halving dimension must be even, but dimension {wrapped} is size {size}")
+    half = size // 2
+    return self.narrow(dim, 0, half) * torch.sigmoid(self.narrow(dim, half, half))

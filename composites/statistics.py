@@ -1,0 +1,185 @@
+"""Composites of the statistics family: ``quantile`` and ``nanquantile`` (no batching rule in PyTorch 2.13, and an
+in-place ``lerp_`` on the way), ``histc`` (no batching rule).
+
+The quantile composites are PyTorch's own algorithm (``aten/src/ATen/native/Sorting.cpp``: sort along the reduced
+dimension, ranks from q, gather below and above, interpolate) written in out-of-place ops that batch, with the
+reduced dimension moved last: under vmap the whole batch is one sort and one gather.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from registry.core import rules
+from registry.core.context import vmap_levels
+from registry.core.primitive import apply
+from registry.core.registration import define_op, register
+
+aten = torch.ops.aten
+
+_DTYPE_NAMES = {torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+                torch.uint8: "Byte", torch.bool: "Bool"}
+INTERPOLATIONS = ("linear", "lower", "higher", "midpoint", "nearest")
+
+
+# --- quantile, nanquantile ---------------------------------------------------------------------------------------
+
+define_op("quantile", "", tensors=("self", "q"), doc="the q-th quantiles of self along dim (nan if a nan is there)",
+          opinfo=("quantile",), inplace=False, rules={"native": rules.no_batching_rule("aten::quantile")})
+define_op("nanquantile", "", tensors=("self", "q"), doc="the q-th quantiles of self along dim, ignoring nans",
+          opinfo=("nanquantile",), inplace=False, rules={"native": rules.no_batching_rule("aten::nanquantile")})
+
+
+def _quantile_checks(self: torch.Tensor, q: Any, interpolation: str) -> torch.Tensor:
+    """Native's checks, in native's order and words; q as a tensor of self's dtype."""
+    if self.numel() == 0:
+        raise RuntimeError("quantile() input tensor must be non-empty")
+    if isinstance(q, torch.Tensor) and q.dim() > 1:
+        raise RuntimeError("quantile() q must be a scalar or 1D tensor")
+    if self.dtype not in (torch.float32, torch.float64):
+        raise RuntimeError("quantile() input tensor must be either float or double dtype")
+    if isinstance(q, torch.Tensor):
+        if q.dtype != self.dtype:
+            raise RuntimeError("quantile() q tensor must be same dtype as the input tensor")
+        if q.device != self.device:
+            raise RuntimeError("quantile() q tensor must be on the same device as the input tensor")
+    if interpolation not in INTERPOLATIONS:
+        raise RuntimeError("quantile() interpolation must be one of linear, lower, higher, midpoint or nearest, "
+                           f"but got {interpolation}")
+    if not isinstance(q, torch.Tensor):
+        if not 0 <= q <= 1:
+            raise RuntimeError(f"quantile() q must be in the range [0, 1] but got {q}")
+        return torch.scalar_tensor(q, dtype=self.dtype, device=self.device)
+    # A q batched by vmap has no single value to check here (the check would need .item()); native checks q on CPU.
+    if q.device.type == "cpu" and not vmap_levels(q) and not bool(((q >= 0) & (q <= 1)).all()):
+        raise RuntimeError("quantile() q values must be in the range [0, 1]")
+    return q
+
+
+def _quantile(self: torch.Tensor, q: Any, dim: int | None, keepdim: bool, interpolation: str,
+              ignore_nan: bool) -> torch.Tensor:
+    q_tensor = _quantile_checks(self, q, interpolation)
+    rank = self.dim()
+    if dim is None:
+        values = self.reshape(-1)
+    else:
+        dim = dim % max(rank, 1)
+        values = self.movedim(dim, -1) if rank else self.reshape(1)
+    ordered = values.sort(-1).values  # (..., n): nans last
+    q_row = q_tensor.reshape(-1)  # (k,)
+    if ignore_nan:
+        # Ranks over the non-nan values; all nan: rank 0, whose value is nan.
+        counts = ordered.isnan().logical_not().sum(-1, keepdim=True)
+        ranks = q_row * (counts - 1)
+        ranks = torch.where(ranks < 0, torch.zeros((), dtype=ranks.dtype), ranks)
+    else:
+        # A nan anywhere: the last rank, whose value is nan.
+        last = ordered.shape[-1] - 1
+        ranks = torch.where(ordered.isnan().any(-1, keepdim=True), torch.full((), last, dtype=q_row.dtype),
+                            q_row * last)
+    if interpolation == "lower":
+        ranks = ranks.floor()
+    elif interpolation == "higher":
+        ranks = ranks.ceil()
+    elif interpolation == "nearest":
+        ranks = ranks.round()
+    ranks_below = ranks.long()
+    result = ordered.gather(-1, ranks_below)
+    if interpolation in ("linear", "midpoint"):
+        weights = torch.full_like(ranks, 0.5) if interpolation == "midpoint" else ranks - ranks_below
+        result = result.lerp(ordered.gather(-1, ranks.ceil().long()), weights)
+    # result: (..., k) over the kept dimensions; native's shape is (k, kept...) for a 1-d q, (kept...) for a 0-d one.
+    if keepdim:
+        if dim is None:
+            result = result.reshape(result.shape[:-1] + (1,) * rank + result.shape[-1:])
+        elif rank:
+            result = result.unsqueeze(dim)
+    return result.squeeze(-1) if q_tensor.dim() == 0 else result.movedim(-1, 0)
+
+
+@register("quantile", "functional")
+def quantile_functional(self, q, dim=None, keepdim=False, *, interpolation="linear"):
+    """Sort along dim, gather at the ranks below and above q * (n - 1), lerp: native's algorithm out of place."""
+    return _quantile(self, q, dim, keepdim, interpolation, ignore_nan=False)
+
+
+@register("nanquantile", "functional")
+def nanquantile_functional(self, q, dim=None, keepdim=False, *, interpolation="linear"):
+    """As quantile's, with ranks over the non-nan values of each slice."""
+    return _quantile(self, q, dim, keepdim, interpolation, ignore_nan=True)
+
+
+# --- histc -------------------------------------------------------------------------------------------------------
+
+define_op("histc", "", tensors=("self",), doc="a histogram of self with bins equal-width bins over [min, max]",
+          opinfo=("histc",), inplace=False, rules={"native": rules.no_batching_rule("aten::histc")})
+
+
+def _histc_rows(rows: torch.Tensor, bins: int, low: float, high: float) -> torch.Tensor:
+    """histc of each row of ``rows`` (batch, n), the range per row as native picks it: [min, max] as given, the
+    row's own extrema where min == max, widened by 1 on each side where those are equal too. Native's bin of an
+    element is ``trunc((x - left) * bins / (right - left))`` in the input's dtype, the right edge in the last bin;
+    elements outside the range (and nan) are not counted."""
+    batch = rows.shape[0]
+    if low == high and rows.shape[1] > 0:
+        left, right = rows.amin(1, keepdim=True), rows.amax(1, keepdim=True)
+    else:
+        left = torch.full((batch, 1), low, dtype=rows.dtype, device=rows.device)
+        right = torch.full((batch, 1), high, dtype=rows.dtype, device=rows.device)
+    same = left == right
+    left, right = torch.where(same, left - 1, left), torch.where(same, right + 1, right)
+    inside = (rows >= left) & (rows <= right)
+    position = ((rows - left) * bins / (right - left)).nan_to_num(0).clamp(0, bins - 1)
+    position = torch.where(inside, position, torch.zeros((), dtype=rows.dtype)).long()
+    counts = torch.zeros(batch, bins, dtype=rows.dtype, device=rows.device)
+    return counts.scatter_add(1, position, inside.to(rows.dtype))
+
+
+class Histc(Function):
+    """histc with its own vmap rule: one batched binning and scatter_add over the whole batch (native's kernel
+    bins one sample at a time, and vmap loops over it). Not differentiable, as natively."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(self: torch.Tensor, bins: int, low: Any, high: Any) -> torch.Tensor:
+        return aten.histc(self, bins, low, high)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.mark_non_differentiable(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        raise RuntimeError("the derivative for 'histc' is not implemented.")
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> torch.Tensor:
+        raise RuntimeError("the derivative for 'histc' is not implemented.")
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], self: torch.Tensor, bins: int, low: Any,
+             high: Any) -> tuple[torch.Tensor, int]:
+        rows = self.movedim(in_dims[0], 0).reshape(info.batch_size, -1)
+        return _histc_rows(rows, bins, float(low), float(high)), 0
+
+
+@register("histc", "primitive", function=Histc)
+def histc_primitive(self, bins=100, min=0, max=0):
+    """Histc: under vmap, every sample binned at once (per-sample ranges where min == max) and one scatter_add."""
+    if bins <= 0:
+        raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
+    if not self.dtype.is_floating_point:
+        raise RuntimeError(f'"histogram_cpu" not implemented for \'{_DTYPE_NAMES.get(self.dtype, self.dtype)}\'')
+    low, high = float(min), float(max)
+    if low != high and not (math.isfinite(low) and math.isfinite(high)):
+        raise RuntimeError(f"torch.histc: range of [{low:g}, {high:g}] is not finite")
+    if low > high:
+        raise RuntimeError("torch.histc: max must be larger than min")
+    # Where min == max the range is each sample's own extrema: native raises where those are not finite, which
+    # cannot be checked per sample under vmap (no data-dependent control flow); such samples count no element.
+    return apply(Histc, self, bins, min, max)
