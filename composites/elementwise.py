@@ -190,7 +190,9 @@ for _polynomial in POLYNOMIALS:
     define_op(f"special_{_polynomial}", "", tensors=("x", "n"), doc=f"the {_polynomial.replace('_', ' ')} of degree "
               "n at x, elementwise", opinfo=(f"special.{_polynomial}",), inplace=False,
               rules={"native": rules.no_batching_rule(f"aten::special_{_polynomial}")})
-    register_broadcasting(f"special_{_polynomial}", "", getattr(aten, f"special_{_polynomial}"))
+    # The public function, not the aten packet: the packet resolves a Python-number n by trying the Tensor overload
+    # first, and the failed match formats every argument into its error message (30 ms for 64,000 elements).
+    register_broadcasting(f"special_{_polynomial}", "", getattr(torch.special, _polynomial))
 
 define_op("special_airy_ai", "", tensors=("x",), doc="the Airy function Ai at x, elementwise",
           opinfo=("special.airy_ai",), inplace=False, rules={"native": rules.no_batching_rule("aten::special_airy_ai")})
