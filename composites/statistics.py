@@ -8,6 +8,7 @@ reduced dimension moved last: under vmap the whole batch is one sort and one gat
 
 from __future__ import annotations
 
+import builtins
 import math
 from typing import Any
 
@@ -214,56 +215,122 @@ def _linspace(start: torch.Tensor, end: torch.Tensor, steps: int) -> torch.Tenso
                        torch.addcmul(end, -step, (steps - 1) - index))
 
 
+def _outer_edges(values: torch.Tensor, low_high: tuple[float, float] | None, dim: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The leftmost and rightmost edge of one dimension, as 0-d tensors of ``values``' dtype: the range given, or
+    the values' own extrema (per sample under vmap), widened by 0.5 on each side where they are equal."""
+    dtype, device = values.dtype, values.device
+    if low_high is not None:
+        low, high = float(low_high[0]), float(low_high[1])
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise RuntimeError(f"torch.histogramdd: dimension {dim}'s range [{low:g}, {high:g}] is not finite")
+        if low > high:
+            raise RuntimeError(f"torch.histogramdd: min should not exceed max, but got min {low:g} max {high:g} "
+                               f"for dimension {dim}")
+        if low == high:
+            low, high = low - 0.5, high + 0.5
+        return (torch.scalar_tensor(low, dtype=dtype, device=device),
+                torch.scalar_tensor(high, dtype=dtype, device=device))
+    if values.numel() == 0:
+        return (torch.scalar_tensor(-0.5, dtype=dtype, device=device),
+                torch.scalar_tensor(0.5, dtype=dtype, device=device))
+    # Native raises where the extrema are not finite: not checkable per sample under vmap.
+    left, right = values.amin(), values.amax()
+    same = left == right
+    return torch.where(same, left - 0.5, left), torch.where(same, right + 0.5, right)
+
+
+def _bin_positions(values: torch.Tensor, bins: Any, low_high: tuple[float, float] | None, dim: int,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(edges, each value's bin, whether it is counted) for one dimension, as native's histogramdd kernel bins it:
+    binary search in given edges; else division checked against the neighbouring edges of a linspace
+    (LINEAR_INTERPOLATION_WITH_LOCAL_SEARCH). Out-of-range values and nan are not counted; the right edge is in the
+    last bin."""
+    if isinstance(bins, torch.Tensor):
+        edges = bins
+        if edges.dim() != 1 or edges.numel() < 1:
+            raise RuntimeError("torch.histogramdd(): bins tensor should have one dimension, but got "
+                               f"{edges.dim()} dimensions in the bins tensor for dimension {dim}")
+        count = edges.numel() - 1
+        position = torch.searchsorted(edges, values.contiguous(), right=True) - 1
+    else:
+        if bins <= 0:
+            raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {bins} for dimension {dim}")
+        count = bins
+        left, right = _outer_edges(values, low_high, dim)
+        edges = _linspace(left, right, count + 1)
+        guess = ((values - edges[0]) * count / (edges[-1] - edges[0])).nan_to_num(0).clamp(-1, count).long()
+        # The division may miss by one near an edge: the edges at guess - 1 .. guess + 1 decide, as in native.
+        lowest = (guess - 1).clamp(0, count)
+        near = lowest.unsqueeze(-1) + torch.arange(3, device=values.device)
+        at_or_below = (edges[near.clamp_max(count)] <= values.unsqueeze(-1)) & (near <= count)
+        position = lowest + at_or_below.sum(-1) - 1
+    inside = (values >= edges[0]) & (values <= edges[-1])
+    position = torch.where(position >= count, count - 1, position).clamp(0, max(count - 1, 0))
+    return edges, position, inside
+
+
+def _histogramdd(points: torch.Tensor, bins: list[Any], ranges: list[tuple[float, float] | None],
+                 weight: torch.Tensor | None, density: bool, shape: tuple[int, ...],
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The histogram of ``points`` (n, d), bins and ranges per dimension: one scatter_add at the flat bin index."""
+    all_edges, flat, counted = [], None, None
+    for dim, (bins_d, range_d) in enumerate(zip(bins, ranges, strict=True)):
+        edges, position, inside = _bin_positions(points[:, dim], bins_d, range_d, dim)
+        all_edges.append(edges)
+        flat = position if flat is None else flat * (edges.numel() - 1) + position
+        counted = inside if counted is None else counted & inside
+    sizes = [edges.numel() - 1 for edges in all_edges]
+    if weight is not None and tuple(weight.shape) != shape[:-1]:
+        raise RuntimeError("torch.histogramdd: if weight tensor is provided it should have the same shape as the "
+                           "input tensor excluding its innermost dimension, but got input with shape "
+                           f"{list(shape)} and weight with shape {list(weight.shape)}")
+    dtype = points.dtype
+    values = counted.to(dtype) if weight is None else torch.where(counted, weight.reshape(-1), 0)
+    hist = torch.zeros(math.prod(sizes), dtype=dtype, device=points.device).scatter_add(0, flat, values)
+    hist = hist.reshape(sizes)
+    if density:
+        hist = hist / hist.sum()
+        for dim, edges in enumerate(all_edges):
+            shape_d = [1] * len(sizes)
+            shape_d[dim] = sizes[dim]
+            hist = hist / edges.diff().reshape(shape_d)
+    return hist, all_edges
+
+
 @register("histogram", "functional")
 def histogram_functional(self, bins=100, *, range=None, weight=None, density=False):
     """Bin edges (given, or linspace over range or self's own extrema), each element's bin by division checked against
     its neighbouring edges (native's LINEAR_INTERPOLATION_WITH_LOCAL_SEARCH) or binary search (given edges), and one
     scatter_add: out-of-place ops that batch."""
-    values = self.reshape(-1)
-    if isinstance(bins, torch.Tensor):
-        edges = bins
-        if edges.dim() != 1 or edges.numel() < 1:
-            raise RuntimeError("torch.histogramdd(): bins tensor should have one dimension, but got "
-                               f"{edges.dim()} dimensions in the bins tensor for dimension 0")
-        count = edges.numel() - 1
-        position = torch.searchsorted(edges, values, right=True) - 1
-    else:
-        if bins <= 0:
-            raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
-        count = bins
-        if range is not None:
-            low, high = float(range[0]), float(range[1])
-            if not (math.isfinite(low) and math.isfinite(high)):
-                raise RuntimeError(f"torch.histogramdd: dimension 0's range [{low:g}, {high:g}] is not finite")
-            if low > high:
-                raise RuntimeError(f"torch.histogramdd: min should not exceed max, but got min {low:g} max {high:g} "
-                                   "for dimension 0")
-            left = torch.scalar_tensor(low - 0.5 if low == high else low, dtype=self.dtype, device=self.device)
-            right = torch.scalar_tensor(high + 0.5 if low == high else high, dtype=self.dtype, device=self.device)
-        elif values.numel() > 0:
-            # Each sample's own extrema (native raises where they are not finite: not checkable under vmap).
-            left, right = values.amin(), values.amax()
-            same = left == right
-            left, right = torch.where(same, left - 0.5, left), torch.where(same, right + 0.5, right)
-        else:
-            left = torch.scalar_tensor(-0.5, dtype=self.dtype, device=self.device)
-            right = torch.scalar_tensor(0.5, dtype=self.dtype, device=self.device)
-        edges = _linspace(left, right, count + 1)
-        guess = ((values - edges[0]) * count / (edges[-1] - edges[0])).nan_to_num(0).clamp(-1, count).long()
-        # The division may miss by one near an edge: the edges at guess - 1 .. guess + 1 decide, as in native.
-        lowest = (guess - 1).clamp(0, count)
-        near = lowest.unsqueeze(-1) + torch.arange(3, device=self.device)
-        valid = near <= count
-        at_or_below = (edges[near.clamp_max(count)] <= values.unsqueeze(-1)) & valid
-        position = lowest + at_or_below.sum(-1) - 1
-    inside = (values >= edges[0]) & (values <= edges[-1])
-    position = torch.where(position >= count, count - 1, position).clamp(0, max(count - 1, 0))
-    counted = inside.to(self.dtype) if weight is None else torch.where(inside, weight.reshape(-1), 0)
-    if weight is not None and weight.shape != self.shape:
-        raise RuntimeError("torch.histogramdd: if weight tensor is provided it should have the same shape as the "
-                           f"input tensor excluding its innermost dimension, but got input with shape "
-                           f"{list(self.reshape(-1, 1).shape)} and weight with shape {list(weight.shape)}")
-    hist = torch.zeros(count, dtype=self.dtype, device=self.device).scatter_add(0, position, counted)
-    if density:
-        hist = hist / hist.sum() / edges.diff()
+    hist, (edges,) = _histogramdd(self.reshape(-1, 1), [bins], [None if range is None else tuple(range)], weight,
+                                  density, (*self.reshape(-1).shape, 1))
     return hist, edges.clone() if isinstance(bins, torch.Tensor) else edges
+
+
+define_op("histogramdd", "", tensors=("self", "weight"),
+          doc="a d-dimensional histogram of the points self (..., d) and its bin edges per dimension",
+          opinfo=("histogramdd",), inplace=False,
+          rules={"native": rules.no_batching_rule("aten::histogramdd", status="error",
+                                                  detail="vmap raises (its bin edges are a list of tensors: no "
+                                                         "fallback)")})
+
+
+@register("histogramdd", "functional")
+def histogramdd_functional(self, bins, range=None, weight=None, density=False):
+    """histogram's binning per dimension, one scatter_add at the flat bin index: out-of-place ops that batch."""
+    if self.dim() < 1:
+        raise RuntimeError("torch.histogramdd: input tensor should have at least 1 dimension, but got 0")
+    d = self.shape[-1]
+    if isinstance(bins, int):
+        bins = [bins] * d
+    bins = list(bins)
+    if len(bins) != d:
+        raise RuntimeError(f"torch.histogramdd: expected {d} sequences of bin edges for each of the {d} "
+                           f"dimensions of the input, but got {len(bins)}")
+    if range is not None and len(range) != 2 * d:
+        raise RuntimeError(f"torch.histogramdd: for a {d}-dimensional histogram range should have {2 * d} "
+                           f"elements, but got {len(range)}")
+    ranges = [None] * d if range is None else [(range[2 * k], range[2 * k + 1]) for k in builtins.range(d)]
+    hist, edges = _histogramdd(self.reshape(-1, d), bins, ranges, weight, density, tuple(self.shape))
+    return hist, [e.clone() if isinstance(b, torch.Tensor) else e for e, b in zip(edges, bins, strict=True)]

@@ -159,3 +159,16 @@ def test_native_kept_where_native_is_right(op: str) -> None:
     assert registry.select(op, stack=NATIVE_WRONG[op]).kind != "native"
     if NATIVE_WRONG[op] != "vmap":
         assert registry.select(op, stack="vmap").kind == "native"
+
+
+def test_histogramdd_under_vmap_returns_per_sample_edges() -> None:
+    # Natively vmap raises: histogramdd's bin edges are a list of tensors, which vmap's fallback cannot return.
+    points = torch.tensor([[[0.0, 1.0], [2.0, 3.0], [1.0, 1.0]], [[5.0, 5.0], [5.0, 6.0], [4.0, 7.0]]])
+    with pytest.raises(RuntimeError, match="Batching rule not implemented for aten::histogramdd"):
+        func.vmap(lambda p: torch.histogramdd(p, [2, 3]))(points)
+    with registry.use():
+        hist, edges = func.vmap(lambda p: torch.histogramdd(p, [2, 3]))(points)
+    for b in range(2):
+        expected = torch.histogramdd(points[b], [2, 3])
+        assert torch.equal(hist[b], expected.hist)
+        assert all(torch.equal(e[b], x) for e, x in zip(edges, expected.bin_edges, strict=True))
