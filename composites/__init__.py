@@ -1,5 +1,5 @@
 """Built-in composites, one module per operator family. Importing this package registers them all."""
 
-from composites import index, indexing, masked, memory, resample
+from composites import elementwise, index, indexing, masked, memory, resample, statistics
 
-__all__ = ["index", "indexing", "masked", "memory", "resample"]
+__all__ = ["elementwise", "index", "indexing", "masked", "memory", "resample", "statistics"]

@@ -1,0 +1,174 @@
+"""Behaviour of the elementwise and statistics composites that the generic coverage test cannot see: type promotion
+of batched 0-d arguments, jacfwd of entr below zero, batched test sets of isin, per-sample ranges of histc, error
+texts, non-differentiable outputs, and native kept where native is right."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import func
+
+import registry
+from composites.elementwise import POLYNOMIALS
+
+
+@pytest.fixture
+def fallback_warnings():
+    """vmap's per-sample fallback warning, switched on and recorded."""
+    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield caught
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+
+
+def _fallbacks(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if "There is a performance drop" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", POLYNOMIALS)
+def test_polynomials_batch_without_fallback(name: str, fallback_warnings: list) -> None:
+    op = getattr(torch.special, name)
+    x = torch.linspace(-0.9, 0.9, 12, dtype=torch.float64).reshape(3, 4)
+    n = torch.tensor([[0.0, 1.0, 2.0, 5.0]], dtype=torch.float64)
+    with registry.use():
+        batched = func.vmap(op, in_dims=(0, None))(x, n)
+        both = func.vmap(op, in_dims=(0, 1))(x, n.T.expand(4, 3))
+    assert _fallbacks(fallback_warnings) == []
+    assert torch.equal(batched, torch.stack([op(row, n) for row in x]))
+    assert torch.equal(both, torch.stack([op(x[b], n.T.expand(4, 3)[:, b]) for b in range(3)]))
+
+
+def test_batched_zero_dim_argument_promotes_as_a_zero_dim_tensor() -> None:
+    # float32 x with a 0-d float64 n: float32 natively. Batched, n is dimensioned physically and would promote to
+    # float64 if the op were called on the physical tensors as they are.
+    x = torch.rand(5)
+    n = torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64)
+    with registry.use():
+        out = func.vmap(torch.special.chebyshev_polynomial_t, in_dims=(None, 0))(x, n)
+    expected = torch.stack([torch.special.chebyshev_polynomial_t(x, n_b) for n_b in n])
+    assert expected.dtype == torch.float32
+    assert out.dtype == torch.float32
+    assert torch.equal(out, expected)
+
+
+def test_polynomial_outputs_do_not_require_grad_as_natively() -> None:
+    x = torch.rand(4, 3, requires_grad=True)
+    with registry.use():
+        out = func.vmap(torch.special.hermite_polynomial_h, in_dims=(0, None))(x, 3)
+    assert not out.requires_grad
+    assert not torch.special.hermite_polynomial_h(x, 3).requires_grad
+
+
+def test_entr_jacfwd_is_diagonal_below_zero() -> None:
+    # Native jacfwd spreads the nan (x < 0) and inf (x = 0) of -(1 + log x) along the rows of the Jacobian through
+    # one-hot tangents (0 * nan); inside use() a zero tangent gives a zero, so the Jacobian is diagonal, and u^T J is
+    # the vjp with u, as the survey checks it.
+    x = torch.tensor([-0.5, 0.0, 0.5, 2.0], dtype=torch.float64)
+    native_forward = func.jacfwd(torch.special.entr)(x)
+    with registry.use():
+        forward = func.jacfwd(torch.special.entr)(x)
+    off_diagonal = ~torch.eye(4, dtype=torch.bool)
+    assert native_forward[:2][off_diagonal[:2]].isnan().all()  # the defect
+    assert torch.equal(forward[off_diagonal], torch.zeros(12, dtype=torch.float64))
+    torch.testing.assert_close(forward.diagonal(), -(1 + x.log()), equal_nan=True)
+    u = torch.tensor([0.3, -1.2, 0.7, 2.0], dtype=torch.float64)
+    _, vjp = func.vjp(torch.special.entr, x)
+    torch.testing.assert_close(u @ forward, vjp(u)[0], equal_nan=True)
+
+
+def test_log_ndtr_grad_under_vmap(fallback_warnings: list) -> None:
+    x = torch.linspace(-30, 5, 12, dtype=torch.float64).reshape(3, 4)
+    with registry.use():
+        grads = func.vmap(func.grad(lambda v: torch.special.log_ndtr(v).sum()))(x)
+    assert _fallbacks(fallback_warnings) == []
+    expected = torch.func.vmap(func.grad(lambda v: torch.special.log_ndtr(v).sum()))(x)
+    torch.testing.assert_close(grads, expected)
+
+
+def test_isin_with_batched_test_elements(fallback_warnings: list) -> None:
+    elements = torch.tensor([1.0, 2.0, float("nan"), -0.0, 7.0])
+    tests = torch.tensor([[2.0, 0.0, float("nan")], [7.0, 7.0, 1.0], [5.0, 6.0, 8.0]])
+    with registry.use():
+        found = func.vmap(torch.isin, in_dims=(None, 0))(elements, tests)
+        missing = func.vmap(lambda t: torch.isin(elements, t, invert=True))(tests)
+        scalar = func.vmap(lambda t: torch.isin(7, t))(tests.to(torch.int64))
+    assert _fallbacks(fallback_warnings) == []
+    assert found.tolist() == [[False, True, False, True, False], [True, False, False, False, True],
+                              [False, False, False, False, False]]
+    assert torch.equal(missing, ~found)
+    assert scalar.tolist() == [False, True, False]
+
+
+def test_histc_ranges_per_sample_under_vmap(fallback_warnings: list) -> None:
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.0], [5.0, 5.0, 5.0, 5.0], [-1.0, 10.0, 4.0, 4.5]])
+    with registry.use():
+        own_range = func.vmap(lambda v: torch.histc(v, bins=4))(x)
+        given = func.vmap(lambda v: torch.histc(v, bins=3, min=0, max=4))(x)
+    assert _fallbacks(fallback_warnings) == []
+    assert torch.equal(own_range, torch.stack([torch.histc(v, bins=4) for v in x]))
+    assert torch.equal(given, torch.stack([torch.histc(v, bins=3, min=0, max=4) for v in x]))
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda x: torch.quantile(x, 1.5), "quantile() q must be in the range [0, 1] but got 1.5"),
+    (lambda x: torch.nanquantile(x, torch.tensor([0.5, -0.1])), "quantile() q values must be in the range [0, 1]"),
+    (lambda x: torch.quantile(x, 0.5, interpolation="foo"),
+     "quantile() interpolation must be one of linear, lower, higher, midpoint or nearest, but got foo"),
+    (lambda x: torch.quantile(x, torch.tensor([0.5], dtype=torch.float64)),
+     "quantile() q tensor must be same dtype as the input tensor"),
+    (lambda x: torch.histc(x, 0), "torch.histogram(): bins must be > 0, but got 0 for dimension 0"),
+    (lambda x: torch.histc(x, 3, 2, 1), "torch.histc: max must be larger than min"),
+    (lambda x: torch.histc(x, 3, float("-inf"), 1), "torch.histc: range of [-inf, 1] is not finite"),
+    (lambda x: torch.renorm(x, 0, 0, 1.0), "renorm: non-positive-norm not supported"),
+])
+def test_errors_under_vmap_are_natives(call, message: str) -> None:
+    x = torch.rand(2, 3, 4)
+    with pytest.raises(RuntimeError) as native:
+        func.vmap(call)(x)
+    assert message in str(native.value)
+    with registry.use(), pytest.raises(RuntimeError, match="^" + message.replace("[", r"\[").replace("(", r"\(")
+                                       .replace(")", r"\)").replace("]", r"\]") + "$"):
+        func.vmap(call)(x)
+
+
+def test_glu_odd_dimension_error_is_natives_per_sample() -> None:
+    # (Native's own batching rule names the physical dimension under vmap: 2 here, where the sample has 2 dims.)
+    x = torch.rand(2, 3)
+    with pytest.raises(RuntimeError) as native:
+        torch.nn.functional.glu(x, 1)
+    with pytest.raises(RuntimeError) as composite:
+        registry.composites("glu")["functional"].fn(x, 1)
+    assert str(composite.value) == str(native.value) == "Halving dimension must be even, but dimension 1 is size 3"
+
+
+# op -> the stack where native misbehaves (entr: only jacfwd, that is vmap over jvp; glu: only its forward AD)
+NATIVE_WRONG = {"special_log_ndtr": "vmap", "special_entr": "vmap(jvp)", "special_chebyshev_polynomial_t": "vmap",
+                "isin": "vmap", "isclose": "vmap", "chalf": "vmap", "renorm": "vmap", "glu": "vmap(jvp)",
+                "quantile": "vmap", "nanquantile": "vmap", "histc": "vmap"}
+
+
+@pytest.mark.parametrize("op", sorted(NATIVE_WRONG))
+def test_native_kept_where_native_is_right(op: str) -> None:
+    assert registry.select(op).kind == "native"
+    assert registry.select(op, stack="grad").kind == "native"
+    assert registry.select(op, stack=NATIVE_WRONG[op]).kind != "native"
+    if NATIVE_WRONG[op] != "vmap":
+        assert registry.select(op, stack="vmap").kind == "native"
+
+
+def test_histogramdd_under_vmap_returns_per_sample_edges() -> None:
+    # Natively vmap raises: histogramdd's bin edges are a list of tensors, which vmap's fallback cannot return.
+    points = torch.tensor([[[0.0, 1.0], [2.0, 3.0], [1.0, 1.0]], [[5.0, 5.0], [5.0, 6.0], [4.0, 7.0]]])
+    with pytest.raises(RuntimeError, match="Batching rule not implemented for aten::histogramdd"):
+        func.vmap(lambda p: torch.histogramdd(p, [2, 3]))(points)
+    with registry.use():
+        hist, edges = func.vmap(lambda p: torch.histogramdd(p, [2, 3]))(points)
+    for b in range(2):
+        expected = torch.histogramdd(points[b], [2, 3])
+        assert torch.equal(hist[b], expected.hist)
+        assert all(torch.equal(e[b], x) for e, x in zip(edges, expected.bin_edges, strict=True))
