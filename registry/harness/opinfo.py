@@ -36,6 +36,7 @@ STACKS: dict[tuple[str, ...], tuple[str, ...]] = {
 PATTERNS: dict[str, str] = {"self": "input", "others": "others"}  # matrix pattern -> survey batching variant
 NO_PATTERN = "-"
 LIMIT_SAMPLES = 2
+SKIPPED_SAMPLES = 8  # samples that call none of the op's routed overloads, looked past to find limit_samples that do
 CASE_TIMEOUT_S = 20.0
 
 
@@ -81,14 +82,23 @@ def check(op: str, composite: str, dtype: torch.dtype, stack: tuple[str, ...], p
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore")
             torch.manual_seed(survey.SEED)
-            samples = survey.pick_samples(entry, dtype, limit_samples)
+            # A sample that calls none of the op's routed overloads (narrow with an int start, where only
+            # narrow.Tensor is routed) checks nothing: it does not count toward the limit, and is reported only when
+            # no sample reaches the op at all.
+            samples = survey.pick_samples(entry, dtype, limit_samples + (SKIPPED_SAMPLES if kind != "native" else 0))
+            checked = 0
+            unreached: survey.Outcome | None = None
             for index, sample in enumerate(samples):
+                if checked >= limit_samples:
+                    break
+                sample_worst: survey.Outcome | None = None
+                reached = kind == "native"
                 for batching in batchings:
                     try:
                         case = survey.SurveyCase(entry, sample, batching, survey.DEFAULT_BATCH)
                     except Exception as error:  # OpInfo's sample cannot be varied per sample: nothing to check
                         outcome = survey.Outcome("unsupported", f"cannot build per-sample arguments: {error}")
-                        worst = survey._worse(worst, outcome)
+                        sample_worst = survey._worse(sample_worst, outcome)
                         continue
                     case.random = survey._is_random(entry, sample)
                     case.dynamic = survey._is_dynamic(entry, sample, case.batched)
@@ -98,14 +108,25 @@ def check(op: str, composite: str, dtype: torch.dtype, stack: tuple[str, ...], p
                         outcome = survey._dynamic(case, survey_stack, survey.check_case(
                             survey_stack, case, reference, dtype, inside_use=kind != "native", timeout_s=timeout_s,
                             pins={op: composite}))
-                        if kind != "native" and outcome.status in ("ok", "slow") and _routed_calls(op) == before:
+                        if _routed_calls(op) != before:
+                            reached = True
+                        elif kind != "native" and outcome.status in ("ok", "slow"):
                             outcome = survey.Outcome(
                                 "unsupported", f"{name} sample {index} never reached aten::{op} under {survey_stack}")
                         if outcome.status != "ok" and outcome.detail:
                             outcome = survey.Outcome(outcome.status,
                                                      f"{name} #{index} {batching} {survey_stack}: {outcome.detail}",
                                                      outcome.max_abs_error, outcome.max_rel_error)
-                        worst = survey._worse(worst, outcome)
+                        sample_worst = survey._worse(sample_worst, outcome)
+                if sample_worst is None:
+                    continue
+                if reached:
+                    checked += 1
+                    worst = survey._worse(worst, sample_worst)
+                elif unreached is None:
+                    unreached = sample_worst
+            if checked == 0 and unreached is not None:
+                worst = survey._worse(worst, unreached)
     return worst or survey.Outcome("unsupported", f"no OpInfo sample of {op} in {str(dtype).removeprefix('torch.')}")
 
 
