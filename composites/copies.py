@@ -9,6 +9,9 @@ derivative op its backward calls (``unfold_backward``, ``cummaxmin_backward``).
 from __future__ import annotations
 
 import torch
+from torch._C._functorch import _unwrap_batched as unwrap_batched
+from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_level
+from torch._decomp import decompositions
 
 from composites.masked import scalar_or_tensor
 from registry.core import rules
@@ -235,3 +238,69 @@ def cummaxmin_backward_functional(grad, input, indices, dim):
     if input.numel() == 0:
         return input
     return torch.zeros_like(input).scatter_add(dim, indices, grad)
+
+
+# --- tensor_split with a tensor of indices or sections (only that overload: the others have batching rules) --------
+
+
+def same_in_every_sample(tensor: torch.Tensor, op: str, argument: str) -> torch.Tensor:
+    """``tensor``'s values as a plain tensor, where every sample of every vmap holds the same ones (an argument that
+    decides output shapes, which vmap needs equal across the batch). Peels the functorch wrappers down to the physical
+    tensor, then checks and drops the batch dimensions innermost level first."""
+    batch_dims: list[int | None] = []
+    while (level := maybe_get_level(tensor)) != -1:
+        if is_batchedtensor(tensor):
+            tensor, bdim = unwrap_batched(tensor, level)
+            batch_dims.append(bdim)
+        else:
+            tensor = get_unwrapped(tensor)
+    for bdim in reversed(batch_dims):
+        first = tensor.narrow(bdim, 0, 1)
+        if not torch.equal(tensor, first.expand_as(tensor)):
+            raise RuntimeError(
+                f"{op}: {argument} differs across the vmapped batch, so each sample's outputs would have other "
+                "shapes: vmap does not support batching operators that can output dynamic shape. Pass the same "
+                f"{argument} to every sample (unbatched), or pad the outputs to one shape yourself.")
+        tensor = first.squeeze(bdim)
+    return tensor
+
+
+define_op("tensor_split", "tensor_indices_or_sections", tensors=("self", "tensor_indices_or_sections"),
+          doc="self split along dim at the indices (1-d) or into the number of sections (0-d) that a tensor holds",
+          opinfo=("tensor_split",),
+          overloads=overloads("tensor_split", only=("tensor_split.tensor_indices_or_sections",)),
+          rules={"native": rules.fails_when(
+              lambda ctx: any(transform in ctx.stack for transform in ("vmap", "grad", "jvp")), "error",
+              "aten::tensor_split.tensor_indices_or_sections reads the tensor's data in C++: it raises under every "
+              "functorch transform (no batching rule under vmap; no storage under grad and jvp)")})
+
+
+@register("tensor_split", "functional")
+def tensor_split_functional(self, tensor_indices_or_sections, dim=0):
+    """The tensor's values read in Python (the same for every sample), then tensor_split with a list or an int."""
+    split = tensor_indices_or_sections
+    if split.is_floating_point() or split.is_complex() or split.dtype == torch.bool:
+        raise RuntimeError("tensor_split expected tensor_indices_or_sections to have integer dtype, but got "
+                           f"{split.dtype}")
+    if split.dim() > 1:
+        raise RuntimeError("tensor_split expected tensor_indices_or_sections to be a zero-dimensional or "
+                           f"one-dimensional tensor, but got a tensor with {split.dim()} dims")
+    values = same_in_every_sample(split, "tensor_split", "tensor_indices_or_sections")
+    if values.dim() == 0:
+        return aten.tensor_split.sections(self, int(values), dim)
+    return aten.tensor_split.indices(self, values.tolist(), dim)
+
+
+# --- _chunk_cat ----------------------------------------------------------------------------------------------------
+
+define_op("_chunk_cat", "", tensors=("tensors",),
+          doc="each tensor cut into num_chunks chunks along dim (zero-padded), flattened after dim, concatenated",
+          opinfo=("_chunk_cat",),
+          rules={"native": rules.no_batching_rule("aten::_chunk_cat", status="error",
+                                                  detail="vmap raises (no fallback for it)")})
+
+
+@register("_chunk_cat", "functional")
+def _chunk_cat_functional(tensors, dim, num_chunks):
+    """PyTorch's own decomposition (torch._decomp): constant_pad_nd, reshape and cat, which batch."""
+    return decompositions._chunk_cat(tensors, dim, num_chunks)
