@@ -16,6 +16,7 @@ from torch.autograd import Function
 
 from registry.core import rules
 from registry.core.context import Context
+from registry.core.ops import overloads
 from registry.core.primitive import apply
 from registry.core.registration import define_op, register
 
@@ -195,3 +196,89 @@ define_op("linalg_ldl_solve", "", tensors=("LD", "pivots", "B"),
 def linalg_ldl_solve_primitive(LD, pivots, B, *, hermitian=False):  # noqa: N803
     """LdlSolve: PyTorch's kernel called once on every vmap dimension moved to the front."""
     return apply(LdlSolve, LD, pivots, B, hermitian)
+
+
+# --- Fourier transforms (linear maps): fft.ihfft2, fft.ihfftn, stft -------------------------------------------------
+
+# ihfftn(x, norm) is conj(rfftn(x)) with the normalization on the other side: "backward" (1/n on the inverse) is
+# rfftn's "forward", and "ortho" stays.
+_FLIPPED_NORM = {None: "forward", "backward": "forward", "forward": "backward", "ortho": "ortho"}
+
+define_op("fft_ihfft2", "", tensors=("self",), doc="the inverse FFT of a Hermitian-symmetric signal over two dims",
+          opinfo=("fft.ihfft2",), rules={"native": rules.batched_without_batching_rule("aten::fft_ihfft2", "self")})
+define_op("fft_ihfftn", "", tensors=("self",), doc="the inverse FFT of a Hermitian-symmetric signal over dims",
+          opinfo=("fft.ihfftn",), rules={"native": rules.batched_without_batching_rule("aten::fft_ihfftn", "self")})
+
+
+def conjugate(spectrum: torch.Tensor) -> torch.Tensor:
+    """The complex conjugate, materialized: the imaginary parts negated through view_as_real (conj_physical has no
+    batching rule, and conj() would hand back a lazy conjugate view where native returns a plain tensor)."""
+    flip = torch.tensor([1.0, -1.0], dtype=spectrum.real.dtype, device=spectrum.device)
+    return torch.view_as_complex(torch.view_as_real(spectrum) * flip)
+
+
+def _norm_of(norm: str | None, where: str) -> str:
+    if norm not in _FLIPPED_NORM:
+        raise RuntimeError(f"{where}: Invalid normalization mode: {norm}")
+    return _FLIPPED_NORM[norm]
+
+
+@register("fft_ihfft2", "functional")
+def fft_ihfft2_functional(self, s=None, dim=(-2, -1), norm=None):
+    """conj(rfft2) with the normalization on the other side (rfftn batches)."""
+    if len(dim) != 2:
+        raise RuntimeError(f"fft_ihfft2: expected 2 dims, got {len(dim)}")
+    return conjugate(torch.fft.rfftn(self, s, dim, norm=_norm_of(norm, "fft_ihfft2")))
+
+
+@register("fft_ihfftn", "functional")
+def fft_ihfftn_functional(self, s=None, dim=None, norm=None):
+    """conj(rfftn) with the normalization on the other side (rfftn batches)."""
+    return conjugate(torch.fft.rfftn(self, s, dim, norm=_norm_of(norm, "fft_ihfftn")))
+
+
+define_op("stft", "", tensors=("self", "window"), doc="the short-time Fourier transform of self",
+          opinfo=("stft",), overloads=overloads("stft", only=("stft",)),
+          rules={"native": rules.batched_without_batching_rule("aten::stft", "self", "window")})
+
+
+@register("stft", "functional")
+def stft_functional(self, n_fft, hop_length=None, win_length=None, window=None, normalized=False, onesided=None,
+                    return_complex=None, align_to_window=None):
+    """Frames from unfold, times the window centred in n_fft, then rfft or fft over each frame (all batch)."""
+    if align_to_window is not None:  # frames aligned to the window: left to PyTorch's kernel
+        return aten.stft(self, n_fft, hop_length, win_length, window, normalized, onesided, return_complex,
+                         align_to_window)
+    complex_input = self.is_complex() or (window is not None and window.is_complex())
+    if return_complex is None:
+        if not complex_input:
+            raise RuntimeError("stft requires the return_complex parameter be given for real inputs, and will "
+                               "further require that return_complex=True in a future PyTorch release.")
+        return_complex = True
+    if self.dim() not in (1, 2):
+        raise RuntimeError(f"stft: expected a 1D or 2D tensor, but got {self.dim()}D tensor")
+    hop = n_fft // 4 if hop_length is None else hop_length
+    win = n_fft if win_length is None else win_length
+    length = self.shape[-1]
+    if n_fft <= 0 or n_fft > length:
+        raise RuntimeError(f"stft: expected 0 < n_fft < {length}, but got n_fft={n_fft}")
+    if hop <= 0:
+        raise RuntimeError(f"stft: expected hop_length > 0, but got hop_length={hop}")
+    if win <= 0 or win > n_fft:
+        raise RuntimeError(f"stft: expected 0 < win_length <= n_fft, but got win_length={win}")
+    frames = self.unfold(-1, n_fft, hop)  # (..., frames, n_fft)
+    if window is not None:
+        if window.dim() != 1 or window.shape[0] != win:
+            raise RuntimeError(f"stft: expected a 1D window tensor of size equal to win_length={win}, but got "
+                               f"window with size {list(window.shape)}")
+        left = (n_fft - win) // 2
+        frames = frames * torch.nn.functional.pad(window, (left, n_fft - win - left))
+    elif win < n_fft:
+        left = (n_fft - win) // 2
+        frames = frames * torch.nn.functional.pad(torch.ones(win, dtype=self.dtype, device=self.device),
+                                                  (left, n_fft - win - left))
+    norm = "ortho" if normalized else "backward"
+    two_sided = complex_input if onesided is None else not onesided
+    spectrum = torch.fft.fft(frames, norm=norm) if two_sided else torch.fft.rfft(frames, norm=norm)
+    spectrum = spectrum.transpose(-1, -2)
+    return spectrum if return_complex else torch.view_as_real(spectrum)
