@@ -172,15 +172,13 @@ def unfold_by_index(self: torch.Tensor, dimension: int, size: int, step: int) ->
     return picked.movedim(dim + 1, -1)
 
 
-_unfold_backward = rules.backward_without_batching_rule("aten::unfold_backward")
-
-# unfold is a view: native stays the choice everywhere inside use(), where the derivative kernel below batches its
-# backward (outside use(), PyTorch's unfold_backward has no batching rule: vmap(grad) and jacrev loop). The functional
-# composite returns a copy, for a pin.
+# Inside use() native unfold and unfold_copy are fast everywhere: their backward, unfold_backward, has no batching
+# rule in PyTorch (outside use(), vmap(grad) and jacrev loop over it), and the derivative kernel below batches it. So
+# native keeps no rule here, and unfold stays a view. The functional composites (copies) are there for a pin.
 define_op("unfold", "", tensors=("self",), doc="self's windows of size elements every step along dimension (a view)",
           opinfo=("unfold",), inplace=False)
 define_op("unfold_copy", "", tensors=("self",), doc="a copy of self's windows of size elements every step along "
-          "dimension", opinfo=("unfold_copy",), inplace=False, rules={"native": _unfold_backward})
+          "dimension", opinfo=("unfold_copy",), inplace=False)
 
 
 @register("unfold", "functional")
@@ -208,14 +206,12 @@ def unfold_backward_functional(grad_in, input_sizes, dim, size, step):
 
 # --- cummax, cummin ------------------------------------------------------------------------------------------------
 
-_cummaxmin_backward = rules.fails_when(
-    lambda ctx: "grad" in ctx.stack and not rules.under_vmap(ctx), "slow",
-    "the backward calls aten::cummaxmin_backward, which has no batching rule: jacrev vmaps over it (measured: "
-    "vmap(grad) runs without the loop)")
+# Outside use(), jacrev loops over cummax's and cummin's backward, cummaxmin_backward, which has no batching rule
+# (vmap(grad) measured without the loop); inside use() the derivative kernel below batches it, so native keeps no rule.
 define_op("cummax", "", tensors=("self",), doc="the running maximum of self along dim, and where it was taken",
-          opinfo=("cummax",), rules={"native": _cummaxmin_backward})
+          opinfo=("cummax",))
 define_op("cummin", "", tensors=("self",), doc="the running minimum of self along dim, and where it was taken",
-          opinfo=("cummin",), rules={"native": _cummaxmin_backward})
+          opinfo=("cummin",))
 
 
 @register("cummax", "functional")
