@@ -15,7 +15,7 @@ from torch._decomp import decompositions
 
 from composites.masked import scalar_or_tensor
 from registry.core import rules
-from registry.core.context import Context, vmap_levels
+from registry.core.context import vmap_levels
 from registry.core.ops import overloads
 from registry.core.registration import define_op, register, register_derivative
 
@@ -89,12 +89,6 @@ def diagflat_functional(self, offset=0):
 # --- fill (the functional overloads only: fill_ is every factory's building block) ---------------------------------
 
 
-def _innermost_vmap(ctx: Context) -> bool:
-    """The innermost transform is vmap: an op that decomposes under autograd (CompositeImplicit) reaches the Batched
-    key undecomposed only there (measured: narrow.Tensor and column_stack raise under vmap, not under vmap(grad))."""
-    return bool(ctx.stack) and ctx.stack[-1] == "vmap"
-
-
 define_op("fill", "Scalar", tensors=("self", "value"), doc="a tensor of self's shape and dtype filled with value",
           opinfo=("fill",), inplace=False,
           rules={"native": rules.first_of(
@@ -116,7 +110,7 @@ def fill_functional(self, value):
 define_op("narrow", "Tensor", tensors=("self", "start"), doc="self's length elements along dim from start on",
           opinfo=("narrow",), overloads=overloads("narrow", only=("narrow.Tensor",)),
           rules={"native": rules.fails_when(
-              _innermost_vmap, "error",
+              rules.innermost_vmap, "error",
               "aten::narrow.Tensor has no batching rule and vmap cannot fall back on a view op (under autograd it "
               "decomposes into narrow.default first)")})
 
@@ -137,7 +131,7 @@ def narrow_functional(self, dim, start, length):
 define_op("column_stack", "", tensors=("tensors",), doc="tensors side by side as columns (0-d and 1-d as columns)",
           opinfo=("column_stack",),
           rules={"native": rules.fails_when(
-              _innermost_vmap, "error",
+              rules.innermost_vmap, "error",
               "aten::column_stack has no batching rule and vmap cannot fall back on it (under autograd it "
               "decomposes into hstack first)")})
 

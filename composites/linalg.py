@@ -15,7 +15,6 @@ import torch
 from torch.autograd import Function
 
 from registry.core import rules
-from registry.core.context import Context
 from registry.core.ops import overloads
 from registry.core.primitive import apply
 from registry.core.registration import define_op, register
@@ -23,14 +22,8 @@ from registry.core.registration import define_op, register
 aten = torch.ops.aten
 
 
-def _innermost_vmap(ctx: Context) -> bool:
-    """The innermost transform is vmap: an op that decomposes under autograd (CompositeImplicit, like lu_solve and
-    tensorsolve) reaches the Batched key undecomposed only there (measured: slow under vmap, not vmap(grad))."""
-    return bool(ctx.stack) and ctx.stack[-1] == "vmap"
-
-
 def _loops_under_innermost_vmap(aten_name: str) -> rules.Rule:
-    return rules.fails_when(_innermost_vmap, "slow",
+    return rules.fails_when(rules.innermost_vmap, "slow",
                             f"{aten_name} has no batching rule, so vmap runs a per-sample loop (under autograd it "
                             "decomposes into ops that batch)")
 

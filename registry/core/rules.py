@@ -110,6 +110,13 @@ def under_vmap(ctx: Context) -> bool:
     return _under_vmap(ctx)
 
 
+def innermost_vmap(ctx: Context) -> bool:
+    """The innermost transform is vmap. An op that decomposes under autograd (CompositeImplicitAutograd:
+    ``narrow.Tensor``, ``column_stack``, ``lu_solve``, ``linalg.tensorsolve``) reaches the Batched key undecomposed
+    only there: it loops or raises under vmap, not under vmap(grad) or vmap(jvp)."""
+    return bool(ctx.stack) and ctx.stack[-1] == "vmap"
+
+
 def differentiating(ctx: Context) -> bool:
     return "grad" in ctx.stack or "jvp" in ctx.stack
 

@@ -109,3 +109,11 @@ def test_opinfo_check_looks_past_samples_that_never_call_the_routed_overload() -
     used to report it as never reaching aten::narrow; the next sample, with a tensor start, is the one checked."""
     outcome = opinfo.check("narrow", "functional", torch.float32, ("vmap",), "self", limit_samples=1)
     assert (outcome.status, outcome.detail) == ("ok", "")
+
+
+@pytest.mark.parametrize(("stack", "expected"), [
+    (("vmap",), True), (("grad", "vmap"), True), (("vmap", "grad"), False), (("vmap", "jvp"), False), ((), False),
+])
+def test_innermost_vmap_is_where_an_op_that_decomposes_under_autograd_reaches_the_batched_key(
+        stack: tuple[str, ...], expected: bool) -> None:
+    assert rules.innermost_vmap(Context(stack=stack)) is expected
