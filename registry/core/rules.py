@@ -88,8 +88,33 @@ def fails_when(predicate: Callable[[Context], bool], status: str, evidence: str)
     return rule
 
 
+def batched_without_batching_rule(aten: str, *args: str, status: str = "slow", detail: str = "") -> Rule:
+    """``aten`` has no batching rule and falls back (``slow``) or raises only where one of ``args`` (schema names) is
+    batched: vmap's per-sample loop runs where the op sees a BatchedTensor, so jacfwd (whose primal is unbatched) and
+    jacrev (vmap over the backward only) run the op's own kernel. Nested vmaps, and torch.compile (whose graph hides
+    the functorch stack), are assumed batched: the context names the arguments batched at the innermost level only."""
+    what = detail or ("vmap runs a per-sample loop" if status == "slow" else "vmap raises")
+    evidence = f"{aten} has no batching rule, so {what} where {' or '.join(args)} is batched"
+
+    def rule(ctx: Context) -> Problem | None:
+        if not _under_vmap(ctx):
+            return None
+        if "compile" in ctx.stack or ctx.stack.count("vmap") > 1 or any(arg in ctx.batched for arg in args):
+            return Problem(status, evidence)
+        return None
+
+    return rule
+
+
 def under_vmap(ctx: Context) -> bool:
     return _under_vmap(ctx)
+
+
+def innermost_vmap(ctx: Context) -> bool:
+    """The innermost transform is vmap. An op that decomposes under autograd (CompositeImplicitAutograd:
+    ``narrow.Tensor``, ``column_stack``, ``lu_solve``, ``linalg.tensorsolve``) reaches the Batched key undecomposed
+    only there: it loops or raises under vmap, not under vmap(grad) or vmap(jvp)."""
+    return bool(ctx.stack) and ctx.stack[-1] == "vmap"
 
 
 def differentiating(ctx: Context) -> bool:
