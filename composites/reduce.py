@@ -8,6 +8,8 @@ raises under vmap; ``scatter_prod`` computes the product without that backward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from registry.core import rules
@@ -102,3 +104,86 @@ def index_reduce_functional(self, dim, index, source, reduce, *, include_self=Tr
     shape[dim] = -1
     expanded = index.reshape(shape).expand_as(source)
     return _scatter_reduce(self, dim, expanded, source, reduce, include_self)
+
+
+define_op(
+    "segment_reduce", "", tensors=("data", "lengths", "indices", "offsets"),
+    doc="data reduced (sum, mean, prod, max, min) over consecutive segments of axis given by lengths or offsets",
+    opinfo=("_segment_reduce.lengths", "_segment_reduce.offsets"), inplace=False,
+    rules={"native": rules.first_of(rules.no_batching_rule("aten::segment_reduce"),
+                                    rules.backward_without_batching_rule("aten::_segment_reduce_backward"))},
+)
+
+
+def _segment_ids(lengths: torch.Tensor | None, offsets: torch.Tensor | None, size: int,
+                 device: torch.device) -> tuple[torch.Tensor, int]:
+    """Each position along the reduced axis -> its segment (shape ``lengths.shape[:-1] + (size,)``), and the number
+    of segments; positions outside every segment go to one extra segment, dropped afterwards."""
+    positions = torch.arange(size, device=device)
+    if lengths is not None:
+        ends = torch.cumsum(lengths, -1)
+        count = lengths.shape[-1]
+        outside = positions >= ends[..., -1:]
+    else:
+        ends = offsets[..., 1:]
+        count = offsets.shape[-1] - 1
+        outside = (positions < offsets[..., :1]) | (positions >= offsets[..., -1:])
+    ids = (ends.unsqueeze(-1) <= positions).sum(-2)
+    return torch.where(outside, count, ids), count
+
+
+@register("segment_reduce", "functional")
+def segment_reduce_functional(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
+                              initial=None):
+    """scatter_add / scatter_reduce over each position's segment id (from lengths or offsets compared with arange)."""
+    if indices is not None or (lengths is None and offsets is None) or reduce not in _SEGMENT_REDUCTIONS:
+        # PyTorch's own checks, so that the error is the same
+        return aten.segment_reduce(data, reduce, lengths=lengths, indices=indices, offsets=offsets, axis=axis,
+                                   unsafe=unsafe, initial=initial)
+    axis = axis % data.dim()
+    ids, count = _segment_ids(lengths, offsets, data.shape[axis], data.device)
+    index = ids.reshape(*ids.shape, *([1] * (data.dim() - axis - 1))).expand(data.shape)
+    shape = list(data.shape)
+    shape[axis] = count + 1  # the extra segment collects positions outside every segment
+    out = _SEGMENT_REDUCTIONS[reduce](data, axis, index, shape, initial)
+    return out.narrow(axis, 0, count)
+
+
+def _full(data: torch.Tensor, shape: list[int], value: float) -> torch.Tensor:
+    return torch.full(shape, value, dtype=data.dtype, device=data.device)
+
+
+def _segment_sum(data: torch.Tensor, axis: int, index: torch.Tensor, shape: list[int], initial) -> torch.Tensor:
+    return _full(data, shape, 0 if initial is None else initial).scatter_add(axis, index, data)
+
+
+def _segment_mean(data: torch.Tensor, axis: int, index: torch.Tensor, shape: list[int], initial) -> torch.Tensor:
+    """(initial + sum) / count, as PyTorch computes it (initial is not counted); an empty segment is initial, or nan."""
+    total = _full(data, shape, 0 if initial is None else initial).scatter_add(axis, index, data)
+    count = _full(data, shape, 0).scatter_add(axis, index, torch.ones_like(data))
+    empty = count == 0
+    mean = total / torch.where(empty, 1, count)  # never 0 / 0 in a branch `where` drops: its gradient would be nan
+    return torch.where(empty, math.nan if initial is None else initial, mean)
+
+
+def _segment_extreme(reduce: str):
+    """max / min: the extreme of the data (its gradient split among the data that tie, as PyTorch's), or initial
+    where initial is beyond it (then the data get no gradient); an empty segment is initial, or -inf / inf."""
+    bound = -math.inf if reduce == "amax" else math.inf
+
+    def extreme(data: torch.Tensor, axis: int, index: torch.Tensor, shape: list[int], initial) -> torch.Tensor:
+        found = _full(data, shape, bound).scatter_reduce(axis, index, data, reduce, include_self=False)
+        if initial is None:
+            return found
+        beyond = (found < initial) if reduce == "amax" else (found > initial)
+        return torch.where(beyond, initial, found)
+
+    return extreme
+
+
+def _segment_prod(data: torch.Tensor, axis: int, index: torch.Tensor, shape: list[int], initial) -> torch.Tensor:
+    return scatter_prod(_full(data, shape, 1 if initial is None else initial), axis, index, data, True)
+
+
+_SEGMENT_REDUCTIONS = {"sum": _segment_sum, "mean": _segment_mean, "max": _segment_extreme("amax"),
+                       "min": _segment_extreme("amin"), "prod": _segment_prod}
