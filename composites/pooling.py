@@ -67,3 +67,32 @@ def max_unpool3d_functional(self, indices, output_size, stride, padding):
     if self.dim() not in (4, 5) or indices.shape != self.shape:
         return aten.max_unpool3d(self, indices, output_size, stride, padding)
     return unpool(self, indices, output_size)
+
+
+for _name in ("fractional_max_pool2d", "fractional_max_pool3d"):
+    define_op(
+        _name, "", tensors=("self", "random_samples"),
+        doc=f"the maximum of each pseudo-random pooling region of self, and its flat index ({_name})",
+        opinfo=(f"nn.functional.{_name}",), inplace=False,
+        rules={"native": rules.backward_without_batching_rule(f"aten::{_name}_backward")},
+    )
+
+
+def _gather_pooled(self: torch.Tensor, indices: torch.Tensor, spatial: int) -> torch.Tensor:
+    """self's values at the flat per-channel indices: gather's backward (scatter_add) batches."""
+    values = self.flatten(-spatial).gather(-1, indices.flatten(-spatial))
+    return values.reshape(indices.shape)
+
+
+@register("fractional_max_pool2d", "functional")
+def fractional_max_pool2d_functional(self, kernel_size, output_size, random_samples):
+    """PyTorch's kernel (which batches) picks the indices without autograd; the values are gathered at them."""
+    indices = aten.fractional_max_pool2d(self.detach(), kernel_size, output_size, random_samples)[1]
+    return _gather_pooled(self, indices, 2), indices
+
+
+@register("fractional_max_pool3d", "functional")
+def fractional_max_pool3d_functional(self, kernel_size, output_size, random_samples):
+    """PyTorch's kernel (which batches) picks the indices without autograd; the values are gathered at them."""
+    indices = aten.fractional_max_pool3d(self.detach(), kernel_size, output_size, random_samples)[1]
+    return _gather_pooled(self, indices, 3), indices
