@@ -126,3 +126,33 @@ def _max_indices(rows: torch.Tensor, output: torch.Tensor, indices: torch.Tensor
     first = torch.full_like(output, count, dtype=indices.dtype).scatter_reduce(0, target, position, "amin",
                                                                                include_self=True)
     return torch.where(first < count, indices[first.clamp(max=max(count - 1, 0))], 0)
+
+
+define_op(
+    "nonzero_static", "", tensors=("self",), doc="the indices of self's first size nonzero elements, fill_value after",
+    opinfo=("nonzero_static",), inplace=False, rules={"native": rules.no_batching_rule("aten::nonzero_static")},
+)
+
+
+@register("nonzero_static", "functional")
+def nonzero_static_functional(self, *, size, fill_value=-1):
+    """Each nonzero element's rank (a cumsum) is its row: its flat position scattered there, then unravelled."""
+    if size < 0:
+        return aten.nonzero_static(self, size=size, fill_value=fill_value)  # PyTorch's own error
+    nonzero = (self != 0).reshape(-1)
+    count = nonzero.shape[0]
+    rank = torch.cumsum(nonzero.to(torch.int64), 0) - 1
+    # Rows past size, and zeros, go to one extra row that is dropped.
+    row = torch.where(nonzero & (rank < size), rank, size)
+    positions = torch.arange(count, device=self.device)
+    picked = torch.full((size + 1,), -1, dtype=torch.int64, device=self.device).scatter(0, row, positions)[:size]
+    if self.dim() == 0:
+        return torch.zeros((size, 0), dtype=torch.int64, device=self.device)
+    if count == 0:  # nothing to unravel (an extent is 0): every row is fill_value
+        return torch.full((size, self.dim()), fill_value, dtype=torch.int64, device=self.device)
+    coordinates, rest = [], picked
+    for extent in reversed(self.shape):
+        coordinates.append(rest % extent)
+        rest = rest // extent
+    found = torch.stack(coordinates[::-1], -1)
+    return torch.where((picked >= 0).unsqueeze(-1), found, fill_value)
