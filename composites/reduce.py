@@ -35,7 +35,8 @@ define_op(
 define_op(
     "scatter_reduce", "two", tensors=("self", "index", "src"),
     doc="self with src reduced (sum, prod, mean, amax, amin) into the positions index names along dim",
-    opinfo=("scatter_reduce.prod",), inplace=False,
+    opinfo=("scatter_reduce.prod", "scatter_reduce.sum", "scatter_reduce.mean", "scatter_reduce.amax",
+            "scatter_reduce.amin"), inplace=False,
     # The rule cannot see `reduce`: under vmap(grad) it sends every reduction to the functional composite, which
     # for all but prod is PyTorch's own scatter_reduce.
     rules={"native": rules.fails_when(_vmap_of_grad, "error", _PROD_ITEM)},
