@@ -1,5 +1,29 @@
 """Built-in composites, one module per operator family. Importing this package registers them all."""
 
-from composites import copies, elementwise, index, indexing, linalg, masked, memory, resample, statistics
+from composites import (
+    copies,
+    elementwise,
+    index,
+    indexing,
+    linalg,
+    masked,
+    memory,
+    pooling,
+    reduce,
+    resample,
+    statistics,
+)
 
-__all__ = ["copies", "elementwise", "index", "indexing", "linalg", "masked", "memory", "resample", "statistics"]
+__all__ = [
+    "copies",
+    "elementwise",
+    "index",
+    "indexing",
+    "linalg",
+    "masked",
+    "memory",
+    "pooling",
+    "reduce",
+    "resample",
+    "statistics",
+]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from registry.core import rules
+from registry.core.ops import overloads
 from registry.core.registration import define_op, register
 
 aten = torch.ops.aten
@@ -21,3 +24,135 @@ define_op(
 def take_functional(self, index):
     """self flattened, indexed by index: advanced indexing batches, and its backward is index_put."""
     return self.reshape(-1)[index]
+
+
+define_op(
+    "put", "", tensors=("self", "index", "source"), doc="self with source written (or added) at the flat indices index",
+    opinfo=("put",), inplace=False,
+    # put has no batching rule, and its backward calls put and take (source's gradient), which have none either.
+    rules={"native": rules.first_of(rules.no_batching_rule("aten::put"),
+                                    rules.backward_without_batching_rule("aten::take"))},
+)
+
+
+@register("put", "functional")
+def put_functional(self, index, source, accumulate=False):
+    """self flattened, index_put at the flat indices: index_put batches, and its backward is indexing."""
+    flat = self.reshape(-1).index_put((index.reshape(-1),), source.reshape(-1), accumulate)
+    return flat.reshape(self.shape)
+
+
+define_op(
+    "embedding_bag", "padding_idx", tensors=("weight", "indices", "offsets", "per_sample_weights"),
+    doc="weight's rows at indices, reduced (sum, mean, max) per bag that offsets start",
+    opinfo=("nn.functional.embedding_bag",), overloads=overloads("embedding_bag", only=("embedding_bag.padding_idx",)),
+    rules={"native": rules.first_of(rules.no_batching_rule("aten::embedding_bag.padding_idx"),
+                                    rules.backward_without_batching_rule("aten::_embedding_bag_backward"))},
+)
+
+_SUM, _MEAN, _MAX = 0, 1, 2
+
+
+@register("embedding_bag", "functional")
+def embedding_bag_functional(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights,
+                             include_last_offset, padding_idx):
+    """weight[indices] reduced with scatter_add / scatter_reduce over each index's bag (offsets compared with its
+    position); the other three outputs as PyTorch's CPU kernel returns them. ``sparse`` gradients are dense here."""
+    if indices.dim() != 1 or offsets.dim() != 1 or mode not in (_SUM, _MEAN, _MAX):
+        # PyTorch's own checks, so that the error is the same
+        return aten.embedding_bag.padding_idx(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
+                                              per_sample_weights, include_last_offset, padding_idx)
+    count, width = indices.shape[0], weight.shape[1]
+    # include_last_offset: the last offset closes the last bag, yet PyTorch's kernel puts indices past it there too.
+    bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    positions = torch.arange(count, device=indices.device)
+    bag = (offsets[1:max(bags, 1)].unsqueeze(-1) <= positions).sum(-2)  # how many later bags start at or before it
+    padding = None if padding_idx is None else padding_idx % weight.shape[0] if padding_idx < 0 else padding_idx
+    kept = torch.ones_like(indices, dtype=torch.bool) if padding is None else indices != padding
+    # PyTorch's CPU kernel has a fast path for sum over float, half and bfloat16 without padding_idx: it leaves
+    # offset2bag empty. (With include_last_offset, indices past the last offset, which the documentation rules out,
+    # go to the last bag as the other paths put them; the fast path's value leaves them out, its gradient does not.)
+    fast = mode == _SUM and padding is None and weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    rows = weight[indices]
+    if scale_grad_by_freq and mode != _MAX:
+        # The value is rows; the gradient of each row is divided by a frequency, chosen as PyTorch's CPU backward
+        # chooses it (_embedding_bag_dense_backward_cpu_sum_mean): the i-th distinct index, in sorted order, takes
+        # the count of the i-th element of the sorted indices. That is the index's own count only where no index
+        # repeats (nn.functional.embedding divides by the index's own count).
+        scale = _frequency_scale(weight, indices)
+        rows = rows * scale + (rows * (1 - scale)).detach()
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.unsqueeze(-1)
+    rows = torch.where(kept.unsqueeze(-1), rows, 0)
+    target = bag.unsqueeze(-1).expand(count, width)
+    empty = weight.new_zeros(bags, width)
+    sizes = torch.zeros(bags, dtype=indices.dtype, device=indices.device).scatter_add(0, bag,
+                                                                                      kept.to(indices.dtype))
+    if mode == _MAX:
+        # Padding rows never win: -inf there; an empty bag stays 0 (include_self=False keeps the base).
+        rows = torch.where(kept.unsqueeze(-1), rows, -math.inf)
+        output = empty.scatter_reduce(0, target, rows, "amax", include_self=False)
+        output = torch.where((sizes > 0).unsqueeze(-1), output, 0)  # a bag of padding only: 0, not -inf
+    else:
+        output = empty.scatter_add(0, target, rows)
+        if mode == _MEAN:
+            output = output / sizes.clamp(min=1).unsqueeze(-1).to(weight.dtype)
+    if mode == _SUM:
+        # bag_size and max_indices are zero for sum, one per offset.
+        unused = indices.new_zeros(offsets.shape[0])
+        return output, indices.new_zeros(0) if fast else bag, unused, unused.clone()
+    if mode == _MEAN:
+        return output, bag, sizes, sizes.clone()
+    return output, bag, sizes, _max_indices(rows.detach(), output.detach(), indices, target, bags)
+
+
+def _frequency_scale(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Per position of indices, the factor PyTorch's CPU backward applies to its gradient under scale_grad_by_freq."""
+    counts = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device).scatter_add(
+        0, indices, torch.ones_like(indices, dtype=weight.dtype))
+    rank = torch.cumsum((counts > 0).to(indices.dtype), 0) - 1  # each present index's rank among the distinct ones
+    ordered = torch.sort(indices).values
+    frequency = counts[ordered[rank.clamp(min=0, max=indices.shape[0] - 1)]]
+    return (1 / frequency[indices]).unsqueeze(-1)
+
+
+def _max_indices(rows: torch.Tensor, output: torch.Tensor, indices: torch.Tensor, target: torch.Tensor,
+                 bags: int) -> torch.Tensor:
+    """Per bag and column, the index (a row of weight) of the first position that holds the maximum; 0 for an empty
+    bag, as PyTorch's CPU kernel returns it."""
+    count = indices.shape[0]
+    wins = rows == output.gather(0, target)
+    position = torch.where(wins, torch.arange(count, device=indices.device).unsqueeze(-1), count)
+    first = torch.full_like(output, count, dtype=indices.dtype).scatter_reduce(0, target, position, "amin",
+                                                                               include_self=True)
+    return torch.where(first < count, indices[first.clamp(max=max(count - 1, 0))], 0)
+
+
+define_op(
+    "nonzero_static", "", tensors=("self",), doc="the indices of self's first size nonzero elements, fill_value after",
+    opinfo=("nonzero_static",), inplace=False, rules={"native": rules.no_batching_rule("aten::nonzero_static")},
+)
+
+
+@register("nonzero_static", "functional")
+def nonzero_static_functional(self, *, size, fill_value=-1):
+    """Each nonzero element's rank (a cumsum) is its row: its flat position scattered there, then unravelled."""
+    if size < 0:
+        return aten.nonzero_static(self, size=size, fill_value=fill_value)  # PyTorch's own error
+    nonzero = (self != 0).reshape(-1)
+    count = nonzero.shape[0]
+    rank = torch.cumsum(nonzero.to(torch.int64), 0) - 1
+    # Rows past size, and zeros, go to one extra row that is dropped.
+    row = torch.where(nonzero & (rank < size), rank, size)
+    positions = torch.arange(count, device=self.device)
+    picked = torch.full((size + 1,), -1, dtype=torch.int64, device=self.device).scatter(0, row, positions)[:size]
+    if self.dim() == 0:
+        return torch.zeros((size, 0), dtype=torch.int64, device=self.device)
+    if count == 0:  # nothing to unravel (an extent is 0): every row is fill_value
+        return torch.full((size, self.dim()), fill_value, dtype=torch.int64, device=self.device)
+    coordinates, rest = [], picked
+    for extent in reversed(self.shape):
+        coordinates.append(rest % extent)
+        rest = rest // extent
+    found = torch.stack(coordinates[::-1], -1)
+    return torch.where((picked >= 0).unsqueeze(-1), found, fill_value)
