@@ -26,6 +26,7 @@ from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_bdim,
 
 from registry.core import rules
 from registry.core.context import Context
+from registry.core.ops import overloads
 from registry.core.registration import define_op, register
 from registry.core.rules import Problem
 
@@ -54,6 +55,27 @@ define_op(
         "training updates in place",
     opinfo=("nn.functional.batch_norm",), inplace=False,
     rules={"native": _running_statistics_unbatched},
+)
+# The lower-level ops that op_db tests directly (and that batch_norm reaches under torch.func outside use()):
+# (output, save_mean, save_invstd[, reserve]), with the running statistics updated in place.
+define_op(
+    "native_batch_norm", "", tensors=("input", "weight", "bias", "running_mean", "running_var"),
+    doc="batch norm returning the saved mean and inverse standard deviation too", opinfo=("native_batch_norm",),
+    inplace=False, overloads=overloads("native_batch_norm", inplace=False, only=("native_batch_norm",)),
+    rules={"native": _running_statistics_unbatched},
+)
+define_op(
+    "_native_batch_norm_legit", "", tensors=("input", "weight", "bias", "running_mean", "running_var"),
+    doc="native_batch_norm with non-optional running statistics", opinfo=("_native_batch_norm_legit",),
+    inplace=False, overloads=overloads("_native_batch_norm_legit", inplace=False, only=("_native_batch_norm_legit",)),
+    rules={"native": _running_statistics_unbatched},
+)
+define_op(
+    "_batch_norm_with_update", "", tensors=("input", "weight", "bias", "running_mean", "running_var"),
+    doc="training-mode batch norm that updates the running statistics, with an empty reserve",
+    opinfo=("_batch_norm_with_update",), inplace=False,
+    rules={"native": rules.no_batching_rule("aten::_batch_norm_with_update", status="error",
+                                            detail="vmap raises (its fallback cannot write the running statistics)")},
 )
 define_op(
     "instance_norm", "", tensors=("input", "weight", "bias", "running_mean", "running_var"),
@@ -136,26 +158,57 @@ def _check_channels(op: str, input: torch.Tensor, tensors: dict[str, torch.Tenso
                              f"input of shape {tuple(input.shape)}")
 
 
-# --- batch_norm ----------------------------------------------------------------------------------------------------
+# --- batch_norm and its lower-level forms ----------------------------------------------------------------------
+
+
+def _batch_norm(op: str, input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool, momentum: float,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, save_mean, save_invstd) as native_batch_norm returns them (empty saved statistics in evaluation
+    mode), with the running statistics updated as the module's docstring says."""
+    _check_channels(op, input, {"weight": weight, "bias": bias, "running_mean": running_mean,
+                                "running_var": running_var})
+    if not training:
+        if running_mean is None or running_var is None:
+            raise ValueError(f"{op}: running_mean and running_var must be defined in evaluation mode "
+                             "(training=False); pass them or set training=True")
+        empty = input.new_empty(0)
+        return _normalized(input, running_mean, running_var, weight, bias, eps), empty, empty
+    dims = [0, *range(2, input.dim())]
+    var, mean = torch.var_mean(input, dims, correction=0)
+    if running_mean is not None or running_var is not None:
+        count = input.numel() // input.shape[1]
+        _update_running(running_mean, running_var, mean, var * (count / max(count - 1, 1)), momentum)
+    # PyTorch's derivatives treat the saved statistics as non-differentiable outputs (output_differentiability).
+    return _normalized(input, mean, var, weight, bias, eps), mean.detach(), torch.rsqrt(var + eps).detach()
 
 
 @register("batch_norm", "functional", name="batch_mean")
 def batch_norm_batch_mean(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
     """Per-sample batch statistics; running statistics updated per sample where batched, else with the mean over the
     vmap batch of the per-sample updates."""
-    _check_channels("batch_norm", input, {"weight": weight, "bias": bias, "running_mean": running_mean,
-                                          "running_var": running_var})
-    if not training:
-        if running_mean is None or running_var is None:
-            raise ValueError("batch_norm: running_mean and running_var must be defined in evaluation mode "
-                             "(training=False); pass them or set training=True")
-        return _normalized(input, running_mean, running_var, weight, bias, eps)
-    dims = [0, *range(2, input.dim())]
-    var, mean = torch.var_mean(input, dims, correction=0)
-    if running_mean is not None or running_var is not None:
-        count = input.numel() // input.shape[1]
-        _update_running(running_mean, running_var, mean, var * (count / max(count - 1, 1)), momentum)
-    return _normalized(input, mean, var, weight, bias, eps)
+    return _batch_norm("batch_norm", input, weight, bias, running_mean, running_var, training, momentum, eps)[0]
+
+
+@register("native_batch_norm", "functional", name="batch_mean")
+def native_batch_norm_batch_mean(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """batch_norm's batch_mean composite, returning the saved mean and inverse standard deviation too."""
+    return _batch_norm("native_batch_norm", input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@register("_native_batch_norm_legit", "functional", name="batch_mean")
+def native_batch_norm_legit_batch_mean(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """batch_norm's batch_mean composite, returning the saved mean and inverse standard deviation too."""
+    return _batch_norm("_native_batch_norm_legit", input, weight, bias, running_mean, running_var, training,
+                       momentum, eps)
+
+
+@register("_batch_norm_with_update", "functional", name="batch_mean")
+def batch_norm_with_update_batch_mean(input, weight, bias, running_mean, running_var, momentum, eps):
+    """batch_norm's batch_mean composite in training mode, with the empty reserve PyTorch returns on CPU."""
+    out, mean, invstd = _batch_norm("_batch_norm_with_update", input, weight, bias, running_mean, running_var, True,
+                                    momentum, eps)
+    return out, mean, invstd, torch.empty(0, dtype=torch.uint8, device=input.device)
 
 
 # --- instance_norm -------------------------------------------------------------------------------------------------
