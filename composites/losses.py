@@ -9,6 +9,8 @@ kernels) the composite does too, so that gradients agree at the hinge's corner. 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from registry.core import rules
@@ -212,3 +214,87 @@ def bilinear_functional(input1, input2, weight, bias=None):
     """einsum('...i,oij,...j->...o') plus bias: einsum batches and differentiates, PyTorch's _trilinear does not."""
     out = torch.einsum("...i,oij,...j->...o", input1, weight, input2)
     return out if bias is None else out + bias
+
+
+# --- ctc_loss ------------------------------------------------------------------------------------------------------
+
+define_op(
+    "ctc_loss", "IntList", tensors=("log_probs", "targets"),
+    doc="connectionist temporal classification loss of the label sequences targets given log_probs (T, N, C)",
+    opinfo=("nn.functional.ctc_loss",), inplace=False,
+    rules={"native": rules.first_of(rules.no_batching_rule("aten::_ctc_loss"),
+                                    rules.backward_without_batching_rule("aten::_ctc_loss_backward"))},
+)
+
+
+def _logsumexp(*terms: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(terms))) elementwise, -inf where every term is -inf, with a finite gradient everywhere (the
+    shift is detached, and where the sum is 0 the log's branch is never selected)."""
+    stacked = torch.stack(terms)
+    shift = stacked.amax(0).detach()
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    total = torch.exp(stacked - shift).sum(0)
+    positive = total > 0
+    return torch.where(positive, shift + torch.log(torch.where(positive, total, torch.ones_like(total))),
+                       torch.full_like(total, -math.inf))
+
+
+def _lengths(lengths: torch.Tensor | list[int], like: torch.Tensor) -> torch.Tensor:
+    return lengths.to(like.device) if isinstance(lengths, torch.Tensor) else torch.tensor(lengths, device=like.device)
+
+
+@register("ctc_loss", "functional")
+def ctc_loss_functional(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=_MEAN,
+                        zero_infinity=False):
+    """The CTC forward (alpha) recursion over time in log space, all samples and states at once: a gather of the
+    extended labels' log-probabilities, then per step a three-way logsumexp; samples past their input length keep
+    their alphas. Lengths may be lists or (batched) tensors. The gradient is PyTorch's, which adds exp(log_probs)
+    at t < input_length (it is the gradient through a log_softmax: see the comment below)."""
+    unbatched = log_probs.dim() == 2
+    if unbatched:
+        log_probs, targets = log_probs.unsqueeze(1), targets.unsqueeze(0)
+    steps, batch, _ = log_probs.shape
+    input_len = _lengths(input_lengths, log_probs).reshape(batch)
+    target_len = _lengths(target_lengths, log_probs).reshape(batch)
+    if targets.dim() == 1:  # concatenated: sample n's labels start after the labels of samples 0..n-1
+        starts = torch.cumsum(target_len, 0) - target_len
+        longest = targets.shape[0]
+        positions = (starts.unsqueeze(1) + torch.arange(longest, device=targets.device)).clamp_max(max(longest - 1, 0))
+        padded = targets[positions] if longest > 0 else targets.new_zeros(batch, 0)
+    else:
+        padded = targets
+    labels = padded.shape[1]
+    states = 2 * labels + 1
+    extended = torch.full((batch, states), blank, dtype=padded.dtype, device=padded.device)
+    extended = extended.index_copy(1, torch.arange(1, states, 2, device=padded.device), padded)
+    emissions = log_probs.gather(2, extended.unsqueeze(0).expand(steps, batch, states))  # (T, N, S)
+    odd = torch.arange(states, device=padded.device) % 2 == 1
+    skip = torch.zeros_like(extended, dtype=torch.bool)
+    if states > 2:
+        skip = torch.cat([skip[:, :2], (extended[:, 2:] != extended[:, :-2]) & odd[2:]], dim=1)
+    minus_inf = torch.full_like(emissions[0], -math.inf)
+    alpha = torch.cat([emissions[0, :, :2], minus_inf[:, 2:]], dim=1) if states > 1 else emissions[0]
+    for t in range(1, steps):
+        from_previous = torch.cat([minus_inf[:, :1], alpha[:, :-1]], dim=1)
+        from_skip = torch.where(skip, torch.cat([minus_inf[:, :2], alpha[:, :-2]], dim=1), minus_inf)
+        advanced = _logsumexp(alpha, from_previous, from_skip) + emissions[t]
+        alpha = torch.where((t < input_len).unsqueeze(1), advanced, alpha)
+    last = (2 * target_len).unsqueeze(1)
+    final = alpha.gather(1, last).squeeze(1)
+    before_last = torch.where(target_len > 0, alpha.gather(1, (last - 1).clamp_min(0)).squeeze(1),
+                              torch.full_like(final, -math.inf))
+    nll = -_logsumexp(final, before_last)
+    # PyTorch's _ctc_loss_backward returns exp(log_probs) - exp(log_alpha_beta + nll - log_probs) at t <
+    # input_length: the true gradient plus exp(log_probs), which is the gradient with respect to the logits once it
+    # goes through log_softmax. The composite adds a term whose value is exactly 0 and whose gradient is that
+    # exp(log_probs), so that its derivatives equal PyTorch's.
+    probabilities = torch.exp(log_probs)
+    within = (torch.arange(steps, device=log_probs.device).unsqueeze(1) < input_len).unsqueeze(2)  # (T, N, 1)
+    nll = nll + ((probabilities - probabilities.detach()) * within).sum((0, 2))
+    if zero_infinity:
+        nll = torch.where(torch.isinf(nll.detach()), torch.zeros_like(nll), nll)
+    if reduction == _MEAN:
+        return (nll / target_len.clamp_min(1).to(nll.dtype)).mean()
+    if unbatched and reduction == _NONE:
+        return nll.squeeze(0)
+    return _reduce(nll, reduction)
