@@ -1,0 +1,241 @@
+"""Composites of the normalization family: ``batch_norm`` and ``instance_norm`` with per-sample statistics under vmap.
+
+PyTorch's own batch norm refuses, under vmap, an input that is batched while the running statistics it updates in
+place are not ("Batch norm got a batched tensor as input while the running_mean or running_var, which will be updated
+in place, were not batched"). The composites here normalize every sample with its own statistics, as a loop over the
+samples would, and update the running statistics as follows:
+
+- running statistics batched like the input (each sample has its own, ``vmap(..., in_dims=0)`` over them): each
+  sample's own running statistics get that sample's update, exactly what a per-sample loop leaves;
+- running statistics not batched (one set shared by every sample): they get the mean over the vmap batch of the
+  per-sample updates, ``(1 - momentum) * running + momentum * mean_b(statistic_b)``, which is the mean of what a
+  per-sample loop starting from the same running statistics would leave in each copy.
+
+That is the ``batch_mean`` composite, the default inside ``use()``. Pinning ``{"batch_norm": "native"}`` keeps
+PyTorch's behaviour, which accepts batched running statistics only: under vmap with the input batched and the running
+statistics not, the pin raises (``select`` names the valid choices). Outside vmap, and in evaluation mode, every
+composite computes what PyTorch does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_bdim, maybe_get_level
+
+from registry.core import rules
+from registry.core.context import Context
+from registry.core.ops import overloads
+from registry.core.registration import define_op, register
+from registry.core.rules import Problem
+
+aten = torch.ops.aten
+
+_RUNNING = ("running_mean", "running_var")
+
+
+def _running_statistics_unbatched(ctx: Context) -> Problem | None:
+    """PyTorch's batching rule for batch norm (measured on native_batch_norm, batch_norm and instance_norm): the
+    input batched, a running statistic present but not batched. It raises in training mode; in evaluation mode it
+    works, which the context cannot tell apart (there the composite computes the same values)."""
+    if not rules.under_vmap(ctx) or "input" not in ctx.batched:
+        return None
+    unbatched = [name for name in _RUNNING if name in ctx.tensors and name not in ctx.batched]
+    if unbatched:
+        return Problem("error", "Batch norm got a batched tensor as input while the running_mean or running_var, "
+                                "which will be updated in place, were not batched (PyTorch's batching rule; in "
+                                "training mode)")
+    return None
+
+
+define_op(
+    "batch_norm", "", tensors=("input", "weight", "bias", "running_mean", "running_var"),
+    doc="input normalized per channel with its batch statistics (training) or the running statistics, which "
+        "training updates in place",
+    opinfo=("nn.functional.batch_norm",), inplace=False,
+    rules={"native": _running_statistics_unbatched},
+)
+# The lower-level ops that op_db tests directly (and that batch_norm reaches under torch.func outside use()):
+# (output, save_mean, save_invstd[, reserve]), with the running statistics updated in place.
+define_op(
+    "native_batch_norm", "", tensors=("input", "weight", "bias", "running_mean", "running_var"),
+    doc="batch norm returning the saved mean and inverse standard deviation too", opinfo=("native_batch_norm",),
+    inplace=False, overloads=overloads("native_batch_norm", inplace=False, only=("native_batch_norm",)),
+    rules={"native": _running_statistics_unbatched},
+)
+define_op(
+    "_native_batch_norm_legit", "", tensors=("input", "weight", "bias", "running_mean", "running_var"),
+    doc="native_batch_norm with non-optional running statistics", opinfo=("_native_batch_norm_legit",),
+    inplace=False, overloads=overloads("_native_batch_norm_legit", inplace=False, only=("_native_batch_norm_legit",)),
+    rules={"native": _running_statistics_unbatched},
+)
+define_op(
+    "_batch_norm_with_update", "", tensors=("input", "weight", "bias", "running_mean", "running_var"),
+    doc="training-mode batch norm that updates the running statistics, with an empty reserve",
+    opinfo=("_batch_norm_with_update",), inplace=False,
+    rules={"native": rules.no_batching_rule("aten::_batch_norm_with_update", status="error",
+                                            detail="vmap raises (its fallback cannot write the running statistics)")},
+)
+define_op(
+    "instance_norm", "", tensors=("input", "weight", "bias", "running_mean", "running_var"),
+    doc="input normalized per sample and channel (use_input_stats) or with the running statistics",
+    opinfo=("nn.functional.instance_norm",), inplace=False,
+    rules={"native": _running_statistics_unbatched},
+)
+
+
+# --- writing running statistics through functorch's wrappers -------------------------------------------------------
+
+
+def _write_running(running: torch.Tensor, statistic: torch.Tensor, momentum: float,
+                   reduce: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+    """``running = (1 - momentum) * running + momentum * statistic``, in place, through functorch's wrappers.
+
+    ``statistic`` is batched (per sample) wherever the input is. At a vmap level where ``running`` is batched too,
+    each sample's slice gets its own update; at a level where ``running`` is not, ``reduce(physical, batch_dim)``
+    turns the per-sample statistics into the one value written. The write happens on the physical tensors with
+    functorch's keys disabled: an in-place op on a tensor captured from outside grad or jvp is refused by functorch,
+    and running statistics are never differentiated (PyTorch's own kernel writes them below autograd too).
+    """
+    running_level, statistic_level = maybe_get_level(running), maybe_get_level(statistic)
+    if statistic_level > running_level:  # a level only the statistic has: reduce a vmap level, peel a grad/jvp one
+        if is_batchedtensor(statistic):
+            unwrapped = reduce(get_unwrapped(statistic), maybe_get_bdim(statistic))
+        else:
+            unwrapped = get_unwrapped(statistic)
+        _write_running(running, unwrapped, momentum, reduce)
+    elif running_level > statistic_level:  # a level only running has: the statistic is the same for all its slices
+        if is_batchedtensor(running):
+            _write_running(get_unwrapped(running), statistic.unsqueeze(maybe_get_bdim(running)), momentum, reduce)
+        else:
+            _write_running(get_unwrapped(running), statistic, momentum, reduce)
+    elif running_level == -1:  # both plain
+        with torch._C._DisableFuncTorch():
+            running.mul_(1 - momentum).add_(statistic.to(running.dtype), alpha=momentum)
+    elif is_batchedtensor(running) and is_batchedtensor(statistic):
+        physical = get_unwrapped(statistic).movedim(maybe_get_bdim(statistic), maybe_get_bdim(running))
+        _write_running(get_unwrapped(running), physical, momentum, reduce)
+    elif not is_batchedtensor(running) and not is_batchedtensor(statistic):  # both wrapped by the same grad/jvp
+        _write_running(get_unwrapped(running), get_unwrapped(statistic), momentum, reduce)
+    else:  # pragma: no cover - one functorch level is either a vmap or a grad/jvp level for every tensor at it
+        raise RuntimeError(f"batch_norm: cannot write running statistics at functorch level {running_level}: one of "
+                           "running and the statistic is batched there and the other is not a batched tensor")
+
+
+def _batch_mean(physical: torch.Tensor, batch_dim: int) -> torch.Tensor:
+    return physical.mean(batch_dim)
+
+
+def _update_running(running_mean: torch.Tensor | None, running_var: torch.Tensor | None, mean: torch.Tensor,
+                    unbiased_var: torch.Tensor, momentum: float) -> None:
+    with torch.no_grad():
+        if running_mean is not None:
+            _write_running(running_mean, mean.detach(), momentum, _batch_mean)
+        if running_var is not None:
+            _write_running(running_var, unbiased_var.detach(), momentum, _batch_mean)
+
+
+def _normalized(input: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """(input - mean) / sqrt(var + eps) * weight + bias, per channel (dimension 1); mean and var have shape (C,)."""
+    shape = (1, -1) + (1,) * (input.dim() - 2)
+    out = (input - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out
+
+
+def _check_channels(op: str, input: torch.Tensor, tensors: dict[str, torch.Tensor | None]) -> None:
+    if input.dim() < 2:
+        raise ValueError(f"{op}: input must have at least 2 dimensions (N, C, ...), got shape {tuple(input.shape)}")
+    channels = input.shape[1]
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.numel() != channels:
+            raise ValueError(f"{op}: {name} has {tensor.numel()} elements, expected one per channel ({channels}) of "
+                             f"input of shape {tuple(input.shape)}")
+
+
+# --- batch_norm and its lower-level forms ----------------------------------------------------------------------
+
+
+def _batch_norm(op: str, input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool, momentum: float,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, save_mean, save_invstd) as native_batch_norm returns them (empty saved statistics in evaluation
+    mode), with the running statistics updated as the module's docstring says."""
+    _check_channels(op, input, {"weight": weight, "bias": bias, "running_mean": running_mean,
+                                "running_var": running_var})
+    if not training:
+        if running_mean is None or running_var is None:
+            raise ValueError(f"{op}: running_mean and running_var must be defined in evaluation mode "
+                             "(training=False); pass them or set training=True")
+        empty = input.new_empty(0)
+        return _normalized(input, running_mean, running_var, weight, bias, eps), empty, empty
+    dims = [0, *range(2, input.dim())]
+    var, mean = torch.var_mean(input, dims, correction=0)
+    if running_mean is not None or running_var is not None:
+        count = input.numel() // input.shape[1]
+        _update_running(running_mean, running_var, mean, var * (count / max(count - 1, 1)), momentum)
+    # PyTorch's derivatives treat the saved statistics as non-differentiable outputs (output_differentiability).
+    return _normalized(input, mean, var, weight, bias, eps), mean.detach(), torch.rsqrt(var + eps).detach()
+
+
+@register("batch_norm", "functional", name="batch_mean")
+def batch_norm_batch_mean(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
+    """Per-sample batch statistics; running statistics updated per sample where batched, else with the mean over the
+    vmap batch of the per-sample updates."""
+    return _batch_norm("batch_norm", input, weight, bias, running_mean, running_var, training, momentum, eps)[0]
+
+
+@register("native_batch_norm", "functional", name="batch_mean")
+def native_batch_norm_batch_mean(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """batch_norm's batch_mean composite, returning the saved mean and inverse standard deviation too."""
+    return _batch_norm("native_batch_norm", input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@register("_native_batch_norm_legit", "functional", name="batch_mean")
+def native_batch_norm_legit_batch_mean(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """batch_norm's batch_mean composite, returning the saved mean and inverse standard deviation too."""
+    return _batch_norm("_native_batch_norm_legit", input, weight, bias, running_mean, running_var, training,
+                       momentum, eps)
+
+
+@register("_batch_norm_with_update", "functional", name="batch_mean")
+def batch_norm_with_update_batch_mean(input, weight, bias, running_mean, running_var, momentum, eps):
+    """batch_norm's batch_mean composite in training mode, with the empty reserve PyTorch returns on CPU."""
+    out, mean, invstd = _batch_norm("_batch_norm_with_update", input, weight, bias, running_mean, running_var, True,
+                                    momentum, eps)
+    return out, mean, invstd, torch.empty(0, dtype=torch.uint8, device=input.device)
+
+
+# --- instance_norm -------------------------------------------------------------------------------------------------
+
+
+@register("instance_norm", "functional", name="batch_mean")
+def instance_norm_batch_mean(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
+                             cudnn_enabled):
+    """Statistics per sample and channel; running statistics updated with their mean over the batch (as PyTorch
+    does) and, where they are not batched under vmap, over the vmap batch too."""
+    _check_channels("instance_norm", input, {"weight": weight, "bias": bias, "running_mean": running_mean,
+                                             "running_var": running_var})
+    if not use_input_stats:
+        if running_mean is None or running_var is None:
+            raise ValueError("instance_norm: expected running_mean and running_var to be defined when "
+                             "use_input_stats is false")
+        return _normalized(input, running_mean, running_var, weight, bias, eps)
+    dims = tuple(range(2, input.dim()))
+    var, mean = torch.var_mean(input, dims, correction=0, keepdim=True)  # (N, C, 1, ...)
+    if running_mean is not None or running_var is not None:
+        count = input[0, 0].numel()
+        unbiased = var * (count / max(count - 1, 1))
+        _update_running(running_mean, running_var, mean.flatten(1).mean(0), unbiased.flatten(1).mean(0), momentum)
+    out = (input - mean) * torch.rsqrt(var + eps)
+    shape = (1, -1) + (1,) * (input.dim() - 2)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out
