@@ -422,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     survey.add_argument("--workers", type=int, default=None, help="forked worker processes (default: 2, 0: none)")
     survey.add_argument("--json", action="store_true", help="print rows and summary as JSON")
     survey.set_defaults(run=_survey)
+    from service.db_commands import add_db_command
+
+    add_db_command(commands)  # db upgrade, db current (service/db_commands.py)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
