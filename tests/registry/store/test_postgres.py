@@ -7,7 +7,6 @@ import multiprocessing
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -16,7 +15,7 @@ from sqlalchemy import make_url
 
 from registry.store.db import JobRecord, Store, StoreUnavailableError, safe_url
 from registry.store.migrate import upgrade
-from tests.pgserver import PostgresServer, PostgresUnavailableError, require_server
+from tests.pgserver import PostgresServer
 from tests.registry.store.test_store import entry
 
 BATCHES = 30  # per process
@@ -73,23 +72,6 @@ def test_two_processes_writing_at_once(request: pytest.FixtureRequest, tmp_path:
 
 
 # A write cut off mid-transaction ----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def own_server() -> Iterator[PostgresServer]:
-    """A server of this test's own, since the test kills it."""
-    server = None
-    try:
-        server = PostgresServer()
-        server.start()
-    except PostgresUnavailableError as error:
-        if server is not None:
-            server.stop()
-        if require_server():
-            pytest.fail(f"PostgreSQL tests cannot run: {error}", pytrace=False)
-        pytest.skip(f"PostgreSQL tests skipped: {error}")
-    yield server
-    server.stop()
 
 
 def _raw(url: str) -> psycopg.Connection:
@@ -159,7 +141,8 @@ def test_a_terminated_backend_mid_write_rolls_back_and_says_so(postgres_url: str
         store.close()
 
 
-def test_the_server_killed_mid_write_then_restarted(own_server: PostgresServer) -> None:
+def test_the_server_killed_mid_write_then_restarted(postgres_own_server: PostgresServer) -> None:
+    own_server = postgres_own_server
     url = own_server.create_database()
     upgrade(url)
     store, holder, writer, errors, _backend = _blocked_write(url)
