@@ -792,6 +792,12 @@ def _configure_jobs(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_jobs)
 
 
+def _configure_db(parser: argparse.ArgumentParser) -> None:
+    from service.db_commands import configure_db
+
+    configure_db(parser)  # db upgrade, db current (service/db_commands.py)
+
+
 # --- the table of subcommands ----------------------------------------------------------------------------------------
 
 
@@ -820,6 +826,8 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("survey-results", "show the stored survey rows", _configure_survey_results, reads=True),
     Subcommand("jobs", "show the verify and profile jobs the service has run or queued", _configure_jobs,
                reads=True),
+    Subcommand("db", "the store's schema: show its revision (db current), or upgrade it (db upgrade)",
+               _configure_db),
 ]
 
 
