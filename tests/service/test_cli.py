@@ -478,9 +478,9 @@ def test_a_subcommand_plugs_in_as_one_row(monkeypatch: pytest.MonkeyPatch,
         step.add_argument("--to", default="head", help="the revision (default: head)")
         step.set_defaults(run=upgrade)
 
-    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, cli.Subcommand("db", "manage the store", configure)])
-    assert _run(["db", "upgrade"], capsys)[:2] == (0, "upgraded to head\n")
-    assert _run(["db", "upgrade", "--to", "bad"], capsys)[::2] == (
-        2, "multicomposite db: no revision 'bad'; revisions: head\n")
-    assert _run(["db", "downgrade"], capsys)[0] == 2
+    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, cli.Subcommand("plug", "manage the store", configure)])
+    assert _run(["plug", "upgrade"], capsys)[:2] == (0, "upgraded to head\n")
+    assert _run(["plug", "upgrade", "--to", "bad"], capsys)[::2] == (
+        2, "multicomposite plug: no revision 'bad'; revisions: head\n")
+    assert _run(["plug", "downgrade"], capsys)[0] == 2
     assert [f"{w} {a.dest}" for w, a in _actions(cli.build_parser()) if not a.help] == []
