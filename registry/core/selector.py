@@ -74,7 +74,14 @@ def unknown_op_message(op: str) -> str:
     op = shorten(op)  # an error never echoes more than a short prefix of what was sent
     close = difflib.get_close_matches(op, OPS, n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else "."
-    return f"unknown op {op!r}{hint} Covered ops: {', '.join(OPS)}"
+    return f"unknown op {op!r}{hint} {covered_ops()}"
+
+
+def covered_ops() -> str:
+    """How an error names the covered ops: every name while they are few, else the count and where to list them."""
+    if len(OPS) <= 8:
+        return f"Covered ops: {', '.join(OPS)}"
+    return f"{len(OPS)} ops are covered: list them with `multicomposite ops` or GET /ops"
 
 
 def _describe(ctx: Context) -> str:
