@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import registry
 from service.cli import main
 from service.settings import Settings, SettingsError, load_settings
 
@@ -27,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
      "multicomposite profile: argument --device: device 'tpu' is not available here; devices: cpu (a type, "
      "optionally with an index: cuda:0) (see multicomposite profile --help)"),
     ("verify --op nope",
-     "multicomposite verify: argument --op: unknown op 'nope'. Covered ops: index_add, index_copy, index_fill, "
-     "masked_fill, masked_scatter, contiguous, to (see multicomposite verify --help)"),
+     # every covered op, in definition order (the families add theirs: take, put, ...)
+     f"multicomposite verify: argument --op: unknown op 'nope'. Covered ops: {', '.join(registry.OPS)} "
+     "(see multicomposite verify --help)"),
     ("matrix --png /nonexistent/dir/m.png",
      "multicomposite matrix: argument --png: the folder /nonexistent/dir does not exist; create it, or write the "
      "PNG elsewhere (see multicomposite matrix --help)"),
