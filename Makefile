@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 
 lint: $(STAMP)
 	$(PY) -m ruff check registry composites service tests bench
-	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/hadolint Dockerfile containers/postgres/Containerfile
 
 # The dashboard's browser test drives Debian's chromium through chromium-driver (Selenium). As root, make installs
 # them; otherwise it says how, and that test skips. As root a missing browser then fails the test instead.
