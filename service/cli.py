@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import registry
 from registry.core.stacks import canonical_workload, format_stack, parse_bounded_stack, shorten
+from service.worker import add_worker_command
 
 if TYPE_CHECKING:
     from registry.store.db import Store
@@ -422,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     survey.add_argument("--workers", type=int, default=None, help="forked worker processes (default: 2, 0: none)")
     survey.add_argument("--json", action="store_true", help="print rows and summary as JSON")
     survey.set_defaults(run=_survey)
+    add_worker_command(commands)  # `multicomposite worker`: service/worker.py
     args = parser.parse_args(argv)
     try:
         return args.run(args)
