@@ -15,6 +15,7 @@
 #   BASE_IMAGE=localhost/bookworm-min    the base of both images; the default is debootstrapped here when missing
 #                                        (no image registry is needed); set python:3.11-slim where one is reachable
 #   SMOKE_KEEP=1                         leave the stack running at the end (tear it down with the printed command)
+#   SMOKE_EXTRA_COMPOSE=FILE             one more compose file, merged last (to try a change without editing these)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,6 +41,10 @@ case "$NETWORK" in
     bridge) COMPOSE_FILES=(-f compose.yaml); PG_HOST=postgres ;;
     *) fail "SMOKE_NETWORK=$NETWORK is not a mode; use host or bridge" ;;
 esac
+if [ -n "${SMOKE_EXTRA_COMPOSE:-}" ]; then
+    [ -f "$SMOKE_EXTRA_COMPOSE" ] || fail "SMOKE_EXTRA_COMPOSE=$SMOKE_EXTRA_COMPOSE is not a file"
+    COMPOSE_FILES+=(-f "$SMOKE_EXTRA_COMPOSE")
+fi
 
 # --- tools -------------------------------------------------------------------------------------------------------
 missing=()
@@ -147,8 +152,18 @@ ready_s=$(seconds_since "$started")
 echo "first ready (from the start of up): $ready_s s"
 
 # --- checks ------------------------------------------------------------------------------------------------------
-service_id=$("${PODMAN[@]}" ps -q --filter "label=io.podman.compose.project=$PROJECT" \
-    --filter "label=com.docker.compose.service=service")
+container_of() {
+    "${PODMAN[@]}" ps -a -q --filter "label=io.podman.compose.project=$PROJECT" \
+        --filter "label=com.docker.compose.service=$1"
+}
+# The schema came from the migrate container (the service only waited for it): it must have finished, and cleanly.
+migrate_id=$(container_of migrate)
+[ -n "$migrate_id" ] || fail "no migrate container in project $PROJECT"
+migrate_exit=$(timeout 60 "${PODMAN[@]}" wait "$migrate_id") \
+    || { show_logs; fail "migrate (multicomposite db upgrade) has not exited 60 s after the service was ready"; }
+[ "$migrate_exit" = 0 ] || { show_logs; fail "migrate (multicomposite db upgrade) exited $migrate_exit, not 0"; }
+echo "migrate: exited 0"
+service_id=$(container_of service)
 [ -n "$service_id" ] || fail "no running container for the service in project $PROJECT"
 # The answer must come from the container: its own loopback (the same as the host's under host networking, a
 # different one under bridge) serves the same page.
@@ -179,14 +194,12 @@ for _ in $(seq 1 240); do
 done
 [ "$state" = done ] || { show_logs; fail "verify job $job_id ended $state, not done: $job"; }
 echo "verify job $job_id: done"
-worker_id=$("${PODMAN[@]}" ps -q --filter "label=io.podman.compose.project=$PROJECT" \
-    --filter "label=com.docker.compose.service=worker")
+worker_id=$(container_of worker)
 [ -n "$worker_id" ] || fail "no running worker container in project $PROJECT"
 "${PODMAN[@]}" logs "$worker_id" 2>&1 | grep -q "$job_id" \
     || { show_logs; fail "the worker's log never names job $job_id: it did not run there"; }
 echo "verify job $job_id: ran on the worker"
-postgres_id=$("${PODMAN[@]}" ps -q --filter "label=io.podman.compose.project=$PROJECT" \
-    --filter "label=com.docker.compose.service=postgres")
+postgres_id=$(container_of postgres)
 rows=$("${PODMAN[@]}" exec "$postgres_id" psql -h /var/run/postgresql -p "$PG_PORT" -U multicomposite -d multicomposite \
     -tAc "SELECT count(*) FROM matrix_entries WHERE op = 'index_fill'") || fail "psql in the postgres container failed"
 [ "${rows:-0}" -gt 0 ] || fail "PostgreSQL holds no matrix_entries rows for index_fill after the verify job"

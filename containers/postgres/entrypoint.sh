@@ -25,7 +25,7 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
         # A private socket directory and no TCP listener: nothing can connect before the database exists.
         postgres -D "$PGDATA" -c listen_addresses='' -c unix_socket_directories=/tmp -p "$PGPORT" &
         setup_pid=$!
-        until pg_isready -q -h /tmp -p "$PGPORT"; do sleep 0.2; done
+        until pg_isready -q -h /tmp -p "$PGPORT" -U "$POSTGRES_USER" -d postgres; do sleep 0.2; done
         createdb -h /tmp -p "$PGPORT" -U "$POSTGRES_USER" "$POSTGRES_DB"
         kill -TERM "$setup_pid"
         wait "$setup_pid" || true
