@@ -8,8 +8,9 @@
 #
 # Settings (environment):
 #   MC_HTTP_PORT=8700 MC_PG_PORT=55500   ports; with host networking they are the host's and must be free
-#   SMOKE_NETWORK=host                   host: every container on the host's network (compose.host.yaml; needed
-#                                        where containers get no network of their own); bridge: compose's own network
+#   SMOKE_NETWORK=bridge                 bridge: compose.yaml as it is, the stack on a network of its own, the
+#                                        service's port published; host: plus compose.host.yaml, every container on
+#                                        the host's network (where containers get no network of their own)
 #   PODMAN_RUNTIME=runc                  the OCI runtime podman uses (crun refuses this sandbox's cgroups); empty:
 #                                        podman's default
 #   BASE_IMAGE=localhost/bookworm-min    the base of both images; the default is debootstrapped here when missing
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.."
 
 HTTP_PORT=${MC_HTTP_PORT:-8700}
 PG_PORT=${MC_PG_PORT:-55500}
-NETWORK=${SMOKE_NETWORK:-host}
+NETWORK=${SMOKE_NETWORK:-bridge}
 RUNTIME=${PODMAN_RUNTIME-runc}
 BASE=${BASE_IMAGE:-localhost/bookworm-min}
 ROOTFS=${ROOTFS:-/var/tmp/multicomposite-bookworm}
@@ -67,7 +68,8 @@ fi
 COMPOSE=${PODMAN_COMPOSE:-}
 if [ -z "$COMPOSE" ]; then
     COMPOSE=.venv-compose/bin/podman-compose
-    if ! "$COMPOSE" --version 2>/dev/null | grep -q "podman-compose version $COMPOSE_VERSION"; then
+    installed=$("$COMPOSE" --version 2>/dev/null || true)
+    if [[ "$installed" != *"podman-compose version $COMPOSE_VERSION"* ]]; then
         echo "installing podman-compose $COMPOSE_VERSION into .venv-compose"
         python3 -m venv .venv-compose || fail "python3 -m venv failed; install python3-venv"
         .venv-compose/bin/pip install --quiet "podman-compose==$COMPOSE_VERSION" \
@@ -75,7 +77,7 @@ if [ -z "$COMPOSE" ]; then
     fi
 fi
 PODMAN=(podman ${RUNTIME:+--runtime "$RUNTIME"})
-COMPOSE_CMD=("$COMPOSE" -p "$PROJECT" ${RUNTIME:+--podman-args "--runtime $RUNTIME"} "${COMPOSE_FILES[@]}")
+COMPOSE_CMD=("$COMPOSE" --no-ansi -p "$PROJECT" ${RUNTIME:+--podman-args "--runtime $RUNTIME"} "${COMPOSE_FILES[@]}")
 
 # --- base image: a local Debian when no registry can be reached -----------------------------------------------------
 if [ "$BASE" = localhost/bookworm-min ] && ! "${PODMAN[@]}" image exists "$BASE"; then
@@ -196,8 +198,10 @@ done
 echo "verify job $job_id: done"
 worker_id=$(container_of worker)
 [ -n "$worker_id" ] || fail "no running worker container in project $PROJECT"
-"${PODMAN[@]}" logs "$worker_id" 2>&1 | grep -q "$job_id" \
-    || { show_logs; fail "the worker's log never names job $job_id: it did not run there"; }
+# The worker logs "job ID: done" when it has run a job (service/worker.py).
+worker_log=$("${PODMAN[@]}" logs "$worker_id" 2>&1)
+[[ "$worker_log" == *"job $job_id: done"* ]] \
+    || { show_logs; fail "the worker's log has no \"job $job_id: done\": the job did not run there"; }
 echo "verify job $job_id: ran on the worker"
 postgres_id=$(container_of postgres)
 rows=$("${PODMAN[@]}" exec "$postgres_id" psql -h /var/run/postgresql -p "$PG_PORT" -U multicomposite -d multicomposite \
