@@ -424,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     survey.add_argument("--json", action="store_true", help="print rows and summary as JSON")
     survey.set_defaults(run=_survey)
     add_worker_command(commands)  # `multicomposite worker`: service/worker.py
+    from service.db_commands import add_db_command
+
+    add_db_command(commands)  # db upgrade, db current (service/db_commands.py)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

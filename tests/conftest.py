@@ -45,11 +45,22 @@ def postgres_server() -> Iterator[PostgresServer]:
 
 
 @pytest.fixture
-def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
-    """A new database on the session's server, dropped after the test: ``Store(postgres_url)`` opens it."""
+def postgres_empty_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """A new database on the session's server with no tables at all, dropped after the test (for migrations and
+    for the store's refusal to open an unmigrated server database)."""
     url = postgres_server.create_database()
     yield url
     postgres_server.drop_database(url)
+
+
+@pytest.fixture
+def postgres_url(postgres_empty_url: str) -> str:
+    """A new database holding the store's schema at the newest revision (``multicomposite db upgrade`` ran):
+    ``Store(postgres_url)`` opens it."""
+    from registry.store.migrate import upgrade
+
+    upgrade(postgres_empty_url)
+    return postgres_empty_url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
