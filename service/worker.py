@@ -174,12 +174,12 @@ def resolve_kind(requested: str | None, device: str, available: Iterable[str]) -
         if len(matching) == 1:
             return matching[0]
         if not matching:
-            raise ValueError(f"no worker runs device type {device!r}; device kinds: {', '.join(available)}")
+            raise ValueError(f"no device kind of type {device!r} is available; device kinds: {', '.join(available)}")
         raise ValueError(f"several device kinds are of type {device!r} ({', '.join(matching)}); name one in "
                          "device_kind")
     check_kind(requested)
     if requested not in available:
-        raise ValueError(f"device kind {requested!r} is not run by any worker; device kinds: {', '.join(available)}")
+        raise ValueError(f"device kind {requested!r} is not available; device kinds: {', '.join(available)}")
     if kind_device_type(requested) != device:
         raise ValueError(f"device kind {requested!r} does not run device {device!r}; send device "
                          f"{kind_device_type(requested)!r} with it")
