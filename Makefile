@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
 
-.PHONY: venv test lint serve bench bench-api clean browser-deps
+.PHONY: venv test lint serve bench bench-api clean browser-deps postgres-deps
 
 venv: $(STAMP)
 
@@ -36,8 +36,21 @@ browser-deps:
 			"install them with: sudo apt-get install chromium chromium-driver fonts-dejavu-core"; \
 	fi
 
-test: $(STAMP) lint browser-deps
-	DASHBOARD_TEST_REQUIRE_BROWSER=$(AS_ROOT) $(PY) -m pytest
+# The PostgreSQL store's tests start a throwaway server (tests/pgserver.py) from Debian's postgresql package. As root,
+# make installs it; otherwise it says how, and those tests skip. As root a missing server then fails them instead.
+postgres-deps:
+	@if ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || [ -n "$$POSTGRES_BIN_DIR" ]; then :; \
+	elif [ "$(AS_ROOT)" = 1 ] && command -v apt-get >/dev/null; then \
+		echo "installing postgresql for the PostgreSQL store's tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			postgresql >/dev/null; \
+	else \
+		echo "note: the PostgreSQL store's tests need PostgreSQL's server binaries and skip without them;" \
+			"install them with: sudo apt-get install postgresql (or set POSTGRES_BIN_DIR to their folder)"; \
+	fi
+
+test: $(STAMP) lint browser-deps postgres-deps
+	DASHBOARD_TEST_REQUIRE_BROWSER=$(AS_ROOT) POSTGRES_TEST_REQUIRE_SERVER=$(AS_ROOT) $(PY) -m pytest
 
 serve: $(STAMP)
 	$(VENV)/bin/multicomposite serve

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from registry.store import evidence
-from registry.store.db import Store, StoreUnavailableError
+from registry.store.db import Store, StoreUnavailableError, safe_url
 
 
 @dataclass(frozen=True)
@@ -111,9 +111,12 @@ class StoreState:
         start)."""
         try:
             store = Store(self.url)
+        except StoreUnavailableError:
+            raise  # says what is wrong and what to do already
         except Exception as error:
             first = (str(error).strip().splitlines() or [""])[0]
-            raise StoreUnavailableError(f"the store at {self.url or 'the default URL'} cannot be opened: "
+            shown = safe_url(self.url) if self.url else "the default URL"
+            raise StoreUnavailableError(f"the store at {shown} cannot be opened: "
                                         f"{type(error).__name__}: {first}") from error
         store.check()
         self.store = store

@@ -1,5 +1,7 @@
 import os
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -7,6 +9,7 @@ import pytest
 os.environ["MULTICOMPOSITE_DB"] = f"sqlite:///{tempfile.mkdtemp(prefix='multicomposite-tests-')}/store.db"
 
 import registry
+from tests.pgserver import PostgresServer, PostgresUnavailableError, require_server
 
 
 @pytest.fixture(autouse=True)
@@ -16,3 +19,43 @@ def _no_leftover_routing():
     assert not registry.routing_active()
     yield
     assert not registry.routing_active(), "a test left a use() frame open"
+
+
+# PostgreSQL ------------------------------------------------------------------------------------------------------
+# One throwaway cluster per test session (tests/pgserver.py), started on first use; each test that asks for
+# ``postgres_url`` gets a new database on it, with the store's schema, dropped afterwards. Without the server
+# binaries these tests skip, saying how to install them; under ``make test`` as root (POSTGRES_TEST_REQUIRE_SERVER=1,
+# after the Makefile installed the package) they fail instead.
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    server = None
+    try:
+        server = PostgresServer()
+        server.start()
+    except PostgresUnavailableError as error:
+        if server is not None:
+            server.stop()
+        if require_server():
+            pytest.fail(f"PostgreSQL tests cannot run: {error}", pytrace=False)
+        pytest.skip(f"PostgreSQL tests skipped: {error}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """A new database on the session's server, dropped after the test: ``Store(postgres_url)`` opens it."""
+    url = postgres_server.create_database()
+    yield url
+    postgres_server.drop_database(url)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh store's URL, once on SQLite (a file in tmp_path) and once on PostgreSQL: for tests of the store's
+    behaviour, which must be the same on both."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    return request.getfixturevalue("postgres_url")

@@ -6,13 +6,16 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Column,
+    Connection,
     Engine,
     Float,
     Integer,
@@ -29,7 +32,9 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.engine import Row
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Row, make_url
+from sqlalchemy.exc import OperationalError
 
 from registry.core.stacks import format_stack, split_stack
 
@@ -118,14 +123,15 @@ _profiles = Table(
     Column("dtype", String(50), nullable=False),
     Column("device", String(50), nullable=False),
     Column("device_name", String(200), nullable=False),
-    Column("numel_bucket", Integer, nullable=False),
+    # 64 bits: a CUDA tensor's element count or peak memory passes 2**31 (PostgreSQL's INTEGER is 32 bits).
+    Column("numel_bucket", BigInteger, nullable=False),
     Column("batch_size", Integer, nullable=False),
     Column("valid", Integer, nullable=False),
     Column("detail", Text, nullable=False),
     Column("median_us", Float, nullable=True),
     Column("iqr_us", Float, nullable=True),
     Column("runs", Integer, nullable=False),
-    Column("peak_memory", Integer, nullable=True),
+    Column("peak_memory", BigInteger, nullable=True),
     Column("source_hash", String(200), nullable=False),
     Column("torch_version", String(100), nullable=False),
     UniqueConstraint("op", "composite", "workload", "dtype", "device", "device_name", "numel_bucket", "batch_size",
@@ -141,7 +147,7 @@ _meta = Table(
     "store_meta",
     _metadata,
     Column("key", String(100), primary_key=True),
-    Column("value", Integer, nullable=False),
+    Column("value", BigInteger, nullable=False),
 )
 GENERATION = "generation"
 SCHEMA_VERSION = "schema_version"
@@ -229,6 +235,40 @@ def process_alive(owner: str) -> bool:
 
 class StoreUnavailableError(RuntimeError):
     """The store cannot be opened or read: a missing folder, a file that is not a database, a server down."""
+
+
+def safe_url(url: str) -> str:
+    """``url`` with its password masked (``***``): what messages and logs may show of a server URL."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy can parse: nothing in it to hide that we could find
+        return url
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], key: tuple[str, ...]) -> None:
+    """Insert ``rows`` (unique by ``key`` among themselves), each replacing the stored row with the same ``key``.
+
+    SQLite and PostgreSQL get ``INSERT ... ON CONFLICT (key) DO UPDATE``: one statement per row that either inserts or
+    updates, atomic on PostgreSQL even against a concurrent writer of the same key (a delete-then-insert there lets
+    two transactions both find nothing to delete, and the second insert fails on the unique key). Rows go in key
+    order, so concurrent writers lock shared keys in the same order and cannot deadlock on them. Other backends get
+    the portable delete-then-insert.
+    """
+    rows = sorted(rows, key=lambda row: tuple(row[name] for name in key))
+    dialect = conn.dialect.name
+    if dialect in ("postgresql", "sqlite"):
+        insert = (postgresql if dialect == "postgresql" else sqlite).insert(table)
+        replaced = {column.name: insert.excluded[column.name] for column in table.columns
+                    if column.name not in key and not column.primary_key}
+        conn.execute(insert.on_conflict_do_update(index_elements=list(key), set_=replaced), rows)
+        return
+    key_match = and_(*(table.c[name] == bindparam(f"k_{name}") for name in key))
+    conn.execute(table.delete().where(key_match), [{f"k_{name}": row[name] for name in key} for row in rows])
+    conn.execute(table.insert(), rows)
 
 
 def default_url() -> str:
@@ -342,7 +382,15 @@ class Store:
         """Open the store at ``url``; with ``create``, make missing tables and bring old rows to this schema (once,
         when a process opens it: a server does it in its lifespan, never per request)."""
         self.url = url if url is not None else default_url()
-        self.engine: Engine = create_engine(self.url)
+        self.display_url = safe_url(self.url)  # for messages: never the password
+        options: dict[str, Any] = {}
+        if not self.url.startswith("sqlite"):
+            # A server restarts, or ends idle connections: test each pooled connection before handing it out, so
+            # the first request after a restart gets a new one instead of an error.
+            options["pool_pre_ping"] = True
+            if "connect_timeout" not in make_url(self.url).query:
+                options["connect_args"] = {"connect_timeout": 10}  # a server that is down: fail in seconds
+        self.engine: Engine = create_engine(self.url, **options)
         self._sqlite = self.engine.dialect.name == "sqlite"
         if self._sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -369,11 +417,45 @@ class Store:
 
     @staticmethod
     def _bump(conn: Any) -> None:
+        """Count one write of evidence. Called first in a writing transaction: on PostgreSQL the row lock it takes
+        queues evidence writers one after another (as SQLite's one writer does), so their upserts never deadlock,
+        and the counter, read and incremented under that lock, counts every write."""
         conn.execute(update(_meta).where(_meta.c.key == GENERATION).values(value=_meta.c.value + 1))
+
+    @contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        """A connection for reads; a lost or refused connection becomes StoreUnavailableError saying so."""
+        try:
+            with self.engine.connect() as conn:
+                yield conn
+        except OperationalError as error:
+            raise StoreUnavailableError(f"the store at {self.display_url} cannot be read: {type(error).__name__}: "
+                                        f"{_first_line(error)}") from error
+
+    @contextmanager
+    def _writing(self) -> Iterator[Connection]:
+        """One transaction, committed when the block ends. A lost or refused connection (a server killed or
+        restarted, a backend terminated, SQLite's file locked past the timeout) becomes StoreUnavailableError:
+        before the commit, the transaction was rolled back by the database and nothing of it is stored; during the
+        commit, whether it was stored cannot be known from here."""
+        stage = "write"
+        try:
+            with self.engine.connect() as conn, conn.begin():
+                yield conn
+                stage = "commit"
+        except OperationalError as error:
+            cause = f"{type(error).__name__}: {_first_line(error)}"
+            if stage == "commit":
+                raise StoreUnavailableError(f"the store at {self.display_url} failed while committing a write "
+                                            f"({cause}); whether it was stored is unknown, read it back once the "
+                                            "store answers again") from error
+            raise StoreUnavailableError(f"the store at {self.display_url} failed during a write ({cause}); it was "
+                                        "rolled back, nothing of it is stored; retry once the store answers "
+                                        "again") from error
 
     def generation(self) -> int:
         """How many times evidence was written: compare it with a remembered value to see whether to reload."""
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             value = conn.execute(select(_meta.c.value).where(_meta.c.key == GENERATION)).scalar()
         return int(value or 0)
 
@@ -398,10 +480,11 @@ class Store:
                     raise StoreUnavailableError(f"the store file {path} is not a SQLite database (bad header)")
         try:
             self.generation()
+        except StoreUnavailableError:
+            raise
         except Exception as error:  # any driver error is the answer
-            first = (str(error).strip().splitlines() or [""])[0]
-            raise StoreUnavailableError(f"the store at {self.url} cannot be read: {type(error).__name__}: "
-                                        f"{first}") from error
+            raise StoreUnavailableError(f"the store at {self.display_url} cannot be read: {type(error).__name__}: "
+                                        f"{_first_line(error)}") from error
 
     def __enter__(self) -> Store:
         return self
@@ -419,13 +502,9 @@ class Store:
         if not given:
             return 0
         rows = list({tuple(row[name] for name in _KEY): row for row in given}.values())
-        # Delete-then-insert is a portable upsert; both run in one transaction so the replacement is atomic.
-        key_match = and_(*(_matrix.c[name] == bindparam(f"k_{name}") for name in _KEY))
-        deletes = [{f"k_{name}": row[name] for name in _KEY} for row in rows]
-        with self.engine.begin() as conn:
-            conn.execute(_matrix.delete().where(key_match), deletes)
-            conn.execute(_matrix.insert(), rows)
+        with self._writing() as conn:
             self._bump(conn)
+            upsert(conn, _matrix, rows, _KEY)
         return len(given)
 
     def entries(
@@ -442,7 +521,7 @@ class Store:
         query = query.order_by(
             _matrix.c.op, _matrix.c.composite, _matrix.c.stack, _matrix.c.pattern, _matrix.c.dtype, _matrix.c.id
         )
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             return [_from_row(row) for row in conn.execute(query)]
 
     def fresh_entries(
@@ -455,7 +534,7 @@ class Store:
         query = query.order_by(
             _matrix.c.op, _matrix.c.composite, _matrix.c.stack, _matrix.c.pattern, _matrix.c.dtype, _matrix.c.id
         )
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             rows = [_from_row(row) for row in conn.execute(query)]
         return [e for e in rows if source_hashes.get((e.op, e.composite)) == e.source_hash]
 
@@ -465,12 +544,9 @@ class Store:
         if not rows:
             return 0
         unique = list({tuple(row[name] for name in _PROFILE_KEY): row for row in rows}.values())
-        key_match = and_(*(_profiles.c[name] == bindparam(f"k_{name}") for name in _PROFILE_KEY))
-        with self.engine.begin() as conn:
-            conn.execute(_profiles.delete().where(key_match),
-                         [{f"k_{name}": row[name] for name in _PROFILE_KEY} for row in unique])
-            conn.execute(_profiles.insert(), unique)
+        with self._writing() as conn:
             self._bump(conn)
+            upsert(conn, _profiles, unique, _PROFILE_KEY)
         return len(rows)
 
     def profiles(self, *, op: str | None = None, stack: tuple[str, ...] | None = None, dtype: str | None = None,
@@ -484,12 +560,12 @@ class Store:
             query = query.where(_profiles.c.stack == _encode_stack(tuple(stack)))
         query = query.order_by(_profiles.c.op, _profiles.c.workload, _profiles.c.numel_bucket,
                                _profiles.c.batch_size, _profiles.c.composite)
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             return [_profile_from_row(row) for row in conn.execute(query)]
 
     def profile_devices(self) -> list[str]:
         """The device types stored timings name (one indexed scan, no rows built)."""
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             return sorted(row[0] for row in conn.execute(select(_profiles.c.device).distinct()))
 
     def fresh_profiles(self, *, source_hashes: Mapping[tuple[str, str], str], torch_version: str,
@@ -500,34 +576,34 @@ class Store:
 
     def clear(self) -> None:
         """Delete every row."""
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
+            self._bump(conn)
             conn.execute(_matrix.delete())
             conn.execute(_profiles.delete())
-            self._bump(conn)
 
     # Jobs ------------------------------------------------------------------------------------------------------
 
     def add_job(self, job: JobRecord) -> None:
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             conn.execute(_jobs.insert(), [_job_row(job)])
 
     def update_job(self, job_id: str, **values: Any) -> None:
         if "result" in values and values["result"] is not None:
             values["result"] = json.dumps(values["result"])
         values["updated_at"] = time.time()
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             conn.execute(update(_jobs).where(_jobs.c.id == job_id).values(**values))
 
     def cancel_job(self, job_id: str) -> JobRecord | None:
         """Cancel ``job_id`` if it is still queued (one statement: a worker cannot start it in between)."""
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "queued")
                          .values(state="cancelled", finished_at=now, updated_at=now))
         return self.job(job_id)
 
     def job(self, job_id: str) -> JobRecord | None:
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             row = conn.execute(select(_jobs).where(_jobs.c.id == job_id)).first()
         return _job_from_row(row) if row is not None else None
 
@@ -536,13 +612,13 @@ class Store:
         query = select(_jobs).order_by(_jobs.c.created_at, _jobs.c.id)
         if states is not None:
             query = query.where(_jobs.c.state.in_(list(states)))
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             return [_job_from_row(row) for row in conn.execute(query)]
 
     def job_counts(self) -> dict[str, int]:
         from sqlalchemy import func
 
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             return {state: count for state, count in
                     conn.execute(select(_jobs.c.state, func.count()).group_by(_jobs.c.state))}
 
@@ -551,8 +627,10 @@ class Store:
         ``queued`` jobs of a gone process pass to ``owner``. Returns (interrupted ids, queued jobs to run)."""
         now = time.time()
         interrupted, adopted = [], []
-        with self.engine.begin() as conn:
-            for row in conn.execute(select(_jobs).where(_jobs.c.state.in_(("running", "queued")))).all():
+        with self._writing() as conn:
+            # FOR UPDATE (PostgreSQL): two servers recovering at once do not both adopt a job.
+            pending = select(_jobs).where(_jobs.c.state.in_(("running", "queued"))).with_for_update()
+            for row in conn.execute(pending).all():
                 job = _job_from_row(row)
                 if job.owner == owner or process_alive(job.owner):
                     continue
@@ -570,7 +648,7 @@ class Store:
 
     def prune_jobs(self, finished_before: float) -> int:
         """Delete finished jobs (done, failed, cancelled, interrupted) that finished before ``finished_before``."""
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             result = conn.execute(_jobs.delete().where(_jobs.c.state.in_(FINISHED_JOB_STATES),
                                                        _jobs.c.finished_at < finished_before))
         return result.rowcount or 0
@@ -578,18 +656,18 @@ class Store:
     # Benchmarking runs -----------------------------------------------------------------------------------------
 
     def begin_run(self, kind: str) -> int:
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             result = conn.execute(_runs.insert(), [{"kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
                                                     "started_at": time.time(), "finished_at": None}])
             return int(result.inserted_primary_key[0])
 
     def end_run(self, run_id: int) -> None:
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             conn.execute(update(_runs).where(_runs.c.id == run_id).values(finished_at=time.time()))
 
     def overlapping_runs(self, run_id: int) -> list[BenchRun]:
         """Other runs whose time overlapped run ``run_id`` (an unfinished one counts while its process lives)."""
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             mine = conn.execute(select(_runs).where(_runs.c.id == run_id)).one()
             end = mine.finished_at if mine.finished_at is not None else time.time()
             rows = conn.execute(select(_runs).where(_runs.c.id != run_id, _runs.c.started_at < end)).all()
@@ -606,7 +684,7 @@ class Store:
         """SQLite's ``PRAGMA integrity_check`` answered "ok"; always True for other backends."""
         if not self._sqlite:
             return True
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             answers = [str(row[0]) for row in conn.execute(text("PRAGMA integrity_check"))]
         return answers == ["ok"]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Column, Float, Integer, String, Table, Text, UniqueConstraint, and_, bindparam, select
+from sqlalchemy import Column, Float, Integer, String, Table, Text, UniqueConstraint, select
 
-from registry.store.db import STATUSES, Store, _metadata
+from registry.store.db import STATUSES, Store, _metadata, upsert
 
 survey_results = Table(
     "survey_results",
@@ -58,10 +58,8 @@ def write_survey(store: Store, rows: Iterable[Any]) -> int:
     if not given:
         return 0
     unique = list({tuple(row[k] for k in _KEY): row for row in given}.values())
-    key_match = and_(*(survey_results.c[k] == bindparam(f"k_{k}") for k in _KEY))
-    with store.engine.begin() as conn:
-        conn.execute(survey_results.delete().where(key_match), [{f"k_{k}": row[k] for k in _KEY} for row in unique])
-        conn.execute(survey_results.insert(), unique)
+    with store._writing() as conn:
+        upsert(conn, survey_results, unique, _KEY)
     return len(given)
 
 
@@ -74,5 +72,5 @@ def survey_rows(store: Store, *, torch_version: str | None = None, op: str | Non
             query = query.where(survey_results.c[column] == value)
     query = query.order_by(survey_results.c.op, survey_results.c.stack, survey_results.c.batching,
                            survey_results.c.dtype)
-    with store.engine.connect() as conn:
+    with store._reading() as conn:
         return [{c: row._mapping[c] for c in _COLUMNS} for row in conn.execute(query)]

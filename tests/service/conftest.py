@@ -21,8 +21,19 @@ def _default_evidence() -> Iterator[None]:
     evidence.use_profile_loader(None)
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A module that sets ``STORE_BACKENDS = ("sqlite", "postgres")`` runs each of its tests that use a store
+    (``db_url``, ``serve``) once per backend: the service must behave the same on both."""
+    backends = getattr(metafunc.module, "STORE_BACKENDS", None)
+    if backends and "db_url" in metafunc.fixturenames:
+        metafunc.parametrize("db_url", backends, indirect=True)
+
+
 @pytest.fixture
-def db_url(tmp_path: Path) -> str:
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """This test's own store: a SQLite file in tmp_path, or a new PostgreSQL database (see pytest_generate_tests)."""
+    if getattr(request, "param", "sqlite") == "postgres":
+        return request.getfixturevalue("postgres_url")
     return f"sqlite:///{tmp_path / 'store.db'}"
 
 

@@ -7,6 +7,9 @@ from fastapi.testclient import TestClient
 
 from service.cli import main
 
+# Each test that uses a store runs on SQLite and on PostgreSQL (tests/service/conftest.py).
+STORE_BACKENDS = ("sqlite", "postgres")
+
 
 @pytest.fixture
 def client(serve) -> TestClient:

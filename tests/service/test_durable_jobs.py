@@ -19,6 +19,9 @@ from registry.store.db import JobRecord, Store
 ROOT = Path(__file__).resolve().parents[2]
 DEAD = f"{socket.gethostname()}:999999999"  # a process id no process has
 
+# Each test that uses a store runs on SQLite and on PostgreSQL (tests/service/conftest.py).
+STORE_BACKENDS = ("sqlite", "postgres")
+
 
 def _wait(client: TestClient, job_id: str, timeout: float = 60) -> dict:
     deadline = time.monotonic() + timeout
@@ -72,9 +75,9 @@ def test_finished_jobs_are_pruned_after_the_retention(serve, db_url: str) -> Non
     assert client.get("/jobs/old-but-queued").json()["state"] == "cancelled"
 
 
-def test_kill_9_during_a_job_then_restart(tmp_path: Path) -> None:
+def test_kill_9_during_a_job_then_restart(db_url: str) -> None:
     """The issue's "done when": the job is reported interrupted, queued jobs run, the store passes its check."""
-    url = f"sqlite:///{tmp_path / 's.db'}"
+    url = db_url
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MULTICOMPOSITE_DB": url}
 
     def start() -> tuple[subprocess.Popen, str]:

@@ -19,6 +19,9 @@ from registry.store.db import StoreUnavailableError
 from service.main import create_app
 from service.settings import Settings
 
+# Each test that uses a store runs on SQLite and on PostgreSQL (tests/service/conftest.py).
+STORE_BACKENDS = ("sqlite", "postgres")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

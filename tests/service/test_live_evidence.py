@@ -18,6 +18,9 @@ from registry.store.db import ProfileEntry, Store
 ROOT = Path(__file__).resolve().parents[2]
 QUERY = {"op": "masked_fill", "stack": "vmap", "batched": "self", "dtype": "float32"}
 
+# Each test that uses a store runs on SQLite and on PostgreSQL (tests/service/conftest.py).
+STORE_BACKENDS = ("sqlite", "postgres")
+
 # Another process writes what `multicomposite verify` would for this context: functional ok under vmap.
 WRITER = textwrap.dedent("""
     import sys, torch

@@ -11,6 +11,9 @@ from fastapi.testclient import TestClient
 from registry.harness.verify import source_hashes
 from registry.store.db import MatrixEntry, ProfileEntry, Store
 
+# Each test that uses a store runs on SQLite and on PostgreSQL (tests/service/conftest.py).
+STORE_BACKENDS = ("sqlite", "postgres")
+
 HASHES = source_hashes()
 STACKS = [(), ("vmap",), ("grad",), ("vmap", "grad"), ("vmap", "jvp")]
 

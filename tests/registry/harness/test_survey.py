@@ -6,7 +6,6 @@ import json
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -226,8 +225,8 @@ def test_summary_counts_entries_by_kind_and_stack() -> None:
     assert [w["op"] for w in summary["worst"]] == ["index_fill", "take"]
 
 
-def test_store_round_trip_and_upsert(tmp_path: Path) -> None:
-    store = Store(f"sqlite:///{tmp_path / 'survey.db'}")
+def test_store_round_trip_and_upsert(store_url: str) -> None:
+    store = Store(store_url)
     try:
         assert write_survey(store, [_row(), _row(stack="grad")]) == 2
         assert write_survey(store, [_row(native_status="ok", native_detail="")]) == 1

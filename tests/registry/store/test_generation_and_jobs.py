@@ -13,9 +13,8 @@ from registry.store.db import JobRecord, Store, StoreUnavailableError
 from tests.registry.store.test_store import entry
 
 
-def test_every_evidence_write_bumps_the_generation(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'g.db'}"
-    writer, reader = Store(url), Store(url)
+def test_every_evidence_write_bumps_the_generation(store_url: str) -> None:
+    writer, reader = Store(store_url), Store(store_url)
     assert reader.generation() == 0
     writer.write_entries([entry()])
     assert reader.generation() == 1
@@ -57,8 +56,8 @@ def test_check_names_what_is_wrong(tmp_path: Path) -> None:
     store.close()
 
 
-def test_job_rows(tmp_path: Path) -> None:
-    store = Store(f"sqlite:///{tmp_path / 'j.db'}")
+def test_job_rows(store_url: str) -> None:
+    store = Store(store_url)
     store.add_job(JobRecord(id="a", kind="profile", params={"ops": ["to"]}, owner="h:1"))
     store.update_job("a", state="running", done=1, total=4, started_at=time.time())
     assert store.cancel_job("a").state == "running"  # only a queued job can be cancelled

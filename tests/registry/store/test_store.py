@@ -41,7 +41,15 @@ def entry(**overrides: Any) -> MatrixEntry:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
+def store(store_url: str) -> Iterator[Store]:
+    """An empty store, on SQLite and on PostgreSQL (the tests using it run once on each)."""
+    s = Store(store_url)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[Store]:
     s = Store(f"sqlite:///{tmp_path / 'm.db'}")
     yield s
     s.close()
@@ -163,16 +171,16 @@ def test_clear_and_empty_write(store: Store) -> None:
     assert store.entries() == []
 
 
-def test_data_persists_across_stores(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'm.db'}"
+def test_data_persists_across_stores(store_url: str) -> None:
+    url = store_url
     with Store(url) as first:
         first.write_entries([entry()])
     with Store(url) as second:
         assert second.entries() == [entry()]
 
 
-def test_sqlite_uses_wal(store: Store) -> None:
-    with store.engine.connect() as conn:
+def test_sqlite_uses_wal(sqlite_store: Store) -> None:
+    with sqlite_store.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() > 0
 
@@ -233,8 +241,8 @@ WRITER = textwrap.dedent(
 ).replace("{batch_size}", str(BATCH))
 
 
-def test_killed_writer_leaves_consistent_store(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'm.db'}"
+def test_killed_writer_leaves_consistent_store(store_url: str) -> None:
+    url = store_url
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER, url], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
