@@ -454,11 +454,15 @@ class Worker:
         return f" (last at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(beat))} UTC)"
 
     def prune_stale_workers(self) -> list[str]:
-        """Delete the rows of workers whose heartbeat is older than ``stale_after_s`` (database clock)."""
+        """Delete the rows of workers whose heartbeat is older than ``stale_after_s`` (database clock) once no job
+        they ran is left ``running``: until the reaper has taken their jobs, the row keeps their last heartbeat for
+        the reason it writes (procrastinate's heartbeat, which decides when a job is stalled, may lag this one)."""
         cutoff = func.extract("epoch", func.now()) - self.options.stale_after_s
+        still_running = select(_jobs.c.owner).where(_jobs.c.state == "running")
         with self.store.engine.begin() as conn:
             return list(conn.execute(delete(workers_table).where(workers_table.c.heartbeat < cutoff,
-                                                                 workers_table.c.id != self.id)
+                                                                 workers_table.c.id != self.id,
+                                                                 workers_table.c.id.not_in(still_running))
                                      .returning(workers_table.c.id)).scalars())
 
     async def reap(self) -> list[tuple[str, str]]:
