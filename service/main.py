@@ -99,7 +99,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.open()  # StoreUnavailableError: the server does not start
         runner: JobRunner | QueuedJobs
-        if state.require().engine.dialect.name == "postgresql":
+        postgres = state.require().engine.dialect.name == "postgresql"
+        if settings.jobs == "workers" or (settings.jobs == "auto" and postgres):
             # Jobs go to procrastinate's queues and run on `multicomposite worker` processes (service/worker.py).
             runner = QueuedJobs(state.require(), settings.queue_size, settings.job_retention_s,
                                 on_finished=state.poll)

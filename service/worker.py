@@ -174,12 +174,12 @@ def resolve_kind(requested: str | None, device: str, available: Iterable[str]) -
         if len(matching) == 1:
             return matching[0]
         if not matching:
-            raise ValueError(f"no worker runs device type {device!r}; device kinds: {', '.join(available)}")
+            raise ValueError(f"no device kind of type {device!r} is available; device kinds: {', '.join(available)}")
         raise ValueError(f"several device kinds are of type {device!r} ({', '.join(matching)}); name one in "
                          "device_kind")
     check_kind(requested)
     if requested not in available:
-        raise ValueError(f"device kind {requested!r} is not run by any worker; device kinds: {', '.join(available)}")
+        raise ValueError(f"device kind {requested!r} is not available; device kinds: {', '.join(available)}")
     if kind_device_type(requested) != device:
         raise ValueError(f"device kind {requested!r} does not run device {device!r}; send device "
                          f"{kind_device_type(requested)!r} with it")
@@ -454,11 +454,15 @@ class Worker:
         return f" (last at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(beat))} UTC)"
 
     def prune_stale_workers(self) -> list[str]:
-        """Delete the rows of workers whose heartbeat is older than ``stale_after_s`` (database clock)."""
+        """Delete the rows of workers whose heartbeat is older than ``stale_after_s`` (database clock) once no job
+        they ran is left ``running``: until the reaper has taken their jobs, the row keeps their last heartbeat for
+        the reason it writes (procrastinate's heartbeat, which decides when a job is stalled, may lag this one)."""
         cutoff = func.extract("epoch", func.now()) - self.options.stale_after_s
+        still_running = select(_jobs.c.owner).where(_jobs.c.state == "running")
         with self.store.engine.begin() as conn:
             return list(conn.execute(delete(workers_table).where(workers_table.c.heartbeat < cutoff,
-                                                                 workers_table.c.id != self.id)
+                                                                 workers_table.c.id != self.id,
+                                                                 workers_table.c.id.not_in(still_running))
                                      .returning(workers_table.c.id)).scalars())
 
     async def reap(self) -> list[tuple[str, str]]:

@@ -104,7 +104,8 @@ def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep,
     device_types = tuple(dict.fromkeys(kind_device_type(kind) for kind in kinds)) if isinstance(
         runner, QueuedJobs) else host_device_types()
     if body.device not in device_types:
-        raise InputError(f"device {shorten(body.device, 16)!r} is not on this host; profile on "
+        where = "on any worker" if isinstance(runner, QueuedJobs) else "on this host"
+        raise InputError(f"device {shorten(body.device, 16)!r} is not {where}; profile on "
                          f"{', '.join(device_types)}")
     try:
         device_kind = resolve_kind(body.device_kind, body.device, kinds)
