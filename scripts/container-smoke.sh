@@ -105,11 +105,12 @@ if [ -n "$WHEELS" ] && [ -d "$WHEELS" ]; then
     build_args+=(-v "$WHEELS:/wheels:ro" --build-arg PIP_FIND_LINKS=/wheels --build-arg TORCH_INDEX_URL=)
 fi
 started=$(now)
-"${PODMAN[@]}" build --format docker "${build_args[@]}" -t localhost/multicomposite . >/tmp/"$PROJECT"-build.log 2>&1 \
-    || { tail -n 30 /tmp/"$PROJECT"-build.log >&2; fail "building localhost/multicomposite (log: /tmp/$PROJECT-build.log)"; }
-"${PODMAN[@]}" build --format docker --network=host --build-arg BASE_IMAGE="$BASE" -t localhost/multicomposite-postgres \
-    containers/postgres >>/tmp/"$PROJECT"-build.log 2>&1 \
-    || { tail -n 30 /tmp/"$PROJECT"-build.log >&2; fail "building localhost/multicomposite-postgres"; }
+BUILD_LOG=/tmp/$PROJECT-build.log
+"${PODMAN[@]}" build --format docker "${build_args[@]}" -t localhost/multicomposite . >"$BUILD_LOG" 2>&1 \
+    || { tail -n 30 "$BUILD_LOG" >&2; fail "building localhost/multicomposite (log: $BUILD_LOG)"; }
+"${PODMAN[@]}" build --format docker --network=host --build-arg BASE_IMAGE="$BASE" \
+    -t localhost/multicomposite-postgres containers/postgres >>"$BUILD_LOG" 2>&1 \
+    || { tail -n 30 "$BUILD_LOG" >&2; fail "building localhost/multicomposite-postgres (log: $BUILD_LOG)"; }
 build_s=$(seconds_since "$started")
 echo "build (both images): $build_s s"
 
@@ -130,13 +131,13 @@ show_logs() {
         "${COMPOSE_CMD[@]}" logs --tail 20 "$name" >&2 2>&1 || true
     done
 }
-# Something already answering on the ports would make every check below pass against the wrong server.
+"${COMPOSE_CMD[@]}" down -v -t 5 >/dev/null 2>&1 || true  # a stack left from an earlier, interrupted run
+# Something else answering on the ports would make every check below pass against the wrong server.
 for port in "$HTTP_PORT" "$PG_PORT"; do
     if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
         fail "port $port on 127.0.0.1 is already in use; stop what listens there or set MC_HTTP_PORT / MC_PG_PORT"
     fi
 done
-"${COMPOSE_CMD[@]}" down -v -t 5 >/dev/null 2>&1 || true  # a stack left from an earlier, interrupted run
 trap teardown EXIT
 started=$(now)
 "${COMPOSE_CMD[@]}" up -d >/tmp/"$PROJECT"-up.log 2>&1 \
@@ -145,11 +146,12 @@ up_s=$(seconds_since "$started")
 echo "up: $up_s s"
 
 ready=""
-for _ in $(seq 1 180); do
+deadline=$((SECONDS + 240))
+while [ "$SECONDS" -lt "$deadline" ]; do
     if curl -fsS --max-time 2 "$BASE_URL/readyz" >/dev/null 2>&1; then ready=yes; break; fi
     sleep 1
 done
-[ -n "$ready" ] || { show_logs; fail "$BASE_URL/readyz did not answer 200 within 180 s of up"; }
+[ -n "$ready" ] || { show_logs; fail "$BASE_URL/readyz did not answer 200 within 240 s of up"; }
 ready_s=$(seconds_since "$started")
 echo "first ready (from the start of up): $ready_s s"
 
@@ -166,7 +168,7 @@ migrate_exit=$(timeout 60 "${PODMAN[@]}" wait "$migrate_id") \
 [ "$migrate_exit" = 0 ] || { show_logs; fail "migrate (multicomposite db upgrade) exited $migrate_exit, not 0"; }
 echo "migrate: exited 0"
 service_id=$(container_of service)
-[ -n "$service_id" ] || fail "no running container for the service in project $PROJECT"
+[ -n "$service_id" ] || fail "no service container in project $PROJECT"
 # The answer must come from the container: its own loopback (the same as the host's under host networking, a
 # different one under bridge) serves the same page.
 page=$(curl -fsS --max-time 5 "$BASE_URL/") || fail "GET $BASE_URL/ failed"
@@ -181,32 +183,43 @@ done
 echo "dashboard: / and its assets served by the stack's service"
 
 # The service reaches PostgreSQL: a small verify job goes through the API, runs on the worker, and its rows are
-# read back from PostgreSQL itself.
+# read back from PostgreSQL itself (where there were none before).
+postgres_id=$(container_of postgres)
+[ -n "$postgres_id" ] || fail "no postgres container in project $PROJECT"
+count_rows() {
+    "${PODMAN[@]}" exec "$postgres_id" psql -h /var/run/postgresql -p "$PG_PORT" -U multicomposite \
+        -d multicomposite -tAc "SELECT count(*) FROM matrix_entries WHERE op = 'index_fill'"
+}
+rows=$(count_rows) || fail "psql in the postgres container failed: $rows"
+[ "$rows" = 0 ] || fail "PostgreSQL holds $rows matrix_entries rows for index_fill before the verify job, not 0"
 job=$(curl -fsS --max-time 10 -X POST -H 'Content-Type: application/json' \
     -d '{"ops": ["index_fill"], "stacks": ["vmap"], "dtypes": ["float32"]}' "$BASE_URL/verify") \
     || fail "POST $BASE_URL/verify was refused"
 job_id=$(python3 -c 'import json, sys; print(json.load(sys.stdin)["id"])' <<<"$job") \
     || fail "POST /verify answered without a job id: $job"
 state=""
-for _ in $(seq 1 240); do
+deadline=$((SECONDS + 240))
+while [ "$SECONDS" -lt "$deadline" ]; do
     job=$(curl -fsS --max-time 5 "$BASE_URL/jobs/$job_id") || fail "GET /jobs/$job_id failed"
     state=$(python3 -c 'import json, sys; print(json.load(sys.stdin)["state"])' <<<"$job")
     case "$state" in done|failed|cancelled|interrupted) break ;; esac
     sleep 1
 done
-[ "$state" = done ] || { show_logs; fail "verify job $job_id ended $state, not done: $job"; }
+case "$state" in
+    done) ;;
+    failed|cancelled|interrupted) show_logs; fail "verify job $job_id ended $state, not done: $job" ;;
+    *) show_logs; fail "verify job $job_id is still $state 240 s after it was posted: $job" ;;
+esac
 echo "verify job $job_id: done"
 worker_id=$(container_of worker)
-[ -n "$worker_id" ] || fail "no running worker container in project $PROJECT"
+[ -n "$worker_id" ] || fail "no worker container in project $PROJECT"
 # The worker logs "job ID: done" when it has run a job (service/worker.py).
 worker_log=$("${PODMAN[@]}" logs "$worker_id" 2>&1)
 [[ "$worker_log" == *"job $job_id: done"* ]] \
     || { show_logs; fail "the worker's log has no \"job $job_id: done\": the job did not run there"; }
 echo "verify job $job_id: ran on the worker"
-postgres_id=$(container_of postgres)
-rows=$("${PODMAN[@]}" exec "$postgres_id" psql -h /var/run/postgresql -p "$PG_PORT" -U multicomposite -d multicomposite \
-    -tAc "SELECT count(*) FROM matrix_entries WHERE op = 'index_fill'") || fail "psql in the postgres container failed"
-[ "${rows:-0}" -gt 0 ] || fail "PostgreSQL holds no matrix_entries rows for index_fill after the verify job"
+rows=$(count_rows) || fail "psql in the postgres container failed: $rows"
+[ "$rows" -gt 0 ] || fail "PostgreSQL holds no matrix_entries rows for index_fill after the verify job"
 echo "postgres: $rows matrix_entries rows for index_fill"
 matrix=$(curl -fsS --max-time 10 "$BASE_URL/matrix?op=index_fill") || fail "GET /matrix?op=index_fill failed"
 grep -q '"index_fill"' <<<"$matrix" || fail "GET /matrix?op=index_fill does not show the verified op: $matrix"
