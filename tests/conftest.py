@@ -28,8 +28,8 @@ def _no_leftover_routing():
 # after the Makefile installed the package) they fail instead.
 
 
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[PostgresServer]:
+def _started_server() -> PostgresServer:
+    """A started server, or the test skipped (binaries missing) / failed (missing under make test as root)."""
     server = None
     try:
         server = PostgresServer()
@@ -40,6 +40,21 @@ def postgres_server() -> Iterator[PostgresServer]:
         if require_server():
             pytest.fail(f"PostgreSQL tests cannot run: {error}", pytrace=False)
         pytest.skip(f"PostgreSQL tests skipped: {error}")
+    return server
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    server = _started_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_own_server() -> Iterator[PostgresServer]:
+    """A server of this test's own (about 2 s to start), for a test that kills or stops it: ``kill()`` is kill -9
+    of the postmaster, ``restart()`` starts it again (crash recovery), ``create_database()`` gives a URL."""
+    server = _started_server()
     yield server
     server.stop()
 
