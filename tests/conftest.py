@@ -28,8 +28,8 @@ def _no_leftover_routing():
 # after the Makefile installed the package) they fail instead.
 
 
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[PostgresServer]:
+def _started_server() -> PostgresServer:
+    """A started server, or the test skipped (binaries missing) / failed (missing under make test as root)."""
     server = None
     try:
         server = PostgresServer()
@@ -40,16 +40,42 @@ def postgres_server() -> Iterator[PostgresServer]:
         if require_server():
             pytest.fail(f"PostgreSQL tests cannot run: {error}", pytrace=False)
         pytest.skip(f"PostgreSQL tests skipped: {error}")
+    return server
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    server = _started_server()
     yield server
     server.stop()
 
 
 @pytest.fixture
-def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
-    """A new database on the session's server, dropped after the test: ``Store(postgres_url)`` opens it."""
+def postgres_own_server() -> Iterator[PostgresServer]:
+    """A server of this test's own (about 2 s to start), for a test that kills or stops it: ``kill()`` is kill -9
+    of the postmaster, ``restart()`` starts it again (crash recovery), ``create_database()`` gives a URL."""
+    server = _started_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_empty_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """A new database on the session's server with no tables at all, dropped after the test (for migrations and
+    for the store's refusal to open an unmigrated server database)."""
     url = postgres_server.create_database()
     yield url
     postgres_server.drop_database(url)
+
+
+@pytest.fixture
+def postgres_url(postgres_empty_url: str) -> str:
+    """A new database holding the store's schema at the newest revision (``multicomposite db upgrade`` ran):
+    ``Store(postgres_url)`` opens it."""
+    from registry.store.migrate import upgrade
+
+    upgrade(postgres_empty_url)
+    return postgres_empty_url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -145,6 +145,11 @@ class PostgresServer:
                     os.kill(pid, 9)  # a child of our own server that outlived its postmaster
                     break
                 time.sleep(0.02)
+        # The postmaster may stay a zombie where no init reaps orphans (a container): postgres would take its pid in
+        # the lock files for a live server and refuse to start. It is dead; remove them as an admin would.
+        for lock in (self.data / "postmaster.pid", self.socket_dir / f".s.PGSQL.{self.port}.lock",
+                     self.socket_dir / f".s.PGSQL.{self.port}"):
+            lock.unlink(missing_ok=True)
         self.started = False
 
     def restart(self) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
+import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -150,9 +152,8 @@ _meta = Table(
     Column("value", BigInteger, nullable=False),
 )
 GENERATION = "generation"
-SCHEMA_VERSION = "schema_version"
-# 2: stacks are stored in the one spelling, vmap(grad) (1 wrote vmap,grad).
-CURRENT_SCHEMA = 2
+# The schema's version is Alembic's (the alembic_version table; registry/store/migrations). Before migrations it was
+# a "schema_version" row here: 2 when stacks were stored in the one spelling, vmap(grad) (1 wrote vmap,grad).
 
 _jobs = Table(
     "jobs",
@@ -235,6 +236,10 @@ def process_alive(owner: str) -> bool:
 
 class StoreUnavailableError(RuntimeError):
     """The store cannot be opened or read: a missing folder, a file that is not a database, a server down."""
+
+
+class SchemaError(StoreUnavailableError):
+    """The store's schema is not the one this code needs, and it was not (or cannot be) migrated on opening."""
 
 
 def safe_url(url: str) -> str:
@@ -368,9 +373,22 @@ def _profile_from_row(row: Row[Any]) -> ProfileEntry:
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     try:
-        # WAL lets readers proceed while a writer commits and keeps the file consistent if a writer is killed.
-        cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        # WAL lets readers proceed while a writer commits and keeps the file consistent if a writer is killed.
+        # Switching a new file to WAL while another connection holds its lock fails at once (SQLite calls no busy
+        # handler there): two processes creating one store together. Retry until the other is done.
+        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+        while True:
+            attempt = dbapi_connection.cursor()
+            try:
+                attempt.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+            finally:
+                attempt.close()  # a failed statement left open keeps its shared lock: the other waiter would wait too
+            time.sleep(0.05 + random.random() * 0.05)
     finally:
         cursor.close()
 
@@ -379,8 +397,10 @@ class Store:
     """The compatibility matrix in a SQL database (SQLite by default)."""
 
     def __init__(self, url: str | None = None, *, create: bool = True) -> None:
-        """Open the store at ``url``; with ``create``, make missing tables and bring old rows to this schema (once,
-        when a process opens it: a server does it in its lifespan, never per request)."""
+        """Open the store at ``url``. With ``create``, check its schema revision (once, when a process opens it: a
+        server does it in its lifespan, never per request): a SQLite file is created or migrated to the newest
+        revision here; a server database below it raises SchemaError saying to run ``multicomposite db upgrade``
+        (see registry/store/migrate.py for why)."""
         self.url = url if url is not None else default_url()
         self.display_url = safe_url(self.url)  # for messages: never the password
         options: dict[str, Any] = {}
@@ -395,25 +415,9 @@ class Store:
         if self._sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
         if create:
-            _metadata.create_all(self.engine)
-            self._migrate()
+            from registry.store.migrate import ensure_current
 
-    def _migrate(self) -> None:
-        with self.engine.begin() as conn:
-            stored = {row.key: row.value for row in conn.execute(select(_meta))}
-            if GENERATION not in stored:
-                conn.execute(_meta.insert(), [{"key": GENERATION, "value": 0}])
-            if stored.get(SCHEMA_VERSION, 1) < 2:
-                for table in (_matrix, _profiles):
-                    old = [row[0] for row in conn.execute(select(table.c.stack).distinct())]
-                    for value in old:
-                        new = format_stack(split_stack(value))
-                        if new != value:
-                            conn.execute(update(table).where(table.c.stack == value).values(stack=new))
-            if SCHEMA_VERSION in stored:
-                conn.execute(update(_meta).where(_meta.c.key == SCHEMA_VERSION).values(value=CURRENT_SCHEMA))
-            else:
-                conn.execute(_meta.insert(), [{"key": SCHEMA_VERSION, "value": CURRENT_SCHEMA}])
+            ensure_current(self.engine, self.url, self.display_url)
 
     @staticmethod
     def _bump(conn: Any) -> None:

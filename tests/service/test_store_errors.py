@@ -62,3 +62,30 @@ def test_a_driver_error_inside_a_request_is_503_json(serve, monkeypatch: pytest.
     assert response.status_code == 503
     assert response.json() == {"detail": "the store cannot be read: OperationalError: (sqlite3.OperationalError) "
                                          "disk I/O error" + ADVICE}
+
+
+def test_a_postgres_server_killed_and_restarted(serve, postgres_own_server) -> None:
+    """PostgreSQL killed (kill -9) under a running service: every store route answers 503 JSON naming the store
+    and the driver's reason, /healthz stays up; once the server is back the same app answers again."""
+    from registry.store.db import safe_url
+    from registry.store.migrate import upgrade
+
+    url = postgres_own_server.create_database()
+    upgrade(url)
+    client: TestClient = serve(db=url)
+    assert client.get("/matrix").status_code == 200
+    state = client.app.state.store_state
+    postgres_own_server.kill()
+    state.poll()
+    for route in STORE_ROUTES:
+        response = client.get(route)
+        assert response.status_code == 503, (route, response.text)
+        detail = response.json()["detail"]
+        assert detail.startswith(f"the store at {safe_url(url)} cannot be read: OperationalError: "
+                                 "(psycopg.OperationalError) connection "), detail
+        assert detail.endswith(ADVICE)
+    assert client.get("/healthz").json() == {"status": "ok"}
+    postgres_own_server.restart()
+    state.poll()
+    assert client.get("/readyz").json() == {"status": "ok"}
+    assert client.get("/matrix").status_code == 200

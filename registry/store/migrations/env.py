@@ -1,0 +1,31 @@
+"""Alembic's entry point for the store's migrations. ``registry.store.migrate`` runs it with a connection in
+``config.attributes["connection"]``; there is no alembic.ini and no offline (SQL script) mode."""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import Connection, text
+
+import registry.store  # noqa: F401  (defines the survey table on the same metadata)
+from registry.store.db import _metadata
+from registry.store.migrate import MIGRATION_LOCK_KEY
+
+
+def run_migrations(connection: Connection) -> None:
+    # One transaction around every step: on PostgreSQL (transactional DDL) and on SQLite (registry.store.migrate
+    # opens it with BEGIN IMMEDIATE) an upgrade that fails half-way leaves the schema as it was.
+    with connection.begin():
+        if connection.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+        context.configure(connection=connection, target_metadata=_metadata,
+                          render_as_batch=connection.dialect.name == "sqlite", compare_type=True)
+        with context.begin_transaction():
+            context.run_migrations()
+
+
+if context.is_offline_mode():
+    raise RuntimeError("the store's migrations run online only: use `multicomposite db upgrade`")
+connection = context.config.attributes.get("connection")
+if connection is None:
+    raise RuntimeError("registry.store.migrate passes the connection; run `multicomposite db upgrade`")
+run_migrations(connection)
