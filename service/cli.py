@@ -423,10 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     survey.add_argument("--workers", type=int, default=None, help="forked worker processes (default: 2, 0: none)")
     survey.add_argument("--json", action="store_true", help="print rows and summary as JSON")
     survey.set_defaults(run=_survey)
-    add_worker_command(commands)  # `multicomposite worker`: service/worker.py
     from service.db_commands import add_db_command
 
     add_db_command(commands)  # db upgrade, db current (service/db_commands.py)
+    add_worker_command(commands)  # `multicomposite worker`: service/worker.py
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -56,6 +56,8 @@ _KIND = re.compile(r"^(cpu|cuda:[A-Za-z0-9 ._()+\-]{1,100})$")
 _SCHEMA_LOCK = 0x6D635F736368656D
 _REAP_LOCK = 0x6D635F7265617072
 PROGRESS_EVERY_S = 0.25
+NEEDS_POSTGRES = ("workers need a PostgreSQL store: set MULTICOMPOSITE_DB=postgresql+psycopg://USER@HOST/DB (with "
+                  "SQLite, `multicomposite serve` runs jobs itself)")
 PRUNE_EVERY_S = 60.0
 
 log = logging.getLogger("multicomposite.worker")
@@ -70,7 +72,6 @@ workers_table = Table(
     Column("host", String(300), nullable=False),
     Column("pid", Integer, nullable=False),
     Column("kinds", Text, nullable=False),  # device kinds, comma separated: cpu,cuda:NVIDIA H200
-    Column("concurrency", Integer, nullable=False),
     Column("current_job", Text, nullable=True),  # the store job ids it runs now, space separated; NULL when idle
     Column("started_at", Float, nullable=False),
     Column("heartbeat", Float, nullable=False),
@@ -157,10 +158,10 @@ def workers(engine: Engine) -> list[dict[str, Any]]:
         return [dict(row._mapping) for row in conn.execute(query)]
 
 
-def available_kinds(store: Store) -> tuple[str, ...]:
-    """Device kinds a job may be aimed at: with PostgreSQL, cpu and the kinds registered workers run (a job may wait
-    for its worker, not for a kind nobody runs); with SQLite, the kinds of this host (the in-process runner)."""
-    if store.engine.dialect.name == "postgresql":
+def available_kinds(store: Store, *, on_workers: bool) -> tuple[str, ...]:
+    """Device kinds a job may be aimed at: with workers, cpu and the kinds registered workers run (a job may wait
+    for its worker, not for a kind nobody runs); in process, the kinds of this host."""
+    if on_workers:
         return tuple(dict.fromkeys((DEFAULT_KIND, *registered_kinds(store.engine))))
     return detect_device_kinds()
 
@@ -285,7 +286,6 @@ class QueuedJobs:
 class WorkerOptions:
     url: str
     kinds: tuple[str, ...]
-    concurrency: int = 1
     heartbeat_s: float = 5.0
     stale_after_s: float = 30.0
     max_attempts: int = 2
@@ -293,13 +293,13 @@ class WorkerOptions:
 
 
 class Worker:
-    """One ``multicomposite worker`` process: registers its kinds, runs the jobs of their queues, beats, reaps."""
+    """One ``multicomposite worker`` process: registers its kinds, runs the jobs of their queues one at a time,
+    beats, reaps."""
 
     def __init__(self, options: WorkerOptions,
                  execute: Callable[[Job, Callable[[int, int], None]], dict[str, Any]] | None = None) -> None:
         if not is_postgres(options.url):
-            raise WorkerSetupError("workers need a PostgreSQL store: set MULTICOMPOSITE_DB=postgresql+psycopg://"
-                                   "USER@HOST/DB (with SQLite, `multicomposite serve` runs jobs itself)")
+            raise WorkerSetupError(NEEDS_POSTGRES)
         self.options = options
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         try:
@@ -329,7 +329,7 @@ class Worker:
             conn.execute(delete(workers_table).where(workers_table.c.id == self.id))
             conn.execute(workers_table.insert().values(
                 id=self.id, host=socket.gethostname(), pid=os.getpid(), kinds=",".join(self.options.kinds),
-                concurrency=self.options.concurrency, current_job=None, started_at=now, heartbeat=now))
+                current_job=None, started_at=now, heartbeat=now))
 
     def unregister(self) -> None:
         with self.store.engine.begin() as conn:
@@ -523,7 +523,7 @@ class Worker:
             beating = asyncio.create_task(self._beat_and_reap(), name="multicomposite-heartbeat")
             try:
                 await self._app.run_worker_async(
-                    queues=queues, name=self.id, concurrency=self.options.concurrency, wait=True,
+                    queues=queues, name=self.id, concurrency=1, wait=True,
                     update_heartbeat_interval=self.options.heartbeat_s,
                     stalled_worker_timeout=self.options.stale_after_s, install_signal_handlers=True)
             finally:
@@ -572,7 +572,8 @@ def add_worker_command(commands: Any) -> None:
                         help="a device kind to take jobs for: cpu or cuda:NAME (repeatable; default: every kind "
                              "this machine has, see `--list-kinds`)")
     worker.add_argument("--concurrency", type=_positive_int, default=1,
-                        help="jobs run at once, each in a thread (default 1: timings do not disturb each other)")
+                        help="jobs run at once, each by its own worker process (default 1; profiles on one machine "
+                             "still time one at a time, under the benchmark lock)")
     worker.add_argument("--heartbeat", type=_positive_float, default=5.0, dest="heartbeat_s",
                         help="seconds between heartbeats (default 5)")
     worker.add_argument("--stale-after", type=_positive_float, default=30.0, dest="stale_after_s",
@@ -603,16 +604,43 @@ def run_worker_command(args: argparse.Namespace) -> int:
     try:
         settings = load_settings()
         url = settings.db
-        if url is None:
-            raise WorkerSetupError("workers need a PostgreSQL store: set MULTICOMPOSITE_DB=postgresql+psycopg://"
-                                   "USER@HOST/DB")
-        worker = Worker(WorkerOptions(url=url, kinds=kinds, concurrency=args.concurrency,
+        if not is_postgres(url):
+            raise WorkerSetupError(NEEDS_POSTGRES)
+        if args.concurrency > 1:
+            return _run_processes(args, kinds)
+        worker = Worker(WorkerOptions(url=url, kinds=kinds,
                                       heartbeat_s=args.heartbeat_s, stale_after_s=args.stale_after_s,
                                       max_attempts=args.max_attempts, timeout_s=settings.job_timeout_s))
     except (SettingsError, WorkerSetupError, StoreUnavailableError) as error:
         raise UsageError(str(error)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    log.info("worker %s: device kinds %s, queues %s, concurrency %d", worker.id, ", ".join(kinds),
-             ", ".join(queue_for(kind) for kind in kinds), args.concurrency)
+    log.info("worker %s: device kinds %s, queues %s", worker.id, ", ".join(kinds),
+             ", ".join(queue_for(kind) for kind in kinds))
     worker.run()
     return 0
+
+
+def _run_processes(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
+    """``--concurrency N``: N worker processes, each with its own row, running one job at a time. Processes rather
+    than threads: the verification harness and torch's lazily loaded modules are not safe to run twice at once in one
+    interpreter (two verify jobs in two threads failed on a half-imported torch.autograd module)."""
+    import signal
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "service.cli", "worker", "--concurrency", "1", "--heartbeat",
+               str(args.heartbeat_s), "--stale-after", str(args.stale_after_s), "--max-attempts",
+               str(args.max_attempts)]
+    for kind in kinds:
+        command += ["--device-kind", kind]
+    children = [subprocess.Popen(command) for _ in range(args.concurrency)]
+
+    def forward(signum: int, _frame: Any) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+    codes = [child.wait() for child in children]
+    return max(codes, key=abs)

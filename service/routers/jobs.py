@@ -99,12 +99,12 @@ def post_verify(body: VerifyCreate, runner: RunnerDep, settings: SettingsDep, re
 def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep, store: StoreDep,
                   response: Response) -> JobPublic:
     ops = _check_ops(body.ops)
-    kinds = available_kinds(store)
+    on_workers = isinstance(runner, QueuedJobs)
+    kinds = available_kinds(store, on_workers=on_workers)
     # With workers, a device type is available when a worker runs it; in process, when this host has it.
-    device_types = tuple(dict.fromkeys(kind_device_type(kind) for kind in kinds)) if isinstance(
-        runner, QueuedJobs) else host_device_types()
+    device_types = tuple(dict.fromkeys(kind_device_type(k) for k in kinds)) if on_workers else host_device_types()
     if body.device not in device_types:
-        where = "on any worker" if isinstance(runner, QueuedJobs) else "on this host"
+        where = "on any worker" if on_workers else "on this host"
         raise InputError(f"device {shorten(body.device, 16)!r} is not {where}; profile on "
                          f"{', '.join(device_types)}")
     try:

@@ -27,6 +27,8 @@ from service.worker import Worker, WorkerOptions, detect_device_kinds, queue_for
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"ops": ["masked_fill"], "stacks": ["vmap"], "dtypes": ["float32"]}
+PROFILE = {"ops": ["masked_fill"], "workloads": ["vmap"], "batch_sizes": [8], "numels": [256], "dtypes": ["float32"],
+           "min_run_time": 0.01}
 # Long enough (a few seconds) to be killed in the middle of: 2 ops x 5 stacks, float32.
 LONGER = {"ops": ["masked_fill", "index_add"], "stacks": ["vmap", "grad", "jvp", "vmap(grad)", "vmap(jvp)"],
           "dtypes": ["float32"]}
@@ -90,12 +92,21 @@ def test_two_workers_share_a_sweep_and_a_killed_workers_job_is_retried(
         pg_store_url: str, two_workers: list[subprocess.Popen[bytes]]) -> None:
     client = TestClient(create_app(Settings(db=pg_store_url, evidence_poll_s=0.05, queue_size=32)))
     with client:
-        registered = _wait(lambda: len(rows := _registered(pg_store_url)) == 2 and rows, 120,
+        registered = _wait(lambda: len(rows := _registered(pg_store_url)) == 2 and rows, 300,
                            "both workers to register")
         assert sorted(row["pid"] for row in registered) == sorted(proc.pid for proc in two_workers)
         assert [row["kinds"] for row in registered] == ["cpu", "cpu"]
 
-        # A sweep of small jobs: both workers take some.
+        # Kinds that no worker runs are refused, saying which there are.
+        response = client.post("/profiles", json={**PROFILE, "device_kind": "cuda:X"})
+        assert (response.status_code, response.json()) == (
+            422, {"detail": "device kind 'cuda:X' is not available; device kinds: cpu"})
+        response = client.post("/profiles", json={**PROFILE, "device": "cuda"})
+        assert (response.status_code, response.json()) == (
+            422, {"detail": "device 'cuda' is not on any worker; profile on cpu"})
+
+        # A sweep of small jobs: both workers take some. (Verify only: a profile job runs the same code on a worker
+        # as in process, and its noise re-measurements take minutes on a loaded machine.)
         ids = []
         for _ in range(6):
             response = client.post("/verify", json=SMALL)
@@ -108,8 +119,8 @@ def test_two_workers_share_a_sweep_and_a_killed_workers_job_is_retried(
         assert {job["result"]["worker"] for job in finished} == {row["id"] for row in registered}
         for job in finished:
             assert job["error"] is None
-            assert job["done"] == job["total"] == job["result"]["entries"] == 16
             assert job["result"]["device_kind"] == "cpu"
+            assert job["done"] == job["total"] == job["result"]["entries"] == 16
         matrix = client.get("/matrix", params={"op": "masked_fill", "stack": "vmap", "limit": 1000}).json()
         assert len(matrix["items"]) == 16
 
@@ -147,6 +158,25 @@ def test_two_workers_share_a_sweep_and_a_killed_workers_job_is_retried(
                                       "WHERE args->>'job_id' = :id"), {"id": job_id}).all()
         assert [tuple(row) for row in tasks] == [("succeeded", 2, "device-cpu")]
         store.close()
+
+
+def test_concurrency_runs_that_many_worker_processes_and_a_sigterm_stops_them_all(pg_store_url: str,
+                                                                                     tmp_path: Path) -> None:
+    parent = _start_worker(pg_store_url, tmp_path / "parent.log", "--concurrency", "2")
+    try:
+        rows = _wait(lambda: len(found := _registered(pg_store_url)) == 2 and found, 300, "two worker rows")
+        assert parent.pid not in {row["pid"] for row in rows}  # the children run the jobs, one each
+        assert {row["kinds"] for row in rows} == {"cpu"}
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(60) == 0
+        assert _registered(pg_store_url) == []
+        for row in rows:
+            with pytest.raises(ProcessLookupError):
+                os.kill(row["pid"], 0)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
 
 
 # The reaper's and the claim's decisions, on the store directly (no worker process) ---------------------------------
@@ -196,7 +226,7 @@ def test_a_stale_workers_job_is_requeued_with_the_reason_then_failed_after_max_a
 def test_the_reason_names_the_last_heartbeat_when_the_dead_workers_row_is_still_there(worker_here: Worker) -> None:
     store = worker_here.store
     with store.engine.begin() as conn:
-        conn.execute(workers_table.insert().values(id="gone:3:abcdef", host="gone", pid=3, kinds="cpu", concurrency=1,
+        conn.execute(workers_table.insert().values(id="gone:3:abcdef", host="gone", pid=3, kinds="cpu",
                                                    started_at=1_000_000_000.0, heartbeat=1_000_000_000.0))
     _running(store, "stale", "gone:3:abcdef")
     # Its row stays while its job is still running: the reaper has not taken the job yet.
