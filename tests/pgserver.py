@@ -64,7 +64,7 @@ class PostgresServer:
             raise PostgresUnavailableError(f"no PostgreSQL server binaries (initdb, pg_ctl, postgres) found in "
                                            f"/usr/lib/postgresql/*/bin, ${BIN_DIR_ENV} or PATH; {INSTALL_HINT}")
         self.bin_dir = found
-        self.root = Path(tempfile.mkdtemp(prefix=prefix))
+        self.root = Path(tempfile.mkdtemp(prefix=prefix, dir=_temp_parent()))
         self.data = self.root / "data"
         self.socket_dir = self.root  # the socket lives beside the data: .s.PGSQL.<port>
         self.log = self.root / "server.log"
@@ -172,6 +172,10 @@ class PostgresServer:
         """The SQLAlchemy URL of ``database`` on this server (psycopg 3, over the unix socket)."""
         return f"postgresql+psycopg://{self.user}@/{database}?host={self.socket_dir}&port={self.port}"
 
+    def libpq_url(self, database: str = "postgres") -> str:
+        """The same database as a libpq URI (``postgresql://``), for psycopg or procrastinate directly."""
+        return f"postgresql://{self.user}@/{database}?host={self.socket_dir}&port={self.port}"
+
     def execute(self, sql: str, *, database: str = "postgres") -> list[tuple[object, ...]]:
         """Run one statement in autocommit mode as the superuser; returns the rows, if any."""
         import psycopg
@@ -194,6 +198,16 @@ class PostgresServer:
         """Drop a database, ending any connection still open to it."""
         name = url_or_name.split("/")[-1].split("?")[0]
         self.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _temp_parent() -> str:
+    """Where the cluster's folder goes: the temp dir, unless the socket path would pass the 107 bytes a unix socket
+    allows, or (as root) the ``postgres`` user could not reach it (a TMPDIR under /root): then /tmp."""
+    parent = tempfile.gettempdir()
+    too_long = len(parent) > 60  # + /multicomposite-pg-XXXXXXXX/.s.PGSQL.5432.lock
+    unreachable = os.geteuid() == 0 and any(not (Path(folder).stat().st_mode & 0o001)
+                                            for folder in (parent, *map(str, Path(parent).parents)))
+    return "/tmp" if (too_long or unreachable) and Path("/tmp").is_dir() else parent
 
 
 def _alive(pid: int) -> bool:

@@ -64,9 +64,10 @@ def test_a_driver_error_inside_a_request_is_503_json(serve, monkeypatch: pytest.
                                          "disk I/O error" + ADVICE}
 
 
-def test_a_postgres_server_killed_and_restarted(serve, postgres_own_server) -> None:
+def test_a_postgres_server_killed_and_restarted(postgres_own_server, serve) -> None:
     """PostgreSQL killed (kill -9) under a running service: every store route answers 503 JSON naming the store
-    and the driver's reason, /healthz stays up; once the server is back the same app answers again."""
+    and the driver's reason, /healthz stays up; once the server is back the same app answers again. (The server
+    fixture comes first: it is torn down after the app, which closes its pool while PostgreSQL still answers.)"""
     from registry.store.db import safe_url
     from registry.store.migrate import upgrade
 
