@@ -13,15 +13,16 @@ RUN if ! command -v python3 >/dev/null || ! python3 -c "import venv, ensurepip" 
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
         && rm -rf /var/lib/apt/lists/*; \
     fi
-RUN python3 -m venv /opt/venv
+# torch first, pinned and CPU-only (no CUDA wheels in the image), so the project's torch>=2.4 keeps it; in a layer of
+# its own, before the sources, so that a change to the code does not install torch again.
+RUN python3 -m venv /opt/venv \
+    && /opt/venv/bin/pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch==2.13.0
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY registry ./registry
 COPY composites ./composites
 COPY service ./service
-# torch first, pinned and CPU-only (no CUDA wheels in the image), so the project's torch>=2.4 keeps it.
-RUN /opt/venv/bin/pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch==2.13.0 \
-    && /opt/venv/bin/pip install . torch==2.13.0
+RUN /opt/venv/bin/pip install . torch==2.13.0
 
 FROM ${BASE_IMAGE} AS runtime
 SHELL ["/bin/sh", "-eu", "-c"]
@@ -32,6 +33,8 @@ RUN if ! command -v python3 >/dev/null; then \
     && (getent passwd multicomposite >/dev/null || useradd --create-home --uid 10001 multicomposite) \
     && mkdir -p /data && chown multicomposite /data
 COPY --from=build /opt/venv /opt/venv
+# Used by compose.yaml: the containers that need PostgreSQL wait for it (see the script for why).
+COPY --chmod=0755 containers/multicomposite/wait-for-store.py /usr/local/bin/wait-for-store
 ENV PATH=/opt/venv/bin:$PATH \
     MULTICOMPOSITE_DB=sqlite:////data/multicomposite.db \
     MULTICOMPOSITE_HOST=0.0.0.0 \
@@ -39,6 +42,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 VOLUME ["/data"]
 USER 10001
 EXPOSE 8000
-HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"]
+# Healthy means ready: /readyz answers 200 only while the store answers a query (503 with the reason otherwise). It asks
+# the port the service listens on, which MULTICOMPOSITE_PORT may move (compose does, for host networking).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('MULTICOMPOSITE_PORT', '8000'), timeout=4)"]
 CMD ["multicomposite", "serve"]

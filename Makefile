@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
 
-.PHONY: venv test lint serve bench bench-api clean browser-deps postgres-deps
+.PHONY: venv test lint serve bench bench-api clean browser-deps postgres-deps container-smoke
 
 venv: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 
 lint: $(STAMP)
 	$(PY) -m ruff check registry composites service tests bench
-	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/hadolint Dockerfile containers/postgres/Containerfile
 
 # The dashboard's browser test drives Debian's chromium through chromium-driver (Selenium). As root, make installs
 # them; otherwise it says how, and that test skips. As root a missing browser then fails the test instead.
@@ -62,6 +62,11 @@ bench: $(STAMP)
 bench-api: $(STAMP)
 	@command -v wrk >/dev/null || { echo "bench-api needs wrk: apt-get install wrk (or brew install wrk)"; exit 2; }
 	$(PY) -m bench.api
+
+# compose.yaml's stack end to end with podman: build, up, /readyz, the dashboard, a verify job on the worker, down.
+# Minutes, and needs podman (installed when run as root on Debian), so not part of `make test`. README: "Compose".
+container-smoke:
+	bash scripts/container-smoke.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info test-output

@@ -798,6 +798,12 @@ def _configure_db(parser: argparse.ArgumentParser) -> None:
     configure_db(parser)  # db upgrade, db current (service/db_commands.py)
 
 
+def _configure_worker(parser: argparse.ArgumentParser) -> None:
+    from service.worker import configure_worker
+
+    configure_worker(parser)  # `multicomposite worker`: service/worker.py
+
+
 # --- the table of subcommands ----------------------------------------------------------------------------------------
 
 
@@ -828,6 +834,8 @@ SUBCOMMANDS: list[Subcommand] = [
                reads=True),
     Subcommand("db", "the store's schema: show its revision (db current), or upgrade it (db upgrade)",
                _configure_db),
+    Subcommand("worker", "run verify and profile jobs for the device kinds of this machine (needs a PostgreSQL "
+               "store)", _configure_worker),
 ]
 
 

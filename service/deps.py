@@ -12,13 +12,14 @@ from registry.store.db import Store
 from service.jobs import JobRunner
 from service.settings import Settings
 from service.state import StoreState
+from service.worker import QueuedJobs
 
 
 def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_runner(request: Request) -> JobRunner:
+def get_runner(request: Request) -> JobRunner | QueuedJobs:
     """The job runner, whose jobs live in the store: StoreUnavailableError (503) while it cannot be read."""
     request.app.state.store_state.require()
     return request.app.state.runner
@@ -45,7 +46,7 @@ def require_token(settings: Annotated[Settings, Depends(get_settings)],
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-RunnerDep = Annotated[JobRunner, Depends(get_runner)]
+RunnerDep = Annotated[JobRunner | QueuedJobs, Depends(get_runner)]
 StateDep = Annotated[StoreState, Depends(get_state)]
 StoreDep = Annotated[Store, Depends(get_store)]
 Authorized = Depends(require_token)

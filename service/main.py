@@ -28,6 +28,7 @@ from service.routers import jobs, meta, ops, select, store
 from service.settings import Settings
 from service.state import StoreState
 from service.validation import InputError
+from service.worker import QueuedJobs
 
 
 def docs_assets() -> Path:
@@ -97,9 +98,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.open()  # StoreUnavailableError: the server does not start
-        runner = JobRunner(make_job_runner(state.require(), on_written=state.poll), state.require(),
-                           settings.queue_size,
-                           settings.job_timeout_s, settings.job_retention_s)
+        runner: JobRunner | QueuedJobs
+        postgres = state.require().engine.dialect.name == "postgresql"
+        if settings.jobs == "workers" or (settings.jobs == "auto" and postgres):
+            # Jobs go to procrastinate's queues and run on `multicomposite worker` processes (service/worker.py).
+            runner = QueuedJobs(state.require(), settings.queue_size, settings.job_retention_s,
+                                on_finished=state.poll)
+        else:
+            runner = JobRunner(make_job_runner(state.require(), on_written=state.poll), state.require(),
+                               settings.queue_size,
+                               settings.job_timeout_s, settings.job_retention_s)
         app.state.runner = runner
         app.state.metrics.runner = runner
         runner.start()

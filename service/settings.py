@@ -4,8 +4,9 @@ an empty token, a value of the wrong type or an unknown ``MULTICOMPOSITE_*`` nam
 from __future__ import annotations
 
 import os
+from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PREFIX = "MULTICOMPOSITE_"
@@ -33,6 +34,18 @@ class Settings(BaseSettings):
                                    description="how often the server checks the store's generation")
     cache_size: int = Field(default=2048, ge=1, le=1_000_000, description="cached responses (LRU)")
     cache_bytes: int = Field(default=64 << 20, ge=1 << 16, description="bytes of cached response bodies (LRU)")
+    jobs: Literal["auto", "in-process", "workers"] = Field(
+        default="auto", description="where verify and profile jobs run: auto (on `multicomposite worker` processes "
+                                    "with a PostgreSQL store, in this process with SQLite), in-process, or workers")
+
+    @field_validator("jobs")
+    @classmethod
+    def _workers_need_postgres(cls, value: str, info: ValidationInfo) -> str:
+        db = info.data.get("db")
+        if value == "workers" and not (db or "").startswith("postgresql"):
+            raise ValueError("needs a PostgreSQL store (MULTICOMPOSITE_DB=postgresql+psycopg://USER@HOST/DB); with "
+                             "SQLite, jobs run in process")
+        return value
 
     @field_validator("token")
     @classmethod

@@ -11,9 +11,10 @@ import registry
 from registry.core.selector import unknown_op_message
 from registry.core.stacks import canonical_workload, shorten
 from registry.profiling.timing import WORKLOADS
-from service.deps import Authorized, RunnerDep, SettingsDep
+from service.deps import Authorized, RunnerDep, SettingsDep, StoreDep
 from service.jobs import Job, QueueFullError
 from service.validation import InputError, host_device_types, parse_stack_input
+from service.worker import DEFAULT_KIND, QueuedJobs, available_kinds, kind_device_type, resolve_kind
 
 router = APIRouter(tags=["jobs"])
 
@@ -38,6 +39,9 @@ class ProfileCreate(BaseModel):
     numels: list[int] = Field(default=[1024], min_length=1, max_length=16)
     dtypes: list[Dtype] = Field(default=["float32"], max_length=2)
     device: str = Field(default="cpu", max_length=16, description="a device type this host has: cpu, cuda")
+    device_kind: str | None = Field(default=None, max_length=120, description=(
+        "the machines to run on: cpu or cuda:NAME (with a PostgreSQL store, one a worker registered); default: "
+        "the one kind of the device's type"))
     min_run_time: float = Field(default=0.05, gt=0, le=5)
 
 
@@ -87,16 +91,26 @@ def post_verify(body: VerifyCreate, runner: RunnerDep, settings: SettingsDep, re
     if contexts > settings.max_contexts:
         raise HTTPException(status_code=422, detail=f"{contexts} (op, stack, dtype) contexts is over the limit of "
                                                     f"{settings.max_contexts} per job; name fewer ops or stacks")
-    params = {"ops": ops, "stacks": stacks, "dtypes": body.dtypes}
+    params = {"ops": ops, "stacks": stacks, "dtypes": body.dtypes, "device_kind": DEFAULT_KIND}
     return _submit(runner, "verify", params, response)
 
 
 @router.post("/profiles", status_code=202, dependencies=[Authorized])
-def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep, response: Response) -> JobPublic:
+def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep, store: StoreDep,
+                  response: Response) -> JobPublic:
     ops = _check_ops(body.ops)
-    if body.device not in host_device_types():
-        raise InputError(f"device {shorten(body.device, 16)!r} is not on this host; profile on "
-                         f"{', '.join(host_device_types())}")
+    on_workers = isinstance(runner, QueuedJobs)
+    kinds = available_kinds(store, on_workers=on_workers)
+    # With workers, a device type is available when a worker runs it; in process, when this host has it.
+    device_types = tuple(dict.fromkeys(kind_device_type(k) for k in kinds)) if on_workers else host_device_types()
+    if body.device not in device_types:
+        where = "on any worker" if on_workers else "on this host"
+        raise InputError(f"device {shorten(body.device, 16)!r} is not {where}; profile on "
+                         f"{', '.join(device_types)}")
+    try:
+        device_kind = resolve_kind(body.device_kind, body.device, kinds)
+    except ValueError as error:
+        raise InputError(str(error)) from None
     try:
         workloads = [canonical_workload(w) for w in body.workloads] if body.workloads else list(WORKLOADS)
     except ValueError as error:
@@ -120,7 +134,8 @@ def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep,
         raise HTTPException(status_code=422, detail=f"{contexts} profiling contexts is over the limit of "
                                                     f"{settings.max_contexts} per job (max_contexts)")
     params = {"ops": ops, "workloads": workloads, "batch_sizes": body.batch_sizes, "numels": body.numels,
-              "dtypes": body.dtypes, "device": body.device, "min_run_time": body.min_run_time}
+              "dtypes": body.dtypes, "device": body.device, "min_run_time": body.min_run_time,
+              "device_kind": device_kind}
     return _submit(runner, "profile", params, response)
 
 

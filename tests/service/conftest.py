@@ -43,7 +43,9 @@ def serve(db_url: str) -> Iterator[Callable[..., TestClient]]:
     clients: list[TestClient] = []
 
     def start(**settings: object) -> TestClient:
-        settings = {"db": db_url, "evidence_poll_s": 0.05, **settings}
+        # Jobs in process on both backends: these tests exercise the service's own runner (on PostgreSQL the
+        # default sends jobs to `multicomposite worker` processes; tests/service/test_workers.py starts those).
+        settings = {"db": db_url, "evidence_poll_s": 0.05, "jobs": "in-process", **settings}
         client = TestClient(create_app(Settings(**settings)))
         client.__enter__()
         clients.append(client)

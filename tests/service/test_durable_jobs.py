@@ -78,7 +78,8 @@ def test_finished_jobs_are_pruned_after_the_retention(serve, db_url: str) -> Non
 def test_kill_9_during_a_job_then_restart(db_url: str) -> None:
     """The issue's "done when": the job is reported interrupted, queued jobs run, the store passes its check."""
     url = db_url
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MULTICOMPOSITE_DB": url}
+    # The server's own runner, on PostgreSQL too (whose default is `multicomposite worker` processes).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MULTICOMPOSITE_DB": url, "MULTICOMPOSITE_JOBS": "in-process"}
 
     def start() -> tuple[subprocess.Popen, str]:
         with socket.socket() as probe:
