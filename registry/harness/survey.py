@@ -32,6 +32,8 @@ import torch
 from torch import func
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from registry.core.dynamic import REFUSAL_PHRASE
+
 SURVEY_STACKS: tuple[str, ...] = ("vmap", "grad", "vmap(grad)", "jacrev", "jacfwd", "vmap(jvp)")
 BATCHINGS: tuple[str, ...] = ("input", "others")
 DTYPES: tuple[str, ...] = ("float32", "float64")
@@ -61,6 +63,7 @@ _UNSUPPORTED_MESSAGES: tuple[tuple[str, str], ...] = (
     ("batching operators that can output dynamic shape", "dynamic shape op"),
     ("batching operators that can support dynamic shape", "dynamic shape op (boolean mask indexing)"),
     ("random operation while in randomness error mode", "random op (vmap randomness='error')"),
+    (REFUSAL_PHRASE, "dynamic shape op (refused inside use(), naming the fixed-shape alternative)"),
 )
 
 

@@ -87,6 +87,16 @@ def test_dynamic_shape_and_random_ops_are_unsupported_under_vmap(database: list[
     assert by_stack["grad"].native_status == "ok"
 
 
+def test_unique_refused_inside_use_is_as_unsupported_as_natively(database: list[Any]) -> None:
+    # Natively vmap says "dynamic shape"; inside use() the refusal names the fixed-shape alternative instead. Both
+    # are by design, so the survey must not count the op as made worse.
+    (row,) = run_entry(database, "unique", stacks=("vmap",), batchings=("input",))
+    assert (row.native_status, row.use_status) == ("unsupported", "unsupported")
+    assert row.native_detail.startswith("dynamic shape op: RuntimeError: vmap: We do not support batching operators ")
+    assert row.use_detail.startswith("dynamic shape op (refused inside use(), naming the fixed-shape alternative): "
+                                     "RuntimeError: vmap: unique returns a shape that depends on the values of self,")
+
+
 def test_an_unsupported_dtype_is_reported_for_every_row(database: list[Any]) -> None:
     (entry,) = [o for o in database if torch.float32 not in o.supported_dtypes("cpu")][:1]
     rows = survey.survey_entry(entry, "float32", survey.SurveyConfig(stacks=("vmap",)))
