@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,34 +315,47 @@ def _claim_failures(entries: Sequence[MatrixEntry]) -> list[MatrixEntry]:
     return failures
 
 
-def _choices_table(entries: Sequence[MatrixEntry]) -> tuple[list[str], list[list[str]]]:
-    """stacks x ops: the composite auto chooses there (all patterns batched) and its worst status."""
-    from registry.reports.plots import SEVERITY, stack_label
+# The stacks whose choice the verify summary shows when no --stack narrows it: the batched ones every op is verified
+# under (OpInfo ops run vmap, grad, vmap(grad) and vmap(jvp); the seed ops every nesting).
+SUMMARY_STACKS: tuple[tuple[str, ...], ...] = (("vmap",), ("vmap", "grad"), ("vmap", "jvp"))
+# Worst-first over patterns for the summary: "unsupported" (a pattern with nothing to batch) never hides a result.
+_SUMMARY_RANK = ("unsupported", "ok", "slow", "mismatch", "error")
+VERIFY_STATUSES = ("ok", "slow", "mismatch", "error", "unsupported")
+
+
+def _choices_table(entries: Sequence[MatrixEntry],
+                   stacks: Sequence[tuple[str, ...]] | None = None) -> tuple[list[str], list[list[str]]]:
+    """One row per op: its entries by status, and under each of ``stacks`` (default: those of SUMMARY_STACKS that
+    were run) the composite auto chooses with every argument batched, with that composite's worst status there. One
+    row per op rather than one column: the whole set is ~90 ops and 63 stacks."""
+    from registry.reports.plots import stack_label
     from registry.store import evidence
 
+    run_stacks = {e.stack for e in entries}
+    shown = [s for s in (stacks or SUMMARY_STACKS) if s in run_stacks]
     evidence.set_entries(entries)
     try:
-        stacks = sorted({e.stack for e in entries}, key=lambda s: (len(s), s))
-        ops = list(dict.fromkeys(e.op for e in entries))
         worst: dict[tuple[str, str, tuple[str, ...]], str] = {}
+        counts: dict[str, Counter[str]] = {}
         for e in entries:
+            counts.setdefault(e.op, Counter())[e.status] += 1
             key = (e.op, e.composite, e.stack)
-            if SEVERITY.index(e.status) >= SEVERITY.index(worst.get(key, "ok")):
+            if key not in worst or _SUMMARY_RANK.index(e.status) > _SUMMARY_RANK.index(worst[key]):
                 worst[key] = e.status
         rows = []
-        for stack in stacks:
-            cells = [stack_label(stack)]
-            for op in ops:
+        for op, by_status in counts.items():
+            cells = [op, str(sum(by_status.values())), *(str(by_status[status]) for status in VERIFY_STATUSES)]
+            for stack in shown:
                 batched = registry.OPS[op].tensor_args if "vmap" in stack else ()
                 try:
                     decision = registry.select(op, stack=stack, batched=batched)
-                    cells.append(f"{decision.composite} [{worst.get((op, decision.composite, stack), '?')}]")
+                    cells.append(f"{decision.composite} [{worst.get((op, decision.composite, stack), 'not run')}]")
                 except registry.SelectionError:
                     cells.append("none")
             rows.append(cells)
     finally:
         evidence.use_loader(None)
-    return ["stack", *ops], rows
+    return ["op", "entries", *VERIFY_STATUSES, *(stack_label(s) for s in shown)], rows
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -369,8 +383,9 @@ def _verify(args: argparse.Namespace) -> int:
     if args.json:
         out.print_json([_entry_json(e) for e in entries])
     else:
-        columns, rows = _choices_table(entries)
-        out.print_table(columns, rows, title="the composite auto chooses (all arguments batched) [its worst status]")
+        columns, rows = _choices_table(entries, [tuple(s) for s in args.stack] if args.stack else None)
+        out.print_table(columns, rows, title="entries by status; under each stack, the composite auto chooses (every "
+                        "argument batched) [its worst status there]")
         print(f"{len(entries)} entries in {elapsed:.0f} s, written to {store.url}")
         for entry in failures:
             print(f"FAIL {entry.op}/{entry.composite} {format_stack(entry.stack) or 'eager'} {entry.pattern} "
