@@ -20,6 +20,7 @@ import torch
 from torch.autograd import Function
 
 from registry.core import rules
+from registry.core.context import functorch_stack
 from registry.core.primitive import apply
 from registry.core.registration import define_op, register
 from registry.core.rules import Problem
@@ -346,3 +347,39 @@ def glu_functional(self, dim=-1):
         raise RuntimeError(f"Halving dimension must be even, but dimension {wrapped} is size {size}")
     half = size // 2
     return self.narrow(dim, 0, half) * torch.sigmoid(self.narrow(dim, half, half))
+
+
+# --- rrelu: a random activation ------------------------------------------------------------------------------------
+# aten::rrelu decomposes to rrelu_with_noise, which has no batching rule (vmap raises "we do not yet support
+# aten::rrelu"), and neither has its backward, rrelu_with_noise_backward (vmap(grad), jacrev). Its output is self times
+# a noise tensor that is also its derivative, so the functional composite computes the noise and multiplies: backward
+# and forward AD are those of a multiply, which batch.
+
+
+def _under_vmap() -> bool:
+    return any(transform == "vmap" for transform, _ in functorch_stack())
+
+
+define_op("rrelu", "", tensors=("self",), doc="self where positive, else self times a slope drawn uniformly from "
+          "[lower, upper] (training) or their mean (eval)", opinfo=("nn.functional.rrelu",), inplace=False,
+          rules={"native": rules.first_of(
+              rules.no_batching_rule("aten::rrelu_with_noise", status="error"),
+              rules.backward_without_batching_rule("aten::rrelu_with_noise_backward"))})
+
+
+@register("rrelu", "functional")
+def rrelu_functional(self, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    """self * noise. In eval the noise is 1 where self > 0 and the mean slope elsewhere (leaky_relu's values). In
+    training, outside vmap, it is the native op's own draw (rrelu_with_noise_functional: the same generator calls, so
+    the same values as native for a seed); under vmap it is a random op of vmap's (randomness='error' refuses as for
+    any random op, 'same' and 'different' draw as asked)."""
+    if not training:
+        # The slope as a tensor of self's dtype: two Python numbers in torch.where would make a float32 tensor.
+        slope = torch.full((), (lower + upper) / 2, dtype=self.dtype, device=self.device)
+        return self * torch.where(self > 0, 1.0, slope)
+    if not _under_vmap():
+        _, noise = torch.ops.aten.rrelu_with_noise_functional(self.detach(), torch.empty_like(self.detach()), lower,
+                                                              upper, True, generator=generator)
+        return self * noise
+    draws = torch.rand(self.shape, dtype=self.dtype, device=self.device, generator=generator)
+    return self * torch.where(self <= 0, lower + (upper - lower) * draws, 1.0)

@@ -172,3 +172,67 @@ def test_histogramdd_under_vmap_returns_per_sample_edges() -> None:
         expected = torch.histogramdd(points[b], [2, 3])
         assert torch.equal(hist[b], expected.hist)
         assert all(torch.equal(e[b], x) for e, x in zip(edges, expected.bin_edges, strict=True))
+
+
+# --- rrelu ------------------------------------------------------------------------------------------------------------
+
+
+def _rrelu(training: bool):
+    return lambda t: torch.nn.functional.rrelu(t, 0.1, 0.6, training)
+
+
+def test_rrelu_eval_under_vmap_jacfwd_and_vmap_grad_equals_a_loop_of_native(fallback_warnings: list) -> None:
+    # OpInfo's first samples are all training=True (random: unsupported under vmap), so eval is checked here.
+    x = torch.randn(4, 9, dtype=torch.float64)
+    x[0, :3] = torch.tensor([0.0, -0.0, float("nan")])
+    rrelu = _rrelu(False)
+    with registry.use():
+        values = func.vmap(rrelu)(x)
+        grads = func.vmap(func.grad(lambda t: rrelu(t).sum()))(x)
+        jacobian = func.jacfwd(rrelu)(x[1])
+    assert _fallbacks(fallback_warnings) == []
+    torch.testing.assert_close(values, torch.stack([rrelu(row) for row in x]), rtol=0, atol=0, equal_nan=True)
+    expected_grads = []
+    for row in x:
+        leaf = row.clone().requires_grad_()
+        rrelu(leaf).sum().backward()
+        expected_grads.append(leaf.grad)
+    torch.testing.assert_close(grads, torch.stack(expected_grads), rtol=0, atol=0, equal_nan=True)
+    leaf = x[1].clone().requires_grad_()
+    expected_jacobian = torch.autograd.functional.jacobian(rrelu, leaf)
+    torch.testing.assert_close(jacobian, expected_jacobian, rtol=0, atol=0)
+
+
+def test_rrelu_training_under_grad_and_jacrev_draws_natives_noise() -> None:
+    x = torch.randn(12, dtype=torch.float64)
+    rrelu = _rrelu(True)
+    torch.manual_seed(3)
+    leaf = x.clone().requires_grad_()
+    expected_out = rrelu(leaf)
+    expected_out.sum().backward()
+    with registry.use():
+        torch.manual_seed(3)
+        grad = func.grad(lambda t: rrelu(t).sum())(x)
+        torch.manual_seed(3)
+        jacobian = func.jacrev(rrelu)(x)
+    assert torch.equal(grad, leaf.grad)
+    assert torch.equal(jacobian, torch.diag(leaf.grad))  # elementwise: the noise on the diagonal
+    assert torch.equal(torch.diagonal(jacobian) * x, expected_out.detach())
+
+
+def test_rrelu_training_under_vmap_follows_vmaps_randomness_flag(fallback_warnings: list) -> None:
+    x = torch.randn(5, 40, dtype=torch.float64)
+    rrelu = _rrelu(True)
+    with registry.use():
+        with pytest.raises(RuntimeError, match="vmap: called random operation while in randomness error mode"):
+            func.vmap(rrelu)(x)
+        different = func.vmap(rrelu, randomness="different")(x)
+        same = func.vmap(rrelu, randomness="same")(x.abs().neg() - 1)
+    assert _fallbacks(fallback_warnings) == []
+    slopes = different / x
+    assert torch.equal(slopes[x > 0], torch.ones_like(slopes[x > 0]))
+    negative = slopes[x <= 0]
+    assert negative.min() >= 0.1 and negative.max() <= 0.6 and negative.unique().numel() == negative.numel()
+    same_slopes = same / (x.abs().neg() - 1)
+    assert torch.allclose(same_slopes, same_slopes[:1].expand_as(same_slopes), rtol=1e-12, atol=0)
+    assert same_slopes.min() >= 0.1 and same_slopes.max() <= 0.6
