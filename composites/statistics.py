@@ -334,3 +334,51 @@ def histogramdd_functional(self, bins, range=None, weight=None, density=False):
     ranges = [None] * d if range is None else [(range[2 * k], range[2 * k + 1]) for k in builtins.range(d)]
     hist, edges = _histogramdd(self.reshape(-1, d), bins, ranges, weight, density, tuple(self.shape))
     return hist, [e.clone() if isinstance(b, torch.Tensor) else e for e, b in zip(edges, bins, strict=True)]
+
+
+# --- hash_tensor: an xor reduction ---------------------------------------------------------------------------------
+# hash_tensor (mode 0) xors the 64-bit patterns of the elements over dim: floats widened to float64 and read as bits,
+# integers and booleans widened to int64. It has no batching rule (vmap runs a per-sample loop); the composite folds
+# the reduced elements in halves with bitwise_xor, which batches: log2(n) xors of shrinking halves.
+
+define_op("hash_tensor", "", tensors=("self",), doc="the xor of the 64-bit patterns of self's elements over dim, as "
+          "uint64", opinfo=("hash_tensor",), inplace=False,
+          rules={"native": rules.no_batching_rule("aten::hash_tensor")})
+
+
+def _xor_fold_last(bits: torch.Tensor) -> torch.Tensor:
+    """The xor over the last dimension of an int64 tensor (0 over none)."""
+    while bits.shape[-1] > 1:
+        if bits.shape[-1] % 2:  # 0 is xor's identity
+            bits = torch.cat([bits, bits.new_zeros((*bits.shape[:-1], 1))], dim=-1)
+        half = bits.shape[-1] // 2
+        bits = torch.bitwise_xor(bits[..., :half], bits[..., half:])
+    if bits.shape[-1] == 0:
+        return bits.new_zeros(bits.shape[:-1])
+    return bits[..., 0]
+
+
+@register("hash_tensor", "functional")
+def hash_tensor_functional(self, dim=(), *, keepdim=False, mode=0):
+    """The xor of the elements' 64-bit patterns, folded in halves over the reduced dimensions moved last."""
+    if mode != 0:
+        raise RuntimeError(f"hash_tensor: mode {mode} is not supported; mode 0 (xor of the 64-bit patterns) is")
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    rank = max(self.dim(), 1)
+    # A 0-dim self has one element whatever dim (0 or -1) names: nothing to move or fold.
+    reduced = sorted({d % rank for d in dims}) if dims and self.dim() else list(range(self.dim()))
+    # Native's checks, in its words: the xor over nothing is 0, but native refuses it.
+    if not dims and self.numel() == 0:
+        raise RuntimeError("hash_tensor: Expected reduction dim to be specified for input.numel() == 0. Specify the "
+                           "reduction dim with the 'dim' argument.")
+    for d in reduced:
+        if self.dim() and self.shape[d] == 0:
+            raise IndexError(f"hash_tensor: Expected reduction dim {d} to have non-zero size.")
+    bits = self.to(torch.float64).view(torch.int64) if self.is_floating_point() else self.to(torch.int64)
+    kept = [d for d in range(self.dim()) if d not in reduced]
+    moved = bits.permute(*kept, *reduced) if self.dim() else bits
+    # The reduced size spelled out: -1 cannot be inferred when a kept dimension is empty.
+    folded = _xor_fold_last(moved.reshape(*(self.shape[d] for d in kept), math.prod(self.shape[d] for d in reduced)))
+    if keepdim and self.dim():
+        folded = folded.reshape([1 if d in reduced else self.shape[d] for d in range(self.dim())])
+    return folded.view(torch.uint64)

@@ -236,3 +236,43 @@ def test_rrelu_training_under_vmap_follows_vmaps_randomness_flag(fallback_warnin
     same_slopes = same / (x.abs().neg() - 1)
     assert torch.allclose(same_slopes, same_slopes[:1].expand_as(same_slopes), rtol=1e-12, atol=0)
     assert same_slopes.min() >= 0.1 and same_slopes.max() <= 0.6
+
+
+# --- hash_tensor ------------------------------------------------------------------------------------------------------
+
+HASH_CASES = [
+    (torch.randn(3, 4), {}), (torch.randn(3, 4), {"dim": 0}), (torch.randn(3, 4, 5), {"dim": (0, 2), "keepdim": True}),
+    (torch.randn(3, 4), {"dim": -1, "keepdim": True}), (torch.tensor(2.5), {}), (torch.tensor(2.5), {"dim": 0}),
+    (torch.randint(-5, 5, (3, 7)), {"dim": 1}), (torch.rand(4, 5) > 0.5, {}), (torch.randn(2, 0, 3), {"dim": 2}),
+    (torch.randn(5).half(), {}), (torch.randint(0, 200, (6,), dtype=torch.uint8), {}),
+    (torch.randn(7, 3, dtype=torch.float64).t(), {"dim": 1}),
+]
+
+
+@pytest.mark.parametrize(("x", "kwargs"), HASH_CASES)
+def test_hash_tensor_equals_natives_bits(x: torch.Tensor, kwargs: dict) -> None:
+    expected = torch.hash_tensor(x, **kwargs)
+    with registry.use(pins={"hash_tensor": "functional"}):
+        batched = func.vmap(lambda t: torch.hash_tensor(t, **kwargs))(torch.stack([x, x.flip(0) if x.dim() else x]))
+    looped = torch.stack([expected, torch.hash_tensor(x.flip(0) if x.dim() else x, **kwargs)])
+    assert batched.dtype == torch.uint64 and batched.shape == looped.shape
+    assert torch.equal(batched.view(torch.int64), looped.view(torch.int64))
+
+
+@pytest.mark.parametrize(("x", "kwargs", "error", "message"), [
+    (torch.randn(2, 0), {}, RuntimeError, "Expected reduction dim to be specified for input.numel() == 0"),
+    (torch.randn(2, 0, 3), {"dim": 1}, IndexError, "Expected reduction dim 1 to have non-zero size"),
+])
+def test_hash_tensor_refuses_what_native_refuses(x: torch.Tensor, kwargs: dict, error: type, message: str) -> None:
+    from composites.statistics import hash_tensor_functional
+
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        torch.hash_tensor(x, **kwargs)
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        hash_tensor_functional(x, **kwargs)
+
+
+def test_hash_tensor_batches_without_fallback(fallback_warnings: list) -> None:
+    with registry.use():
+        func.vmap(lambda t: torch.hash_tensor(t, 1))(torch.randn(4, 3, 5))
+    assert _fallbacks(fallback_warnings) == []
