@@ -426,8 +426,8 @@ def test_verify_prints_choices_and_progress_goes_to_stderr(empty_store: str,
     code, stdout, stderr = _run(["verify", "--op", "masked_fill", "--stack", "vmap", "--dtype", "float32"], capsys)
     assert code == 0
     lines = stdout.splitlines()
-    assert lines[:3] == ["entries by status; under each stack, the composite auto chooses (every argument batched) "
-                         "[its worst status there]",
+    assert lines[:3] == ["entries by status; under each stack, the composite auto chooses with self batched [its "
+                         "worst status there]",
                          "op           entries  ok  slow  mismatch  error  unsupported  vmap",
                          "masked_fill  16       8   7     0         1      0            functional [ok]"]
     assert lines[3].startswith("16 entries in ") and lines[3].endswith(f" s, written to {empty_store}")
