@@ -134,6 +134,26 @@ def _native_key(op: str, workload: str, dtype: str, device: str, numel_bucket: i
 # first sample (its own size: ``numels`` does not apply), batched over ``batch`` varied copies.
 OPINFO_WORKLOADS = ("vmap", "vmap(grad)")
 _OPINFO_STACKS = {"vmap": ("vmap",), "vmap(grad)": ("vmap", "grad")}
+_PROFILE_CANDIDATES = 8  # OpInfo samples looked at for the first one vmap does not call random
+
+
+def _random_under_vmap(op: str, workload: str, case: Any) -> bool:
+    """Whether one of ``op``'s composites, pinned, raises vmap's randomness error on ``case``."""
+    from registry.harness import survey
+
+    if workload != "vmap":
+        case.weights()  # the loss's weights are drawn on first use: here, outside vmap
+    for name in COMPOSITES[op]:
+        try:
+            with warnings.catch_warnings(), use(pins={op: name}):
+                warnings.simplefilter("ignore")
+                survey.run_stack(workload, case)
+        except RuntimeError as error:
+            if "random operation while in randomness error mode" in str(error):
+                return True
+        except Exception:  # any other failure is the profile's to record, not a reason to skip a sample
+            continue
+    return False
 
 
 class _NoCase(Exception):  # noqa: N818 -- a reason, not a failure
@@ -166,13 +186,25 @@ def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype) -> C
     from registry.harness import opinfo, survey
 
     entry = opinfo.entries(op)[0]
-    samples = survey.pick_samples(entry, dtype, 1)
+    samples = survey.pick_samples(entry, dtype, _PROFILE_CANDIDATES)
     if not samples:
         raise _NoCase(f"OpInfo has no {dtype} sample of {survey.entry_id(entry)}")
-    case = survey.SurveyCase(entry, samples[0], "input", batch)
+    # A random sample (rrelu in training; OpInfo seeds it, so only vmap's randomness check tells) cannot be compared
+    # with a per-sample loop under vmap: the first sample no composite calls random under vmap is timed (rrelu in eval).
+    case = next((c for c in (survey.SurveyCase(entry, s, "input", batch) for s in samples)
+                 if not _random_under_vmap(op, workload, c)), None)
+    if case is None:
+        raise _NoCase(f"vmap calls its first {len(samples)} samples random (randomness='error')")
     if workload == "vmap(grad)" and not case.diff:
         raise _NoCase("nothing to differentiate in its first sample")
-    reference = survey.reference(workload, survey._Reference(case))
+    why_not = survey._static_reason(case, workload, dtype)  # no float output, random under vmap, ...
+    if why_not is not None:
+        raise _NoCase(f"the survey cannot check it: {why_not}")
+    try:
+        reference = survey.reference(workload, survey._Reference(case))
+    except Exception as error:  # e.g. an integer output (hash_tensor) has no gradient to compare under vmap(grad)
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        raise _NoCase(f"no reference outside the transform ({type(error).__name__}: {first})") from None
 
     def calls(composite: Composite) -> Callable[[], Any]:
         if composite.kind == "native":

@@ -116,6 +116,23 @@ def test_profile_times_every_composite_and_flags_invalid() -> None:
     assert by_name["mutating"].stack == ("vmap", "vmap", "jvp")
 
 
+def test_opinfo_profiles_skip_random_samples_and_say_why_a_workload_has_none() -> None:
+    # rrelu's first OpInfo samples are training ones, random under vmap: the eval sample is timed instead.
+    refused: list[str] = []
+    entries = profile(ops=["rrelu", "hash_tensor"], workloads=["vmap", "vmap(grad)"], batch_sizes=(4,),
+                      min_run_time=0.01, spread_limit=math.inf, refused=refused)
+    by_key = {(e.op, e.workload, e.composite): e for e in entries}
+    assert by_key[("rrelu", "vmap", "functional")].valid
+    assert by_key[("rrelu", "vmap(grad)", "functional")].valid
+    assert by_key[("rrelu", "vmap", "native")].detail == (
+        "RuntimeError: vmap: we do not yet support aten::rrelu. Please file an issue")
+    assert by_key[("hash_tensor", "vmap", "functional")].valid and by_key[("hash_tensor", "vmap", "native")].valid
+    # An integer output has no gradient: said, not stored.
+    assert not any(op == "hash_tensor" and workload == "vmap(grad)" for op, workload, _ in by_key)
+    assert refused == ["hash_tensor vmap(grad) b=4: not profiled, the survey cannot check it: op does not support "
+                       "autograd"]
+
+
 def test_killed_profiling_run_leaves_a_consistent_store(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'killed.db'}"
     script = textwrap.dedent(f"""
