@@ -200,6 +200,8 @@ def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype) -> C
     why_not = survey._static_reason(case, workload, dtype)  # no float output, random under vmap, ...
     if why_not is not None:
         raise _NoCase(f"the survey cannot check it: {why_not}")
+    if workload == "vmap(grad)" and not case.differentiable_outputs(case.call(case.per_sample[0])):
+        raise _NoCase("no real floating output to differentiate (complex or integer outputs only)")
     try:
         reference = survey.reference(workload, survey._Reference(case))
     except Exception as error:  # e.g. an integer output (hash_tensor) has no gradient to compare under vmap(grad)

@@ -131,6 +131,10 @@ def test_opinfo_profiles_skip_random_samples_and_say_why_a_workload_has_none() -
     assert not any(op == "hash_tensor" and workload == "vmap(grad)" for op, workload, _ in by_key)
     assert refused == ["hash_tensor vmap(grad) b=4: not profiled, the survey cannot check it: op does not support "
                        "autograd"]
+    refused.clear()
+    assert profile(ops=["chalf"], workloads=["vmap(grad)"], batch_sizes=(4,), refused=refused) == []
+    assert refused == ["chalf vmap(grad) b=4: not profiled, no real floating output to differentiate (complex or "
+                       "integer outputs only)"]
 
 
 def test_killed_profiling_run_leaves_a_consistent_store(tmp_path) -> None:
