@@ -537,26 +537,6 @@ class Worker:
 # The command -------------------------------------------------------------------------------------------------------
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{number} is below 1")
-    return number
-
-
-def _positive_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"{value} is not above 0")
-    return number
-
-
 def _kind_arg(value: str) -> str:
     try:
         return check_kind(value)
@@ -566,6 +546,9 @@ def _kind_arg(value: str) -> str:
 
 def configure_worker(worker: argparse.ArgumentParser) -> None:
     """``multicomposite worker``: its arguments, on the parser the CLI's table of subcommands made."""
+    from service.cli import _positive as _positive_int  # the CLI's argument types: one wording for every command
+    from service.cli import _seconds as _positive_float
+
     worker.add_argument("--device-kind", action="append", type=_kind_arg, dest="device_kinds",
                         help="a device kind to take jobs for: cpu or cuda:NAME (repeatable; default: every kind "
                              "this machine has, see `--list-kinds`)")
