@@ -88,6 +88,8 @@ class MatrixEntryPublic(BaseModel):
     max_rel_error: float | None
     torch_version: str
     device: str
+    measured_at: float | None = Field(default=None, description="when it was measured, seconds since the epoch "
+                                      "(UTC); null for entries stored before the store kept it")
 
 
 class ProfilePublic(BaseModel):

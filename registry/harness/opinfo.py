@@ -15,6 +15,7 @@ tensor arguments (``others``).
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -171,8 +172,9 @@ def _one(op: str, composite: str, case: survey.SurveyCase, reference: Any, surve
 def matrix_entries(op: str, dtype: str, composites: Sequence[str], cells: Sequence[tuple[tuple[str, ...], str]],
                    source_hashes: dict[str, str]) -> list[MatrixEntry]:
     outcomes = check_all(op, composites, getattr(torch, dtype), cells)
+    measured_at = time.time()
     return [MatrixEntry(
         op=op, composite=name, kind=COMPOSITES[op][name].kind, stack=stack, pattern=pattern, dtype=dtype,
         status=outcome.status, detail=outcome.detail[:500], max_abs_error=outcome.max_abs_error,
         max_rel_error=outcome.max_rel_error, source_hash=source_hashes[name], torch_version=torch.__version__,
-        device="cpu") for (name, stack, pattern), outcome in outcomes.items()]
+        device="cpu", measured_at=measured_at) for (name, stack, pattern), outcome in outcomes.items()]

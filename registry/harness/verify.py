@@ -25,6 +25,7 @@ import inspect
 import itertools
 import multiprocessing
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -524,7 +525,7 @@ def _run_seed_item(label: tuple[str, str, str, tuple[str, ...], str, tuple[int, 
     return MatrixEntry(
         op=op, composite=name, kind=composite.kind, stack=stack, pattern=pattern, dtype=dtype, status=worst[0],
         detail=worst[1], max_abs_error=worst[2], max_rel_error=worst[3], source_hash=source_hash(composite),
-        torch_version=torch.__version__, device="cpu",
+        torch_version=torch.__version__, device="cpu", measured_at=time.time(),
     )
 
 

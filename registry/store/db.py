@@ -64,6 +64,7 @@ class MatrixEntry:
     source_hash: str
     torch_version: str
     device: str
+    measured_at: float | None = None  # when the harness judged it, epoch seconds (UTC); None in rows before 0003
 
 
 _metadata = MetaData()
@@ -84,6 +85,7 @@ _matrix = Table(
     Column("source_hash", String(200), nullable=False),
     Column("torch_version", String(100), nullable=False),
     Column("device", String(50), nullable=False),
+    Column("measured_at", Float, nullable=True),
     UniqueConstraint("op", "composite", "stack", "pattern", "dtype", "device", "torch_version", name="uq_matrix_key"),
 )
 _KEY = ("op", "composite", "stack", "pattern", "dtype", "device", "torch_version")
@@ -342,6 +344,7 @@ def _to_row(entry: MatrixEntry) -> dict[str, Any]:
         "source_hash": entry.source_hash,
         "torch_version": entry.torch_version,
         "device": entry.device,
+        "measured_at": entry.measured_at,
     }
 
 
@@ -361,6 +364,7 @@ def _from_row(row: Row[Any]) -> MatrixEntry:
         source_hash=m["source_hash"],
         torch_version=m["torch_version"],
         device=m["device"],
+        measured_at=m["measured_at"],
     )
 
 

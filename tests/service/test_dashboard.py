@@ -361,6 +361,7 @@ def test_matrix_heatmap_shows_each_cell_and_its_evidence(browser: WebDriver, ser
     assert row[4] == failing["detail"].strip() and "RuntimeError: vmap: inplace arithmetic" in row[4]
     assert row[5] == torch.__version__
     assert row[6] == measured_text(failing)
+    assert failing["measured_at"] is not None and row[6].endswith(" UTC")  # verify stamps every entry
     passing = next(e for e in stored if e["status"] != "error")
     assert next(r for r in shown if r[0] == passing["pattern"])[4] == (
         f"{passing['detail']} (max abs error 0, max rel error 0)" if passing["detail"]

@@ -95,6 +95,15 @@ def test_auto_cites_measured_evidence() -> None:
         evidence.use_loader(None)
 
 
+def test_entries_say_when_they_were_measured() -> None:
+    before = time.time()
+    seed = verify(ops=["index_fill"], stacks=["vmap"], dtypes=(torch.float32,), composites=["functional"])
+    opinfo = verify(ops=["take"], stacks=["vmap"], dtypes=(torch.float32,), composites=["functional"])
+    after = time.time()
+    assert seed and opinfo
+    assert all(before <= e.measured_at <= after for e in [*seed, *opinfo])
+
+
 def test_stale_entries_are_ignored(tmp_path) -> None:
     store = Store(f"sqlite:///{tmp_path / 'm.db'}")
     entries = verify(ops=["masked_fill"], stacks=["vmap"], dtypes=(torch.float32,), composites=["functional"])

@@ -25,7 +25,7 @@ from service.cli import main
 from tests.registry.store.test_store import entry
 
 LEGACY_DDL = (Path(__file__).parent / "data" / "schema_before_migrations.sql").read_text()
-HEAD = "0002"
+HEAD = "0003"
 TABLES = {"matrix_entries", "profiles", "store_meta", "jobs", "bench_runs", "survey_results"}
 
 
@@ -82,6 +82,14 @@ def _tables(url: str) -> set[str]:
         engine.dispose()
 
 
+def _columns(url: str, table: str) -> list[dict[str, Any]]:
+    engine = create_engine(url)
+    try:
+        return inspect(engine).get_columns(table)
+    finally:
+        engine.dispose()
+
+
 def _column_type(url: str, table: str, column: str) -> str:
     engine = create_engine(url)
     try:
@@ -111,6 +119,8 @@ def test_a_store_made_before_migrations_upgrades_in_place(empty_url: str) -> Non
     assert _execute(url, "SELECT stack FROM matrix_entries") == [("vmap(grad)",)]
     assert _execute(url, "SELECT stack FROM profiles") == [("vmap(grad)",)]
     assert _execute(url, "SELECT key, value FROM store_meta") == [("generation", 7)]
+    # A row stored before 0003 has no measurement time; one written after has it.
+    assert _execute(url, "SELECT measured_at FROM matrix_entries") == [(None,)]
     with Store(url) as store:
         assert store.entries() == [entry()]
         assert store.generation() == 7
@@ -145,7 +155,7 @@ def test_a_fresh_store_has_exactly_the_schema_of_the_models(empty_url: str) -> N
 
 def test_revisions_go_down_and_up_again(empty_url: str) -> None:
     url = empty_url
-    assert migrate.revisions() == ["0001", HEAD]
+    assert migrate.revisions() == ["0001", "0002", HEAD]
     assert migrate.upgrade(url, "0001") == (None, "0001")
     assert _execute(url, "SELECT key, value FROM store_meta ORDER BY key") == [("generation", 0),
                                                                                ("schema_version", 2)]
@@ -159,6 +169,15 @@ def test_revisions_go_down_and_up_again(empty_url: str) -> None:
     assert migrate.downgrade(url, "0001") == (HEAD, "0001")
     assert _execute(url, "SELECT key, value FROM store_meta ORDER BY key") == [("generation", 0),
                                                                                ("schema_version", 2)]
+    assert migrate.upgrade(url) == ("0001", HEAD)
+    with Store(url) as store:
+        store.write_entries([entry(measured_at=1_790_000_000.5)])
+    assert migrate.downgrade(url, "0002") == (HEAD, "0002")  # drops measured_at, keeps the row
+    assert "measured_at" not in {c["name"] for c in _columns(url, "matrix_entries")}
+    assert _execute(url, "SELECT op, status FROM matrix_entries") == [("index_fill", "ok")]
+    assert migrate.upgrade(url) == ("0002", HEAD)
+    assert _execute(url, "SELECT measured_at FROM matrix_entries") == [(None,)]
+    assert migrate.downgrade(url, "0001") == (HEAD, "0001")
     assert migrate.downgrade(url, "base") == ("0001", None)
     assert _tables(url) == {"alembic_version"}
     assert migrate.upgrade(url) == (None, HEAD)
@@ -271,7 +290,7 @@ def test_db_commands(empty_url: str, capsys: pytest.CaptureFixture[str]) -> None
     assert json.loads(capsys.readouterr().out) == {"url": shown, "current": HEAD, "head": HEAD, "up_to_date": True}
     assert main(["db", "upgrade", "--url", url, "--revision", "9"]) == 2
     assert capsys.readouterr().err == ("multicomposite db: cannot upgrade to '9': Can't locate revision identified "
-                                       "by '9'; known revisions: 0001, 0002\n")
+                                       "by '9'; known revisions: 0001, 0002, 0003\n")
 
 
 def test_db_commands_name_an_unreachable_server_without_its_password(capsys: pytest.CaptureFixture[str]) -> None:

@@ -61,7 +61,7 @@ def test_round_trip_keeps_every_field(store: Store) -> None:
         entry(stack=(), pattern="all", status="error", detail="RuntimeError: boom", max_abs_error=None,
               max_rel_error=None),
         entry(stack=("vmap",), pattern="in_dims1", dtype="float64", status="unsupported", kind="inplace",
-              max_abs_error=0.0, max_rel_error=None, device="cuda"),
+              max_abs_error=0.0, max_rel_error=None, device="cuda", measured_at=1_795_000_000.25),
     ]
     assert store.write_entries(written) == 3
     got = store.entries()
