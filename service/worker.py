@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
 
 DEFAULT_KIND = "cpu"
 TASK_NAME = "multicomposite.run_job"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a graceful stop: the running job finishes, the row is removed
 QUEUE_PREFIX = "device-"
 # What a device kind may be: cpu, or cuda: and the device's name as torch reports it ("cuda:NVIDIA H200").
 _KIND = re.compile(r"^(cpu|cuda:[A-Za-z0-9 ._()+\-]{1,100})$")
@@ -518,17 +521,37 @@ class Worker:
 
         self._app.task(name=TASK_NAME)(run_job_task)
         queues = [queue_for(kind) for kind in self.options.kinds]
-        async with self._app.open_async():
-            await asyncio.to_thread(self.register)
-            beating = asyncio.create_task(self._beat_and_reap(), name="multicomposite-heartbeat")
-            try:
-                await self._app.run_worker_async(
+        # Our own SIGTERM/SIGINT handlers from before the row is written: with procrastinate's, installed only once its
+        # worker runs, a stop arriving in between killed the process and left its row behind. A stop cancels the
+        # worker task, which procrastinate turns into a graceful stop (the running job finishes first).
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for signum in STOP_SIGNALS:
+            loop.add_signal_handler(signum, stop.set)
+        try:
+            async with self._app.open_async():
+                await asyncio.to_thread(self.register)
+                beating = asyncio.create_task(self._beat_and_reap(), name="multicomposite-heartbeat")
+                work = asyncio.create_task(self._app.run_worker_async(
                     queues=queues, name=self.id, concurrency=1, wait=True,
                     update_heartbeat_interval=self.options.heartbeat_s,
-                    stalled_worker_timeout=self.options.stale_after_s, install_signal_handlers=True)
-            finally:
-                beating.cancel()
-                await asyncio.to_thread(self.unregister)
+                    stalled_worker_timeout=self.options.stale_after_s, install_signal_handlers=False),
+                    name="multicomposite-worker")
+                stopping = asyncio.create_task(stop.wait(), name="multicomposite-stop")
+                try:
+                    await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    if not work.done():
+                        log.info("worker %s: stop requested; finishing the running job first", self.id)
+                        work.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await work  # a failure of the worker itself is raised here
+                finally:
+                    stopping.cancel()
+                    beating.cancel()
+                    await asyncio.to_thread(self.unregister)
+        finally:
+            for signum in STOP_SIGNALS:
+                loop.remove_signal_handler(signum)
 
     def run(self) -> None:
         asyncio.run(self.run_async())
@@ -605,7 +628,6 @@ def _run_processes(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
     """``--concurrency N``: N worker processes, each with its own row, running one job at a time. Processes rather
     than threads: the verification harness and torch's lazily loaded modules are not safe to run twice at once in one
     interpreter (two verify jobs in two threads failed on a half-imported torch.autograd module)."""
-    import signal
     import subprocess
     import sys
 
