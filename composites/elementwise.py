@@ -361,7 +361,7 @@ def _under_vmap() -> bool:
 
 
 define_op("rrelu", "", tensors=("self",), doc="self where positive, else self times a slope drawn uniformly from "
-          "[lower, upper] (training) or their mean (eval)", opinfo=("nn.functional.rrelu",), inplace=False,
+          "[lower, upper] (training) or their mean (eval)", opinfo=("nn.functional.rrelu",),
           rules={"native": rules.first_of(
               rules.no_batching_rule("aten::rrelu_with_noise", status="error"),
               rules.backward_without_batching_rule("aten::rrelu_with_noise_backward"))})
@@ -373,6 +373,8 @@ def rrelu_functional(self, lower=0.125, upper=1.0 / 3.0, training=False, generat
     training, outside vmap, it is the native op's own draw (rrelu_with_noise_functional: the same generator calls, so
     the same values as native for a seed); under vmap it is a random op of vmap's (randomness='error' refuses as for
     any random op, 'same' and 'different' draw as asked)."""
+    if lower > upper:  # native's check, in its words, in eval too
+        raise RuntimeError("Lower bound should be less than or equal to the upper bound")
     if not training:
         # The slope as a tensor of self's dtype: two Python numbers in torch.where would make a float32 tensor.
         slope = torch.full((), (lower + upper) / 2, dtype=self.dtype, device=self.device)

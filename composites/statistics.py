@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from composites.checks import check_dim
 from registry.core import rules
 from registry.core.context import vmap_levels
 from registry.core.ops import overloads as ops_overloads
@@ -362,11 +363,17 @@ def _xor_fold_last(bits: torch.Tensor) -> torch.Tensor:
 def hash_tensor_functional(self, dim=(), *, keepdim=False, mode=0):
     """The xor of the elements' 64-bit patterns, folded in halves over the reduced dimensions moved last."""
     if mode != 0:
-        raise RuntimeError(f"hash_tensor: mode {mode} is not supported; mode 0 (xor of the 64-bit patterns) is")
+        raise RuntimeError(f"Unknown hash_tensor mode: {mode}")
     dims = [dim] if isinstance(dim, int) else list(dim)
     rank = max(self.dim(), 1)
+    wrapped = []
+    for d in dims:  # native's checks, in its words: in range, and each dimension once
+        check_dim(self, d)
+        if d % rank in wrapped:
+            raise RuntimeError(f"dim {d % rank} appears multiple times in the list of dims")
+        wrapped.append(d % rank)
     # A 0-dim self has one element whatever dim (0 or -1) names: nothing to move or fold.
-    reduced = sorted({d % rank for d in dims}) if dims and self.dim() else list(range(self.dim()))
+    reduced = sorted(wrapped) if dims and self.dim() else list(range(self.dim()))
     # Native's checks, in its words: the xor over nothing is 0, but native refuses it.
     if not dims and self.numel() == 0:
         raise RuntimeError("hash_tensor: Expected reduction dim to be specified for input.numel() == 0. Specify the "
