@@ -20,7 +20,7 @@ import torch
 from torch.autograd import Function
 
 from registry.core import rules
-from registry.core.context import functorch_stack
+from registry.core.context import vmap_active
 from registry.core.primitive import apply
 from registry.core.registration import define_op, register
 from registry.core.rules import Problem
@@ -356,10 +356,6 @@ def glu_functional(self, dim=-1):
 # and forward AD are those of a multiply, which batch.
 
 
-def _under_vmap() -> bool:
-    return any(transform == "vmap" for transform, _ in functorch_stack())
-
-
 define_op("rrelu", "", tensors=("self",), doc="self where positive, else self times a slope drawn uniformly from "
           "[lower, upper] (training) or their mean (eval)", opinfo=("nn.functional.rrelu",),
           rules={"native": rules.first_of(
@@ -379,7 +375,7 @@ def rrelu_functional(self, lower=0.125, upper=1.0 / 3.0, training=False, generat
         # The slope as a tensor of self's dtype: two Python numbers in torch.where would make a float32 tensor.
         slope = torch.full((), (lower + upper) / 2, dtype=self.dtype, device=self.device)
         return self * torch.where(self > 0, 1.0, slope)
-    if not _under_vmap():
+    if not vmap_active():
         _, noise = torch.ops.aten.rrelu_with_noise_functional(self.detach(), torch.empty_like(self.detach()), lower,
                                                               upper, True, generator=generator)
         return self * noise

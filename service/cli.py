@@ -318,8 +318,6 @@ def _claim_failures(entries: Sequence[MatrixEntry]) -> list[MatrixEntry]:
 # The stacks whose choice the verify summary shows when no --stack narrows it: the batched ones every op is verified
 # under (OpInfo ops run vmap, grad, vmap(grad) and vmap(jvp); the seed ops every nesting).
 SUMMARY_STACKS: tuple[tuple[str, ...], ...] = (("vmap",), ("vmap", "grad"), ("vmap", "jvp"))
-# Worst-first over patterns for the summary: "unsupported" (a pattern with nothing to batch) never hides a result.
-_SUMMARY_RANK = ("unsupported", "ok", "slow", "mismatch", "error")
 VERIFY_STATUSES = ("ok", "slow", "mismatch", "error", "unsupported")
 
 
@@ -329,6 +327,7 @@ def _choices_table(entries: Sequence[MatrixEntry],
     were run) the composite auto chooses with the op's first tensor batched (the matrix's pattern ``self``, the usual
     vmap over data), with that composite's worst status in that pattern there. One row per op rather than one
     column: the whole set is ~90 ops and 63 stacks."""
+    from registry.harness.survey import RANK  # "unsupported" mildest: a pattern with nothing to batch hides nothing
     from registry.reports.plots import stack_label
     from registry.store import evidence
 
@@ -343,7 +342,7 @@ def _choices_table(entries: Sequence[MatrixEntry],
             if "vmap" in e.stack and e.pattern != "self":
                 continue
             key = (e.op, e.composite, e.stack)
-            if key not in worst or _SUMMARY_RANK.index(e.status) > _SUMMARY_RANK.index(worst[key]):
+            if key not in worst or RANK.index(e.status) > RANK.index(worst[key]):
                 worst[key] = e.status
         rows = []
         for op, by_status in counts.items():

@@ -50,6 +50,11 @@ def functorch_stack() -> tuple[tuple[str, int], ...]:
     return tuple((_NAMES_BY_KEY[int(i.key())], i.level()) for i in interpreters)
 
 
+def vmap_active() -> bool:
+    """Whether a vmap level is on the functorch stack (at any depth)."""
+    return any(transform == "vmap" for transform, _ in functorch_stack())
+
+
 def current_stack(*tensors: Any) -> tuple[str, ...]:
     """The active transforms, outermost first.
 

@@ -30,7 +30,7 @@ import torch
 from torch._C._functorch import maybe_current_level
 
 from registry.core import dynamic
-from registry.core.context import context_of, functorch_stack, vmap_levels
+from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
 from registry.core.model import KINDS, Op, Overload
 from registry.core.ops import OPS, ORIGINAL
 from registry.core.registration import COMPOSITES, DERIVATIVES, load
@@ -231,7 +231,7 @@ def _make_derivative_kernel(name: str, functional: Callable[..., Any], native: A
         frames = local.frames
         if not frames or local.busy or frames[-1].policy == "native":
             return call_native(keyset, *args, **kwargs)
-        if not any(transform == "vmap" for transform, _ in functorch_stack()):
+        if not vmap_active():
             return call_native(keyset, *args, **kwargs)
         KERNEL_CALLS[name] = KERNEL_CALLS.get(name, 0) + 1
         local.busy = True

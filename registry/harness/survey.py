@@ -59,10 +59,11 @@ _BATCHED = frozenset({"vmap", "vmap(grad)", "vmap(jvp)"})
 _STACK_SPELLINGS = {"vmap,grad": "vmap(grad)", "vmap,jvp": "vmap(jvp)"}
 
 # vmap's own words for what it cannot do by design rather than by a missing rule: not a coverage gap.
+RANDOM_UNDER_VMAP = "random operation while in randomness error mode"  # vmap's refusal of a random op
 _UNSUPPORTED_MESSAGES: tuple[tuple[str, str], ...] = (
     ("batching operators that can output dynamic shape", "dynamic shape op"),
     ("batching operators that can support dynamic shape", "dynamic shape op (boolean mask indexing)"),
-    ("random operation while in randomness error mode", "random op (vmap randomness='error')"),
+    (RANDOM_UNDER_VMAP, "random op (vmap randomness='error')"),
     (REFUSAL_PHRASE, "dynamic shape op (refused inside use(), naming the fixed-shape alternative)"),
 )
 
