@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from composites.checks import check_dim
 from registry.core import rules
 from registry.core.context import vmap_active
 from registry.core.primitive import apply
@@ -323,6 +324,7 @@ def renorm_functional(self, p, dim, maxnorm):
         raise RuntimeError(f"renorm: expected maxnorm to be >= 0 but got {maxnorm}")
     if self.dim() <= 1:
         raise RuntimeError(f"renorm: input needs at least 2 dimensions, got {self.dim()} dimensions")
+    check_dim(self, dim)
     reduce = [d for d in range(self.dim()) if d != dim % self.dim()]
     accumulate = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
     norm = torch.linalg.vector_norm(self, p, reduce, keepdim=True, dtype=accumulate)

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from composites.checks import check_dim
 from registry.core import rules
 from registry.core.registration import define_op, register
 
@@ -99,6 +100,7 @@ def index_reduce_functional(self, dim, index, source, reduce, *, include_self=Tr
     if reduce not in ("prod", "mean", "amax", "amin"):
         # PyTorch's own check, so that the error is the same
         return aten.index_reduce(self, dim, index, source, reduce, include_self=include_self)
+    check_dim(self, dim)
     if self.dim() == 0:
         self_1d, source_1d = self.reshape(1), source.reshape(1)
         out = _scatter_reduce(self_1d, 0, index.reshape(1), source_1d, reduce, include_self)

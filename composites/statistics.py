@@ -70,6 +70,7 @@ def _quantile(self: torch.Tensor, q: Any, dim: int | None, keepdim: bool, interp
     if dim is None:
         values = self.reshape(-1)
     else:
+        check_dim(self, dim)
         dim = dim % max(rank, 1)
         values = self.movedim(dim, -1) if rank else self.reshape(1)
     ordered = values.sort(-1).values  # (..., n): nans last

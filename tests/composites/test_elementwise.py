@@ -137,6 +137,20 @@ def test_errors_under_vmap_are_natives(call, message: str) -> None:
         func.vmap(call)(x)
 
 
+@pytest.mark.parametrize(("op", "call"), [
+    ("quantile", lambda x: torch.quantile(x, 0.5, dim=5)),
+    ("renorm", lambda x: torch.renorm(x, 2, 7, 1.0)),
+    ("index_reduce", lambda x: x.index_reduce(5, torch.tensor([0]), torch.ones(3, 1), "prod")),
+])
+def test_a_dim_out_of_range_is_refused_as_natively(op: str, call) -> None:
+    x = torch.rand(3, 4)
+    with pytest.raises(IndexError) as native:
+        call(x)
+    assert str(native.value).startswith("Dimension out of range (expected to be in range of [-2, 1], but got ")
+    with registry.use(pins={op: "functional"}), pytest.raises(IndexError, match=re.escape(str(native.value))):
+        func.vmap(call)(torch.stack([x, x]))
+
+
 def test_glu_odd_dimension_error_is_natives_per_sample() -> None:
     # (Native's own batching rule names the physical dimension under vmap: 2 here, where the sample has 2 dims.)
     x = torch.rand(2, 3)
