@@ -172,8 +172,7 @@ def register_broadcasting(op: str, overload: str, call: Callable[..., torch.Tens
     return primitive
 
 
-def _vmap_and_jvp(ctx: Any) -> bool:
-    return rules.under_vmap(ctx) and "jvp" in ctx.stack
+_vmap_and_jvp = rules.under_vmap_with("jvp")
 
 
 # --- the ops -----------------------------------------------------------------------------------------------------

@@ -19,8 +19,6 @@ composite computes what PyTorch does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_bdim, maybe_get_level
 
@@ -88,64 +86,64 @@ define_op(
 # --- writing running statistics through functorch's wrappers -------------------------------------------------------
 
 
-def _write_running(running: torch.Tensor, statistic: torch.Tensor, momentum: float,
-                   reduce: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+def _write_running(running: torch.Tensor, statistic: torch.Tensor, momentum: float) -> None:
     """``running = (1 - momentum) * running + momentum * statistic``, in place, through functorch's wrappers.
 
     ``statistic`` is batched (per sample) wherever the input is. At a vmap level where ``running`` is batched too,
-    each sample's slice gets its own update; at a level where ``running`` is not, ``reduce(physical, batch_dim)``
-    turns the per-sample statistics into the one value written. The write happens on the physical tensors with
+    each sample's slice gets its own update; at a level where ``running`` is not, the mean over that batch dimension
+    of the per-sample statistics is the one value written. The write happens on the physical tensors with
     functorch's keys disabled: an in-place op on a tensor captured from outside grad or jvp is refused by functorch,
     and running statistics are never differentiated (PyTorch's own kernel writes them below autograd too).
     """
     running_level, statistic_level = maybe_get_level(running), maybe_get_level(statistic)
     if statistic_level > running_level:  # a level only the statistic has: reduce a vmap level, peel a grad/jvp one
         if is_batchedtensor(statistic):
-            unwrapped = reduce(get_unwrapped(statistic), maybe_get_bdim(statistic))
+            unwrapped = get_unwrapped(statistic).mean(maybe_get_bdim(statistic))
         else:
             unwrapped = get_unwrapped(statistic)
-        _write_running(running, unwrapped, momentum, reduce)
+        _write_running(running, unwrapped, momentum)
     elif running_level > statistic_level:  # a level only running has: the statistic is the same for all its slices
         if is_batchedtensor(running):
-            _write_running(get_unwrapped(running), statistic.unsqueeze(maybe_get_bdim(running)), momentum, reduce)
+            _write_running(get_unwrapped(running), statistic.unsqueeze(maybe_get_bdim(running)), momentum)
         else:
-            _write_running(get_unwrapped(running), statistic, momentum, reduce)
+            _write_running(get_unwrapped(running), statistic, momentum)
     elif running_level == -1:  # both plain
         with torch._C._DisableFuncTorch():
             running.mul_(1 - momentum).add_(statistic.to(running.dtype), alpha=momentum)
     elif is_batchedtensor(running) and is_batchedtensor(statistic):
         physical = get_unwrapped(statistic).movedim(maybe_get_bdim(statistic), maybe_get_bdim(running))
-        _write_running(get_unwrapped(running), physical, momentum, reduce)
+        _write_running(get_unwrapped(running), physical, momentum)
     elif not is_batchedtensor(running) and not is_batchedtensor(statistic):  # both wrapped by the same grad/jvp
-        _write_running(get_unwrapped(running), get_unwrapped(statistic), momentum, reduce)
+        _write_running(get_unwrapped(running), get_unwrapped(statistic), momentum)
     else:  # pragma: no cover - one functorch level is either a vmap or a grad/jvp level for every tensor at it
         raise RuntimeError(f"batch_norm: cannot write running statistics at functorch level {running_level}: one of "
                            "running and the statistic is batched there and the other is not a batched tensor")
-
-
-def _batch_mean(physical: torch.Tensor, batch_dim: int) -> torch.Tensor:
-    return physical.mean(batch_dim)
 
 
 def _update_running(running_mean: torch.Tensor | None, running_var: torch.Tensor | None, mean: torch.Tensor,
                     unbiased_var: torch.Tensor, momentum: float) -> None:
     with torch.no_grad():
         if running_mean is not None:
-            _write_running(running_mean, mean.detach(), momentum, _batch_mean)
+            _write_running(running_mean, mean.detach(), momentum)
         if running_var is not None:
-            _write_running(running_var, unbiased_var.detach(), momentum, _batch_mean)
+            _write_running(running_var, unbiased_var.detach(), momentum)
+
+
+def _affine(out: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """out * weight + bias per channel (dimension 1), either left out when None."""
+    shape = (1, -1) + (1,) * (out.dim() - 2)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out
 
 
 def _normalized(input: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """(input - mean) / sqrt(var + eps) * weight + bias, per channel (dimension 1); mean and var have shape (C,)."""
     shape = (1, -1) + (1,) * (input.dim() - 2)
-    out = (input - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps)
-    if weight is not None:
-        out = out * weight.reshape(shape)
-    if bias is not None:
-        out = out + bias.reshape(shape)
-    return out
+    return _affine((input - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps), weight, bias)
 
 
 def _check_channels(op: str, input: torch.Tensor, tensors: dict[str, torch.Tensor | None]) -> None:
@@ -232,10 +230,4 @@ def instance_norm_batch_mean(input, weight, bias, running_mean, running_var, use
         count = input[0, 0].numel()
         unbiased = var * (count / max(count - 1, 1))
         _update_running(running_mean, running_var, mean.flatten(1).mean(0), unbiased.flatten(1).mean(0), momentum)
-    out = (input - mean) * torch.rsqrt(var + eps)
-    shape = (1, -1) + (1,) * (input.dim() - 2)
-    if weight is not None:
-        out = out * weight.reshape(shape)
-    if bias is not None:
-        out = out + bias.reshape(shape)
-    return out
+    return _affine((input - mean) * torch.rsqrt(var + eps), weight, bias)

@@ -19,8 +19,7 @@ _UNPOOL_DUPLICATES = ("max_unpool's forward-AD formula scatters the tangents (on
                       "jacrev wherever indices repeat")
 
 
-def _jvp_under_vmap(ctx) -> bool:
-    return rules.under_vmap(ctx) and "jvp" in ctx.stack
+_jvp_under_vmap = rules.under_vmap_with("jvp")
 
 
 for _name in ("max_unpool2d", "max_unpool3d"):

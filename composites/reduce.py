@@ -22,8 +22,7 @@ _PROD_ITEM = ("the backward of the 'prod' reduction calls .item() (to refuse a d
               "in one slot), which vmap rejects")
 
 
-def _vmap_of_grad(ctx) -> bool:
-    return rules.under_vmap(ctx) and "grad" in ctx.stack
+_vmap_of_grad = rules.under_vmap_with("grad")
 
 
 define_op(

@@ -192,17 +192,11 @@ def histc_primitive(self, bins=100, min=0, max=0):
 # --- histogram ---------------------------------------------------------------------------------------------------
 
 
-def _histogram_bins_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``histogram.bins_tensor(self, bins, *, weight, density)``: the bin_ct composite's parameters, bins a tensor."""
-    return args, kwargs
-
-
 define_op("histogram", "bin_ct", tensors=("self", "weight"),
           doc="a histogram of self (weighted, optionally a density) and its bin edges",
           opinfo=("histogram",), inplace=False,
-          overloads=ops_overloads("histogram", "histogram.bins_tensor", inplace=False,
-                                  adapters={"histogram.bins_tensor": _histogram_bins_tensor},
-                                  only=("histogram.bin_ct", "histogram.bins_tensor")),
+          # bins_tensor passes (self, bins, *, weight, density) as they are: the bin_ct composite takes a tensor bins.
+          overloads=ops_overloads("histogram", inplace=False, only=("histogram.bin_ct", "histogram.bins_tensor")),
           rules={"native": rules.no_batching_rule("aten::histogram")})
 
 

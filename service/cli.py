@@ -747,7 +747,7 @@ def _survey_results(args: argparse.Namespace) -> int:
     finally:
         store.close()
     rows = [r for r in rows if (not args.op or r["op"] in args.op) and (stacks is None or r["stack"] in stacks)
-            and (not args.misbehaving or r["native_status"] in ("slow", "error", "mismatch"))]
+            and (not args.misbehaving or r["native_status"] in survey.MISBEHAVING)]
     if args.json:
         out.print_json(rows)
         return 0

@@ -42,7 +42,7 @@ from sqlalchemy import Column, Engine, Float, Integer, MetaData, String, Table, 
 from sqlalchemy.engine import make_url
 
 from registry.store.db import FINISHED_JOB_STATES, JobRecord, Store, StoreUnavailableError, _job_from_row, _jobs
-from service.jobs import JobTimeoutError, QueueFullError
+from service.jobs import PROGRESS_EVERY_S, PRUNE_EVERY_S, JobTimeoutError, QueueFullError
 
 if TYPE_CHECKING:
     import procrastinate
@@ -58,10 +58,8 @@ _KIND = re.compile(r"^(cpu|cuda:[A-Za-z0-9 ._()+\-]{1,100})$")
 # Advisory lock keys (any two fixed 64-bit numbers): one schema creation at a time, one reaper at a time.
 _SCHEMA_LOCK = 0x6D635F736368656D
 _REAP_LOCK = 0x6D635F7265617072
-PROGRESS_EVERY_S = 0.25
 NEEDS_POSTGRES = ("workers need a PostgreSQL store: set MULTICOMPOSITE_DB=postgresql+psycopg://USER@HOST/DB (with "
                   "SQLite, `multicomposite serve` runs jobs itself)")
-PRUNE_EVERY_S = 60.0
 
 log = logging.getLogger("multicomposite.worker")
 

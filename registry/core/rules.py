@@ -110,15 +110,16 @@ def under_vmap(ctx: Context) -> bool:
     return _under_vmap(ctx)
 
 
+def under_vmap_with(transform: str) -> Callable[[Context], bool]:
+    """A predicate: under vmap with ``transform`` on the stack too (vmap(grad); jacfwd is vmap over jvp)."""
+    return lambda ctx: _under_vmap(ctx) and transform in ctx.stack
+
+
 def innermost_vmap(ctx: Context) -> bool:
     """The innermost transform is vmap. An op that decomposes under autograd (CompositeImplicitAutograd:
     ``narrow.Tensor``, ``column_stack``, ``lu_solve``, ``linalg.tensorsolve``) reaches the Batched key undecomposed
     only there: it loops or raises under vmap, not under vmap(grad) or vmap(jvp)."""
     return bool(ctx.stack) and ctx.stack[-1] == "vmap"
-
-
-def differentiating(ctx: Context) -> bool:
-    return "grad" in ctx.stack or "jvp" in ctx.stack
 
 
 def _mutating(ctx: Context) -> Problem | None:

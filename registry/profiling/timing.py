@@ -27,6 +27,7 @@ from registry.core.model import Composite
 from registry.core.ops import ORIGINAL
 from registry.core.registration import COMPOSITES, load
 from registry.core.routing import use
+from registry.core.stacks import parse_stack
 from registry.harness.samples import SAMPLES
 from registry.harness.verify import source_hash
 from registry.profiling import noise
@@ -133,7 +134,6 @@ def _native_key(op: str, workload: str, dtype: str, device: str, numel_bucket: i
 # Workloads of ops whose cases come from OpInfo (registry.harness.opinfo): the survey's batched stacks, on OpInfo's
 # first sample (its own size: ``numels`` does not apply), batched over ``batch`` varied copies.
 OPINFO_WORKLOADS = ("vmap", "vmap(grad)")
-_OPINFO_STACKS = {"vmap": ("vmap",), "vmap(grad)": ("vmap", "grad")}
 _PROFILE_CANDIDATES = 8  # OpInfo samples looked at for the first one vmap does not call random
 
 
@@ -205,8 +205,7 @@ def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype) -> C
     try:
         reference = survey.reference(workload, survey._Reference(case))
     except Exception as error:  # e.g. an integer output (hash_tensor) has no gradient to compare under vmap(grad)
-        first = (str(error).strip().splitlines() or [""])[0][:200]
-        raise _NoCase(f"no reference outside the transform ({type(error).__name__}: {first})") from None
+        raise _NoCase(f"no reference outside the transform ({survey._first_line(error)})") from None
 
     def calls(composite: Composite) -> Callable[[], Any]:
         if composite.kind == "native":
@@ -219,7 +218,7 @@ def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype) -> C
         return pinned
 
     numel = case.per_sample[0][0].numel() if case.per_sample[0] else 0
-    return _OPINFO_STACKS[workload], numel, calls, reference
+    return parse_stack(workload), numel, calls, reference
 
 
 def profile(

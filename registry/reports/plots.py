@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from registry.store.db import MatrixEntry
+from registry.store.evidence import FAILING
 
 # Worst last: a cell shows the worst status over its patterns and dtypes.
 SEVERITY: tuple[str, ...] = ("ok", "unsupported", "slow", "mismatch", "error")
@@ -91,7 +92,7 @@ def render_matrix_png(
 # --- the speedup report ----------------------------------------------------------------------------------------------
 
 # Statuses that make a composite invalid in a context: the selector never chooses it there (registry.store.evidence).
-INVALID_STATUSES: tuple[str, ...] = ("slow", "error", "mismatch")
+INVALID_STATUSES: tuple[str, ...] = FAILING  # the statuses that make a composite invalid where they were measured
 # An invalid composite's bar spans 1/INVALID_SPAN .. INVALID_SPAN around 1x: a marker, not a speed.
 INVALID_SPAN = 1.25
 INVALID_COLOUR = "#bdbdbd"
