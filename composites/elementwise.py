@@ -22,7 +22,7 @@ from torch.autograd import Function
 from composites.checks import check_dim
 from registry.core import rules
 from registry.core.context import vmap_active
-from registry.core.primitive import apply
+from registry.core.primitive import apply, batch_first
 from registry.core.registration import define_op, register
 from registry.core.rules import Problem
 
@@ -273,10 +273,7 @@ class IsIn(Function):
         if not isinstance(elements, torch.Tensor):
             elements = torch.tensor(elements, dtype=test.dtype, device=test.device)  # scalar: promotion as isin's
         dtype = dtype or torch.result_type(elements, test)
-        if in_dims[0] is None:
-            elements = elements.expand(info.batch_size, *elements.shape)
-        else:
-            elements = elements.movedim(in_dims[0], 0)
+        (elements,) = batch_first(info, in_dims[:1], elements)
         shape = elements.shape
         found = _sorted_membership(elements.reshape(info.batch_size, -1).to(dtype),
                                    test.reshape(info.batch_size, -1).to(dtype)).reshape(shape)

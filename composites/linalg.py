@@ -16,7 +16,7 @@ from torch.autograd import Function
 
 from registry.core import rules
 from registry.core.ops import overloads
-from registry.core.primitive import apply
+from registry.core.primitive import apply, batch_first
 from registry.core.registration import define_op, register
 
 aten = torch.ops.aten
@@ -172,9 +172,7 @@ class LdlSolve(Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], LD, pivots, B, hermitian):  # noqa: N803
-        moved = []
-        for tensor, dim in zip((LD, pivots, B), in_dims[:3], strict=True):
-            moved.append(tensor.expand(info.batch_size, *tensor.shape) if dim is None else tensor.movedim(dim, 0))
+        moved = batch_first(info, in_dims[:3], LD, pivots, B)
         LD, pivots, B = align_batch_ranks(tuple(moved), (2, 1, 2))  # noqa: N806
         return apply(LdlSolve, LD, pivots, B, hermitian), 0
 

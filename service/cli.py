@@ -167,15 +167,17 @@ def _open_store() -> Store:
     return store
 
 
-def _fresh(store: Store) -> tuple[list[MatrixEntry], list[ProfileEntry]]:
-    """The matrix entries and profiles still valid for this torch and these composites' sources."""
+def _fresh(store: Store, *, entries: bool = True,
+           profiles: bool = True) -> tuple[list[MatrixEntry], list[ProfileEntry]]:
+    """The matrix entries and profiles still valid for this torch and these composites' sources; a table not
+    asked for is not read (an empty list)."""
     import torch
 
     from registry.harness.verify import source_hashes
 
     hashes = source_hashes()
-    return (store.fresh_entries(source_hashes=hashes, torch_version=torch.__version__),
-            store.fresh_profiles(source_hashes=hashes, torch_version=torch.__version__))
+    return (store.fresh_entries(source_hashes=hashes, torch_version=torch.__version__) if entries else [],
+            store.fresh_profiles(source_hashes=hashes, torch_version=torch.__version__) if profiles else [])
 
 
 def _entry_json(entry: Any) -> dict[str, Any]:
@@ -458,7 +460,7 @@ def _matrix(args: argparse.Namespace) -> int:
         raise UsageError("--failing lists cells; it has no PNG: drop --png, or --failing to render the matrix")
     store = _open_store()
     try:
-        everything, profiles = _fresh(store)
+        everything, profiles = _fresh(store, profiles=args.failing)  # only --failing ranks by the profiles
     finally:
         store.close()
     if not everything:
@@ -544,7 +546,7 @@ PROFILE_COLUMNS = ("op", "workload", "dtype", "batch", "composite", "median us",
 def _profiles(args: argparse.Namespace) -> int:
     store = _open_store()
     try:
-        _, profiles = _fresh(store)
+        _, profiles = _fresh(store, entries=False)
     finally:
         store.close()
     shown = [p for p in profiles if (not args.op or p.op in args.op) and (not args.workload
@@ -639,7 +641,7 @@ def _report(args: argparse.Namespace) -> int:
         raise UsageError("the store has no fresh profiles; run `multicomposite profile` first")
     bars = speedup_bars(profiles, matrix)
     try:
-        path = render_speedups_png(profiles, args.png, matrix=matrix) if args.png else None
+        path = render_speedups_png(profiles, args.png, matrix=matrix, bars=bars) if args.png else None
     except ValueError as error:
         raise UsageError(str(error)) from None
     again = remeasured(profiles)

@@ -145,9 +145,8 @@ def _sample_outcomes(op: str, composites: Sequence[str], cells: Sequence[tuple[t
         for stack, pattern in wanted:
             for survey_stack in STACKS[stack]:
                 for composite in composites:
-                    before = _routed_calls(op)
-                    outcome = _one(op, composite, case, reference, survey_stack, dtype, timeout_s)
-                    reached = reached or _routed_calls(op) != before
+                    outcome, ran = _one(op, composite, case, reference, survey_stack, dtype, timeout_s)
+                    reached = reached or ran
                     if outcome.status != "ok" and outcome.detail:
                         outcome = survey.Outcome(outcome.status, f"{name} #{index} {batching} {survey_stack}: "
                                                  f"{outcome.detail}", outcome.max_abs_error, outcome.max_rel_error)
@@ -157,16 +156,18 @@ def _sample_outcomes(op: str, composites: Sequence[str], cells: Sequence[tuple[t
 
 
 def _one(op: str, composite: str, case: survey.SurveyCase, reference: Any, survey_stack: str, dtype: torch.dtype,
-         timeout_s: float) -> survey.Outcome:
-    """One case under one survey stack: native outside ``use()``, another composite pinned inside it."""
+         timeout_s: float) -> tuple[survey.Outcome, bool]:
+    """One case under one survey stack: native outside ``use()``, another composite pinned inside it; and whether
+    the routing kernel of ``op`` ran."""
     native = COMPOSITES[op][composite].kind == "native"
     before = _routed_calls(op)
     outcome = survey._dynamic(case, survey_stack, survey.check_case(
         survey_stack, case, reference, dtype, inside_use=not native, timeout_s=timeout_s, pins={op: composite}))
-    if not native and outcome.status in ("ok", "slow") and _routed_calls(op) == before:
+    ran = _routed_calls(op) != before
+    if not native and outcome.status in ("ok", "slow") and not ran:
         # The pinned composite never ran: its pass would be native's. Said, not counted.
-        return survey.Outcome("unsupported", f"the case never reached aten::{op} under {survey_stack}")
-    return outcome
+        return survey.Outcome("unsupported", f"the case never reached aten::{op} under {survey_stack}"), ran
+    return outcome, ran
 
 
 def matrix_entries(op: str, dtype: str, composites: Sequence[str], cells: Sequence[tuple[tuple[str, ...], str]],

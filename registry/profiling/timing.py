@@ -179,22 +179,41 @@ def _seed_context(op: str, workload: str, numel: int, batch: int, dtype: torch.d
     return stack, seen_numel, calls, reference
 
 
-def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype) -> Context:
-    """The same from OpInfo's first sample through the survey's interpreter: native outside ``use()``, every other
-    composite pinned inside it (so the router's own cost is in its time); the reference is the per-sample loop of
-    native outside any transform."""
+def _opinfo_sample(op: str, workload: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """(op_db entry, sample) a workload of ``op`` is profiled on: OpInfo's first sample that vmap does not call
+    random. A random one (rrelu in training; OpInfo seeds it, so only vmap's randomness check tells) cannot be
+    compared with a per-sample loop under vmap (rrelu's eval sample is timed instead)."""
     from registry.harness import opinfo, survey
 
     entry = opinfo.entries(op)[0]
     samples = survey.pick_samples(entry, dtype, _PROFILE_CANDIDATES)
     if not samples:
         raise _NoCase(f"OpInfo has no {dtype} sample of {survey.entry_id(entry)}")
-    # A random sample (rrelu in training; OpInfo seeds it, so only vmap's randomness check tells) cannot be compared
-    # with a per-sample loop under vmap: the first sample no composite calls random under vmap is timed (rrelu in eval).
-    case = next((c for c in (survey.SurveyCase(entry, s, "input", batch) for s in samples)
-                 if not _random_under_vmap(op, workload, c)), None)
-    if case is None:
+    sample = next((s for s in samples
+                   if not _random_under_vmap(op, workload, survey.SurveyCase(entry, s, "input", 2))), None)
+    if sample is None:
         raise _NoCase(f"vmap calls its first {len(samples)} samples random (randomness='error')")
+    return entry, sample
+
+
+def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype,
+                    chosen: dict[tuple[str, str, torch.dtype], tuple[Any, Any] | _NoCase]) -> Context:
+    """The same from OpInfo's sample (``_opinfo_sample``, found once per op, workload and dtype in ``chosen``)
+    through the survey's interpreter: native outside ``use()``, every other composite pinned inside it (so the
+    router's own cost is in its time); the reference is the per-sample loop of native outside any transform."""
+    from registry.harness import survey
+
+    key = (op, workload, dtype)
+    if key not in chosen:
+        try:
+            chosen[key] = _opinfo_sample(op, workload, dtype)
+        except _NoCase as why:
+            chosen[key] = why
+    found = chosen[key]
+    if isinstance(found, _NoCase):
+        raise found
+    entry, sample = found
+    case = survey.SurveyCase(entry, sample, "input", batch)
     if workload == "vmap(grad)" and not case.diff:
         raise _NoCase("nothing to differentiate in its first sample")
     why_not = survey._static_reason(case, workload, dtype)  # no float output, random under vmap, ...
@@ -269,12 +288,13 @@ def profile(
     total = sum(len(COMPOSITES[op]) for op, *_ in plan)
     done = 0
     entries: list[ProfileEntry] = []
+    chosen: dict[tuple[str, str, torch.dtype], tuple[Any, Any] | _NoCase] = {}  # per op, workload, dtype
     for op, workload, numel, batch, dtype in plan:
         if op in SAMPLES:
             stack, seen_numel, calls, reference = _seed_context(op, workload, numel, batch, dtype, device)
         else:
             try:
-                stack, seen_numel, calls, reference = _opinfo_context(op, workload, batch, dtype)
+                stack, seen_numel, calls, reference = _opinfo_context(op, workload, batch, dtype, chosen)
             except _NoCase as why:
                 if refused is not None:
                     refused.append(f"{op} {workload} b={batch}: not profiled, {why}")

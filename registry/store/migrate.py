@@ -10,7 +10,7 @@ workers, and its schema changes when its operator says so, not when the first ne
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -99,29 +99,28 @@ def current(url: str) -> str | None:
     return revision
 
 
-def upgrade(url: str, revision: str = "head") -> tuple[str | None, str | None]:
-    """Migrate the store at ``url`` to ``revision`` in one transaction; returns (revision before, revision after).
-    A store made before migrations is adopted: its tables are kept, missing ones added (revision 0001)."""
+def _migrate(url: str, step: Callable[[Config, str], None], revision: str) -> tuple[str | None, str | None]:
+    """Run Alembic's ``step`` (command.upgrade or command.downgrade) to ``revision`` on the store at ``url``, in one
+    transaction; returns (revision before, revision after)."""
     with _migration_connection(url) as connection:
         before = current_of(connection)
         connection.rollback()
         with _ALEMBIC:
-            command.upgrade(_config(connection), revision)
+            step(_config(connection), revision)
         after = current_of(connection)
         connection.rollback()
     return before, after
+
+
+def upgrade(url: str, revision: str = "head") -> tuple[str | None, str | None]:
+    """Migrate the store at ``url`` to ``revision`` in one transaction; returns (revision before, revision after).
+    A store made before migrations is adopted: its tables are kept, missing ones added (revision 0001)."""
+    return _migrate(url, command.upgrade, revision)
 
 
 def downgrade(url: str, revision: str) -> tuple[str | None, str | None]:
     """Migrate the store at ``url`` back to ``revision`` ("base": no tables); returns (before, after)."""
-    with _migration_connection(url) as connection:
-        before = current_of(connection)
-        connection.rollback()
-        with _ALEMBIC:
-            command.downgrade(_config(connection), revision)
-        after = current_of(connection)
-        connection.rollback()
-    return before, after
+    return _migrate(url, command.downgrade, revision)
 
 
 def ensure_current(engine: Engine, url: str, shown_url: str) -> None:
