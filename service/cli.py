@@ -246,16 +246,6 @@ def _configure_ops(parser: argparse.ArgumentParser) -> None:
 # --- select ----------------------------------------------------------------------------------------------------------
 
 
-def _decision_json(decision: registry.Decision) -> dict[str, Any]:
-    ctx = decision.context
-    return {"op": decision.op, "stack": format_stack(ctx.stack), "batched": list(ctx.batched),
-            "dtype": str(ctx.dtype).removeprefix("torch.") if ctx.dtype is not None else None,
-            "device": ctx.device, "policy": decision.policy, "composite": decision.composite,
-            "kind": decision.kind, "reason": decision.reason,
-            "alternatives": [vars(v) for v in decision.alternatives],
-            "speedup": decision.speedup, "runner_up_speedup": decision.runner_up_speedup}
-
-
 def _select(args: argparse.Namespace) -> int:
     import torch
 
@@ -269,7 +259,9 @@ def _select(args: argparse.Namespace) -> int:
                                    pins={args.op: args.pin} if args.pin else None)
     except (registry.SelectionError, InputError) as error:
         raise UsageError(str(error)) from None
-    answer = _decision_json(decision)
+    from service.models import DecisionPublic
+
+    answer = DecisionPublic.of(decision).model_dump()
     if args.json:
         out.print_json(answer)
         return 0

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, Field
+
+from registry.core.stacks import format_stack
+
+if TYPE_CHECKING:
+    from registry.core.selector import Decision
 
 
 class ErrorPublic(BaseModel):
@@ -73,6 +80,19 @@ class DecisionPublic(BaseModel):
                                               "were profiled here; null without timings")
     runner_up_speedup: float | None = Field(description="measured: the next fastest valid composite's time over "
                                                         "the chosen one's; null without two timings")
+
+    @classmethod
+    def of(cls, decision: Decision) -> DecisionPublic:
+        """The public form of a ``registry.Decision``: what GET /select and ``multicomposite select --json`` give."""
+        ctx = decision.context
+        return cls(
+            op=decision.op, stack=format_stack(ctx.stack), batched=list(ctx.batched),
+            dtype=str(ctx.dtype).removeprefix("torch.") if ctx.dtype is not None else None, device=ctx.device,
+            policy=decision.policy, composite=decision.composite, kind=decision.kind, reason=decision.reason,
+            alternatives=[VerdictPublic(composite=v.composite, kind=v.kind, ok=v.ok, reason=v.reason)
+                          for v in decision.alternatives],
+            speedup=decision.speedup, runner_up_speedup=decision.runner_up_speedup,
+        )
 
 
 class MatrixEntryPublic(BaseModel):

@@ -7,8 +7,8 @@ from pydantic import BaseModel, Field
 
 import registry
 from registry.core.selector import POLICIES, SelectionError, unknown_op_message
-from registry.core.stacks import MAX_STACK_TEXT, format_stack, shorten
-from service.models import DecisionPublic, VerdictPublic
+from registry.core.stacks import MAX_STACK_TEXT, shorten
+from service.models import DecisionPublic
 from service.validation import InputError, check_dtype_under_stack, parse_device, parse_dtype, parse_stack_input
 
 router = APIRouter(tags=["select"])
@@ -54,15 +54,7 @@ def _decide(request: Request, op: str, stack: str, batched: list[str], dtype: st
                                    numel=numel, policy=policy, pins={op: pin} if pin else None)
     except SelectionError as error:
         raise HTTPException(status_code=422, detail=str(error)) from None
-    ctx = decision.context
-    return DecisionPublic(
-        op=op, stack=format_stack(ctx.stack), batched=list(ctx.batched),
-        dtype=str(ctx.dtype).removeprefix("torch.") if ctx.dtype else None, device=ctx.device, policy=policy,
-        composite=decision.composite, kind=decision.kind, reason=decision.reason,
-        alternatives=[VerdictPublic(composite=v.composite, kind=v.kind, ok=v.ok, reason=v.reason)
-                      for v in decision.alternatives],
-        speedup=decision.speedup, runner_up_speedup=decision.runner_up_speedup,
-    )
+    return DecisionPublic.of(decision)
 
 
 @router.post("/select")
