@@ -128,19 +128,15 @@ def _sample_outcomes(op: str, composites: Sequence[str], cells: Sequence[tuple[t
     name = survey.entry_id(entry)
     found: dict[tuple[str, tuple[str, ...], str], survey.Outcome] = {}
     reached = False
-    random = survey._is_random(entry, sample)
+    random = survey.sample_is_random(entry, sample)
     for batching in batchings:
         wanted = [(stack, pattern) for stack, pattern in cells
                   if pattern == NO_PATTERN or PATTERNS[pattern] == batching]
-        try:
-            case = survey.SurveyCase(entry, sample, batching, survey.DEFAULT_BATCH)
-        except Exception as error:  # OpInfo's sample cannot be varied per sample: nothing to check
-            outcome = survey.Outcome("unsupported", f"cannot build per-sample arguments: {error}")
+        case = survey.prepare_case(entry, sample, batching, survey.DEFAULT_BATCH, random)
+        if isinstance(case, survey.Outcome):  # OpInfo's sample cannot be varied per sample: nothing to check
             for key in [(c, s, p) for c in composites for s, p in wanted]:
-                found[key] = survey._worse(found.get(key), outcome)
+                found[key] = survey._worse(found.get(key), case)
             continue
-        case.random = random
-        case.dynamic = survey._is_dynamic(entry, sample, case.batched)
         reference = survey._Reference(case)
         for stack, pattern in wanted:
             for survey_stack in STACKS[stack]:

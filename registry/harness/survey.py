@@ -613,6 +613,26 @@ def pick_samples(opinfo: Any, dtype: torch.dtype, limit: int) -> list[Any]:
     return sorted(samples, key=_sample_size)[:1]
 
 
+def sample_is_random(opinfo: Any, sample: Any) -> bool:
+    """``_is_random``, False where the op fails on the sample (the cases report native's failure themselves)."""
+    try:
+        return _is_random(opinfo, sample)
+    except Exception:
+        return False
+
+
+def prepare_case(opinfo: Any, sample: Any, batching: str, batch: int, random: bool) -> SurveyCase | Outcome:
+    """The case of one OpInfo sample and batching variant, its ``random`` and ``dynamic`` flags set; or the
+    "unsupported" outcome where OpInfo's sample cannot be varied per sample (nothing to check)."""
+    try:
+        case = SurveyCase(opinfo, sample, batching, batch)
+    except Exception as error:
+        return Outcome("unsupported", f"cannot build per-sample arguments: {_first_line(error)}")
+    case.random = random
+    case.dynamic = _is_dynamic(opinfo, sample, case.batched)
+    return case
+
+
 def _is_random(opinfo: Any, sample: Any) -> bool:
     """Two seeds, two outputs: the op draws random numbers."""
     outputs = []
@@ -694,26 +714,17 @@ def _survey_entry(opinfo: Any, dtype_name: str, config: SurveyConfig) -> list[Su
         return every_row(Outcome("unsupported", f"OpInfo's sample_inputs fails: {_first_line(error)}"))
     if not samples:
         return every_row(Outcome("unsupported", "OpInfo has no sample input"))
-    randomness = {}
-    for index, sample in enumerate(samples):
-        try:
-            randomness[index] = _is_random(opinfo, sample)
-        except Exception:  # the cases report native's failure themselves
-            randomness[index] = False
+    randomness = {index: sample_is_random(opinfo, sample) for index, sample in enumerate(samples)}
     rows = []
     for batching in config.batchings:
         worst: dict[str, tuple[Outcome | None, Outcome | None, int]] = {s: (None, None, 0) for s in config.stacks}
         for index, sample in enumerate(samples):
-            try:
-                case = SurveyCase(opinfo, sample, batching, config.batch)
-            except Exception as error:
-                outcome = Outcome("unsupported", f"cannot build per-sample arguments: {_first_line(error)}")
+            case = prepare_case(opinfo, sample, batching, config.batch, randomness[index])
+            if isinstance(case, Outcome):
                 for stack in config.stacks:
                     native, used, count = worst[stack]
-                    worst[stack] = (_worse(native, outcome), _worse(used, outcome), count)
+                    worst[stack] = (_worse(native, case), _worse(used, case), count)
                 continue
-            case.random = randomness[index]
-            case.dynamic = _is_dynamic(opinfo, sample, case.batched)
             ref = _Reference(case)
             for stack in config.stacks:
                 native_outcome = _dynamic(case, stack, check_case(stack, case, ref, dtype, inside_use=False,
