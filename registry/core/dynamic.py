@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from registry.core.context import functorch_stack, vmap_levels
+from registry.core.ops import aten_schema
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 
@@ -49,8 +50,7 @@ def message(spec: DynamicShape) -> str:
 
 
 def _positions(overload: str, names: tuple[str, ...]) -> dict[str, int]:
-    packet, _, name = overload.partition(".")
-    schema = getattr(getattr(torch.ops.aten, packet), name or "default")._schema
+    schema = aten_schema(overload)
     return {arg.name: i for i, arg in enumerate(schema.arguments) if arg.name in names}
 
 

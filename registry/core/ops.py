@@ -61,6 +61,12 @@ def _to_keywords(self: Any, names: tuple[str, ...], positional: tuple[Any, ...],
 TO_ADAPTERS: dict[str, Any] = {"to.device": _to_device, "to.dtype": _to_dtype, "to.other": _to_other}
 
 
+def aten_schema(overload: str) -> Any:
+    """The schema of an aten overload named ``packet.overload``, ``packet`` (the default one) or ``aten::...``."""
+    packet, _, name = overload.removeprefix("aten::").partition(".")
+    return getattr(getattr(torch.ops.aten, packet), name or "default")._schema
+
+
 def overloads(name: str, *extra: str, adapters: dict[str, Any] | None = None, inplace: bool = True,
                only: tuple[str, ...] | None = None) -> tuple[Overload, ...]:
     """The functional and in-place overloads of ``name`` whose parameters are the composites' own.

@@ -14,7 +14,7 @@ import torch
 
 from registry.core import rules as rule_tables
 from registry.core.model import KINDS, Composite, Kind, Op, Overload
-from registry.core.ops import OPS, define, schema_params
+from registry.core.ops import OPS, aten_schema, define, schema_params
 from registry.core.ops import overloads as ops_overloads
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -148,8 +148,7 @@ def _caller() -> tuple[str, str]:
 
 def _schema_signature(op: Op) -> inspect.Signature:
     """The Python signature of ``op``'s schema: positional parameters, then keyword-only ones, with defaults."""
-    packet = getattr(torch.ops.aten, op.name)
-    schema = getattr(packet, op.overload or "default")._schema
+    schema = aten_schema(f"{op.name}.{op.overload}" if op.overload else op.name)
     parameters = []
     for arg in schema.arguments:
         if arg.name == "out":

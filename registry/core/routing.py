@@ -32,7 +32,7 @@ from torch._C._functorch import maybe_current_level
 from registry.core import dynamic
 from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
 from registry.core.model import KINDS, Op, Overload
-from registry.core.ops import OPS, ORIGINAL
+from registry.core.ops import OPS, ORIGINAL, aten_schema
 from registry.core.registration import COMPOSITES, DERIVATIVES, load
 from registry.core.selector import CACHE_LISTENERS, POLICIES, SelectionError, decide, unknown_op_message
 
@@ -131,8 +131,7 @@ _PYTHON_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float6
 
 def _tensor_positions(qualified_name: str) -> tuple[int, ...]:
     """Positions of the Tensor parameters of an overload's schema."""
-    packet, _, overload = qualified_name.removeprefix("aten::").partition(".")
-    schema = getattr(getattr(torch.ops.aten, packet), overload or "default")._schema
+    schema = aten_schema(qualified_name)
     return tuple(i for i, arg in enumerate(schema.arguments) if str(arg.type) == "Tensor" and not arg.kwarg_only)
 
 
