@@ -1,0 +1,51 @@
+"""Whole per-sample-gradient steps over real models (``python -m bench.models``).
+
+Each module of this package (``transformer.py``, ``recurrent.py``, ``message_passing.py``, ...) declares
+``WORKLOADS: list[Workload]``; ``python -m bench.models`` finds every module here and runs each workload three ways in
+one process, in alternating rounds: natively (torch.func alone), inside ``registry.use()``, and as a per-sample
+``torch.autograd`` loop outside any transform. It checks that ``use()``'s result equals the loop's, counts vmap's
+fallback warnings both ways, and reports the ratios.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One workload built at one batch size.
+
+    ``step`` runs the transformed computation (for example ``vmap(grad(loss))`` through ``functional_call``) and
+    returns its result, a pytree of tensors; ``loop`` computes the same result one sample at a time with
+    ``torch.autograd`` outside any transform (the reference); both take no arguments and close over the model and data.
+    """
+
+    step: Callable[[], Any]
+    loop: Callable[[], Any]
+    rtol: float = 1e-4
+    atol: float = 1e-5
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named per-sample workload: ``build(batch_size)`` makes its model, data and the two ways to run it."""
+
+    name: str
+    family: str
+    build: Callable[[int], Setup]
+
+
+def all_workloads() -> list[Workload]:
+    """Every workload of every module in this package, in module order."""
+    found: list[Workload] = []
+    for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
+        if module_info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        found.extend(getattr(module, "WORKLOADS", ()))
+    return found
