@@ -512,11 +512,44 @@ def _deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
 
+def repeated_unpool_indices(indices: torch.Tensor, spatial: int) -> bool:
+    """Whether two entries of one channel of max_unpool's ``indices`` (the last ``spatial`` dimensions) are equal."""
+    if indices.numel() == 0:
+        return False
+    planes = indices.reshape(-1, math.prod(indices.shape[-spatial:]) if indices.dim() >= spatial else 1)
+    ordered = planes.sort(-1).values
+    return bool((ordered[:, 1:] == ordered[:, :-1]).any())
+
+
+_UNPOOL_SPATIAL = {"nn.functional.max_unpool1d": 1, "nn.functional.max_unpool2d": 2, "nn.functional.max_unpool3d": 3}
+# Where max_unpool's indices repeat within a channel, which value lands there is unspecified (PyTorch's MaxUnpool
+# documentation; measured: on two threads native's own result changes with the input's memory format, its
+# channels_last kernel writing one channel from several threads):
+# the stacks that compare values or tangents have nothing to compare. Gradients gather, and stay checked.
+_UNSPECIFIED_STACKS = frozenset({"vmap", "jacfwd", "vmap(jvp)"})
+
+
+def _unspecified_reason(case: SurveyCase, stack: str) -> str | None:
+    spatial = _UNPOOL_SPATIAL.get(case.opinfo.name)
+    if spatial is None or stack not in _UNSPECIFIED_STACKS:
+        return None
+    integer = [i for i, leaf in enumerate(case.leaves) if isinstance(leaf, torch.Tensor) and not
+               (leaf.dtype.is_floating_point or leaf.dtype.is_complex)]
+    slots = [case.batched.index(i) for i in integer if i in case.batched]
+    candidates = [case.leaves[i] for i in integer] + [values[s] for values in case.per_sample for s in slots]
+    if any(repeated_unpool_indices(t, spatial) for t in candidates):
+        return ("repeated indices within a channel: PyTorch leaves max_unpool's value there unspecified (native's own "
+                "result depends on the input's memory format and the threads)")
+    return None
+
+
 def _static_reason(case: SurveyCase, stack: str, dtype: torch.dtype) -> str | None:
     """Why ``stack`` cannot be checked on ``case`` at all, before running anything."""
     opinfo = case.opinfo
     if opinfo.name in UNINITIALIZED:
         return "the output is uninitialized memory: nothing to compare"
+    if (reason := _unspecified_reason(case, stack)) is not None:
+        return reason
     if case.layouts - {torch.strided}:
         return f"{', '.join(sorted(str(x) for x in case.layouts - {torch.strided}))} arguments: torch.func handles " \
                "strided tensors only"
