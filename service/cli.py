@@ -803,6 +803,12 @@ def _configure_jobs(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_jobs)
 
 
+def _configure_conformance(parser: argparse.ArgumentParser) -> None:
+    from service.conformance_command import configure_conformance
+
+    configure_conformance(parser)  # service/conformance_command.py
+
+
 def _configure_db(parser: argparse.ArgumentParser) -> None:
     from service.db_commands import configure_db
 
@@ -841,6 +847,8 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("survey", "run OpInfo's op_db under the stacks, natively and inside use(); fill the store",
                _configure_survey),
     Subcommand("survey-results", "show the stored survey rows", _configure_survey_results, reads=True),
+    Subcommand("conformance", "run functorch's OpInfo checks on every covered op, natively and inside use(); fill "
+               "the store", _configure_conformance),
     Subcommand("jobs", "show the verify and profile jobs the service has run or queued", _configure_jobs,
                reads=True),
     Subcommand("db", "the store's schema: show its revision (db current), or upgrade it (db upgrade)",
