@@ -45,15 +45,12 @@ def _native_rules(op: str) -> rules.Rule:
     no_rule = rules.fails_when(
         rules.innermost_vmap, "error",
         f"Batching rule not implemented for aten::{op}.input (vmap raises: we could not generate a fallback)")
-    if op == "lstm":
-        return rules.first_of(no_rule, rules.fails_when(
-            rules.under_vmap, "slow",
-            "on CPU aten::lstm.input runs aten::mkldnn_rnn_layer, which has no batching rule: vmap(grad) and "
-            "vmap(jvp) run a per-sample loop"))
+    lstm = (" (nn.LSTM's own call, on CPU, runs aten::mkldnn_rnn_layer instead, which has no batching rule: vmap's "
+            "per-sample loop)") if op == "lstm" else ""
     return rules.first_of(no_rule, rules.fails_when(
         rules.under_vmap, "error",
         f"aten::{op}.input decomposes into in-place cell updates that raise a shape error under vmap(grad) and "
-        "vmap(jvp) (output with shape [N, H] doesn't match the broadcast shape [B, N, H])"))
+        f"vmap(jvp) (output with shape [N, H] doesn't match the broadcast shape [B, N, H]){lstm}"))
 
 
 for _op, _doc in (
