@@ -3,6 +3,7 @@
 from composites import (
     copies,
     elementwise,
+    embedding,
     index,
     indexing,
     linalg,
@@ -11,6 +12,7 @@ from composites import (
     memory,
     normalization,
     pooling,
+    recurrent,
     reduce,
     resample,
     statistics,
@@ -19,6 +21,7 @@ from composites import (
 __all__ = [
     "copies",
     "elementwise",
+    "embedding",
     "index",
     "indexing",
     "linalg",
@@ -27,6 +30,7 @@ __all__ = [
     "memory",
     "normalization",
     "pooling",
+    "recurrent",
     "reduce",
     "resample",
     "statistics",
