@@ -60,6 +60,28 @@ def plain_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> lis
     return lines
 
 
+def footnote_repeats(rows: Sequence[Sequence[object]], *, separator: str = "; ",
+                     ) -> tuple[list[tuple[object, ...]], list[str]]:
+    """``rows`` with their last column (free text: notes, details) shortened: each part of it (split on
+    ``separator``) that more than one row carries becomes a mark, ``[1]``, and is printed once in the returned
+    notes (``[1] re-measured 2x: ...``). A table of one run otherwise repeats the run's note on every row."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        for part in dict.fromkeys(str(row[-1] or "").split(separator)):
+            if part:
+                counts[part] = counts.get(part, 0) + 1
+    marks: dict[str, str] = {}
+    shortened = []
+    for row in rows:
+        parts = []
+        for part in str(row[-1] or "").split(separator) if row[-1] is not None else []:
+            if counts.get(part, 0) > 1:
+                part = marks.setdefault(part, f"[{len(marks) + 1}]")
+            parts.append(part)
+        shortened.append((*row[:-1], separator.join(p for p in parts if p) if row[-1] is not None else None))
+    return shortened, [f"{mark} {part}" for part, mark in marks.items()]
+
+
 def print_table(columns: Sequence[str], rows: Sequence[Sequence[object]], *, title: str | None = None) -> None:
     """A table on stdout: rich on a terminal, ``plain_table`` lines elsewhere (the title as a first line)."""
     if is_terminal(sys.stdout):

@@ -13,6 +13,7 @@ from registry.core.stacks import canonical_workload, shorten
 from registry.profiling.timing import WORKLOADS
 from service.deps import Authorized, RunnerDep, SettingsDep, StoreDep
 from service.jobs import Job, QueueFullError
+from service.models import JobPublic
 from service.validation import InputError, host_device_types, parse_stack_input
 from service.worker import DEFAULT_KIND, QueuedJobs, available_kinds, kind_device_type, resolve_kind
 
@@ -45,24 +46,8 @@ class ProfileCreate(BaseModel):
     min_run_time: float = Field(default=0.05, gt=0, le=5)
 
 
-class JobPublic(BaseModel):
-    id: str
-    kind: str
-    state: str = Field(description="queued, running, done, failed, cancelled or interrupted")
-    done: int
-    total: int
-    params: dict
-    result: dict | None
-    error: str | None
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-
-
 def _public(job: Job) -> JobPublic:
-    return JobPublic(id=job.id, kind=job.kind, state=job.state, done=job.done, total=job.total, params=job.params,
-                     result=job.result, error=job.error, created_at=job.created_at, started_at=job.started_at,
-                     finished_at=job.finished_at)
+    return JobPublic.of(job)
 
 
 def _check_ops(ops: list[str] | None) -> list[str]:

@@ -13,6 +13,7 @@ from registry.core.stacks import MAX_STACK_TEXT, format_stack, shorten
 from registry.store.db import STATUSES, MatrixEntry, ProfileEntry
 from service.deps import StateDep
 from service.models import MatrixEntryPublic, MatrixPage, ProfilePage, ProfilePublic
+from service.timestamps import iso_utc
 from service.validation import InputError, parse_dtype, parse_stack_input
 from service.views import fresh_matrix, fresh_profiles, page
 
@@ -28,8 +29,10 @@ CompositeFilter = Annotated[str | None, Query(max_length=64, description="a comp
 
 def _public(model: type[PublicT], row: object) -> PublicT:
     fields = model.model_fields
-    return model(**{k: v for k, v in vars(row).items() if k in fields and k != "stack"},
-                 stack=format_stack(row.stack))  # type: ignore[attr-defined]
+    values = {k: v for k, v in vars(row).items() if k in fields and k != "stack"}
+    if "measured_at" in values:
+        values["measured_at"] = iso_utc(values["measured_at"])
+    return model(**values, stack=format_stack(row.stack))  # type: ignore[attr-defined]
 
 
 def _op(op: str | None) -> str | None:

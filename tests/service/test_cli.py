@@ -15,10 +15,11 @@ import registry
 from registry.core.selector import covered_ops
 from registry.harness.verify import source_hashes
 from registry.store import evidence
+from registry.store.choices import native_failures
 from registry.store.db import JobRecord, MatrixEntry, ProfileEntry, Store
 from registry.store.survey import write_survey
 from service import cli_output
-from service.cli import SUBCOMMANDS, build_parser, main, native_failures
+from service.cli import SUBCOMMANDS, build_parser, main
 
 TORCH = torch.__version__
 
@@ -279,8 +280,9 @@ def test_ops_jobs_and_survey_results(seeded: str, capsys: pytest.CaptureFixture[
     code, stdout, _ = _run(["jobs", "job-1", "--json"], capsys)
     assert json.loads(stdout) == {"id": "job-1", "kind": "verify", "params": {"ops": ["index_fill"]},
                                   "state": "done", "done": 3, "total": 3, "result": {"entries": 3}, "error": None,
-                                  "owner": "host:1", "created_at": 0.0, "started_at": 1.0, "finished_at": 61.0,
-                                  "updated_at": 61.0}
+                                  "owner": "host:1", "created_at": "1970-01-01T00:00:00.000Z",
+                                  "started_at": "1970-01-01T00:00:01.000Z", "finished_at": "1970-01-01T00:01:01.000Z",
+                                  "updated_at": "1970-01-01T00:01:01.000Z"}  # ISO 8601 with the zone (issue 20)
     code, stdout, _ = _run(["jobs", "--state", "running"], capsys)
     assert stdout.splitlines() == ["id  kind  state  progress  created  finished  error"]
 
