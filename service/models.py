@@ -1,16 +1,34 @@
-"""Pydantic models of every response."""
+"""Pydantic models of every response, and the base of every request body (``StrictBody``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from registry.core.stacks import format_stack
+from registry.core.stacks import format_stack, shorten
 from service.timestamps import ISO_EXAMPLE, iso_utc
 
 if TYPE_CHECKING:
     from registry.core.selector import Decision
+
+
+class StrictBody(BaseModel):
+    """A JSON request body: a field it does not declare is refused (422 naming it and the fields there are), never
+    ignored: ``{"opz": [...]}`` must not start a job over every op. The schema says so (additionalProperties:
+    false)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = [name for name in data if name not in cls.model_fields]
+            if unknown:
+                raise ValueError(f"unknown field {shorten(unknown[0])!r}; the fields are "
+                                 f"{', '.join(cls.model_fields)}")
+        return data
 
 
 class ErrorPublic(BaseModel):

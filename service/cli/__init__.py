@@ -27,7 +27,9 @@ from service.cli import jobs, matrix, ops, profile, profiles, report, select, se
 from service.cli.parser import Parser, ParserExit, VersionAction
 from service.cli_output import UsageError
 
-DESCRIPTION = __doc__.split("\n\n")[0].replace("\n", " ")
+DESCRIPTION = ("Verify, profile and choose among the decompositions of each PyTorch op under torch.func transforms "
+               "(vmap, grad, jvp, ...): which one is correct and fastest under the active transform stack. Read "
+               "what the store holds, and serve it over HTTP with a dashboard.")
 EPILOG = ("start with `multicomposite ops`, then `multicomposite select index_fill --stack \"vmap(grad)\"`; "
           "`multicomposite verify` and `profile` fill the store that `select`, `matrix`, `report` and the service "
           "read. Exit codes: 0 done, 1 a failure was found (verify), 2 bad input, 130 interrupted.")
