@@ -861,6 +861,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as error:  # a library of an extra that is not installed: say which extra
+        from service.extras import report_missing_extra
+
+        return report_missing_extra(error, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
