@@ -13,8 +13,8 @@ RUN if ! command -v python3 >/dev/null || ! python3 -c "import venv, ensurepip" 
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
         && rm -rf /var/lib/apt/lists/*; \
     fi
-# torch first, pinned and CPU-only (no CUDA wheels in the image), so the project's torch>=2.4 keeps it; in a layer of
-# its own, before the sources, so that a change to the code does not install torch again.
+# torch first, pinned and CPU-only (no CUDA wheels in the image), so the project's torch>=2.13,<2.14 keeps it; in a
+# layer of its own, before the sources, so that a change to the code does not install torch again.
 RUN python3 -m venv /opt/venv \
     && /opt/venv/bin/pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch==2.13.0
 WORKDIR /src
@@ -22,7 +22,9 @@ COPY pyproject.toml README.md ./
 COPY registry ./registry
 COPY composites ./composites
 COPY service ./service
-RUN /opt/venv/bin/pip install . torch==2.13.0
+# What the image serves: the HTTP service with its store, on PostgreSQL, and the workers (compose runs all three from
+# this image). Not the plots extra: the API renders no PNG.
+RUN /opt/venv/bin/pip install '.[service,postgres,workers]' torch==2.13.0
 
 FROM ${BASE_IMAGE} AS runtime
 SHELL ["/bin/sh", "-eu", "-c"]

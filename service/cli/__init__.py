@@ -111,6 +111,15 @@ def _silence_stdout() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as error:  # a library of an extra that is not installed: say which extra
+        from service.extras import report_missing_extra
+
+        return report_missing_extra(error, argv)
+
+
+def _main(argv: list[str]) -> int:
     named = _command_in(argv)
     parser = build_parser(only=[named] if named is not None else [])
     try:
