@@ -75,7 +75,7 @@ def test_nothing_is_patched_but_contiguous() -> None:
         assert torch.Tensor.index_fill is ORIGINAL_METHOD
         assert torch.index_fill is ORIGINAL_FUNCTION
         assert torch.Tensor.add is torch._C.TensorBase.add
-    assert torch.Tensor.contiguous is routing._contiguous  # the one Python-level path, listed in the README
+    assert torch.Tensor.contiguous is routing._contiguous  # the one Python-level path, listed in docs/routing.md
 
 
 def test_eager_calls_run_pytorchs_own_kernel(spy) -> None:
