@@ -809,6 +809,12 @@ def _configure_db(parser: argparse.ArgumentParser) -> None:
     configure_db(parser)  # db upgrade, db current (service/db_commands.py)
 
 
+def _configure_build_kernels(parser: argparse.ArgumentParser) -> None:
+    from service.kernel_commands import configure_build_kernels
+
+    configure_build_kernels(parser)  # `multicomposite build-kernels`: service/kernel_commands.py
+
+
 def _configure_worker(parser: argparse.ArgumentParser) -> None:
     from service.worker import configure_worker
 
@@ -847,6 +853,8 @@ SUBCOMMANDS: list[Subcommand] = [
                _configure_db),
     Subcommand("worker", "run verify and profile jobs for the device kinds of this machine (needs a PostgreSQL "
                "store)", _configure_worker),
+    Subcommand("build-kernels", "compile use()'s C++ routing kernels into their cache (else the first use() does)",
+               _configure_build_kernels),
 ]
 
 
