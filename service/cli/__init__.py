@@ -23,7 +23,20 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from service.cli import jobs, matrix, ops, profile, profiles, report, select, serve, survey, survey_results, verify
+from service.cli import (
+    build_kernels,
+    jobs,
+    matrix,
+    ops,
+    profile,
+    profiles,
+    report,
+    select,
+    serve,
+    survey,
+    survey_results,
+    verify,
+)
 from service.cli.parser import Parser, ParserExit, VersionAction
 from service.cli_output import UsageError
 
@@ -76,6 +89,8 @@ SUBCOMMANDS: list[Subcommand] = [
                _configure_db),
     Subcommand("worker", "run verify and profile jobs for the device kinds of this machine (needs a PostgreSQL "
                "store)", _configure_worker),
+    Subcommand("build-kernels", "compile use()'s C++ routing kernels into their cache (else the first use() does)",
+               build_kernels.configure),
 ]
 
 
