@@ -1,6 +1,6 @@
 """``multicomposite conformance [--op OP ...]``: the conformance suite (registry/harness/conformance.py) over the
-covered ops, natively and inside ``use()``; rows go to the store's ``conformance_results`` table. ``service/cli``
-lists it as one row of its subcommand table (``configure_conformance``).
+covered ops, natively and inside ``use()``; rows go to the store's ``conformance_results`` table as each job
+finishes.
 
 Exit codes: 0 when no check that passes natively fails inside ``use()``; 1 when one does; 2 bad input.
 """
@@ -12,33 +12,31 @@ import os
 from typing import Any
 
 from service import cli_output as out
+from service.cli import arguments
 from service.cli_output import UsageError
 
 
-def configure_conformance(parser: argparse.ArgumentParser) -> None:
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", action="append", help="a covered op, e.g. take or batch_norm (repeatable; default: "
                         "every covered op)")
     parser.add_argument("--check", action="append", help="vjp, jvp, vmap, vmap(vjp), vjp(vmap), vmap(jvp), "
                         "jvp(vjp) or 'no fallback warning' (repeatable; default: all)")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"),
                         help="float32 or float64 (repeatable; default: both)")
-    parser.add_argument("--limit-samples", type=int, default=0,
+    parser.add_argument("--limit-samples", type=arguments.non_negative_int, default=0,
                         help="OpInfo samples per entry and dtype (default 0: every sample)")
-    parser.add_argument("--workers", type=int, default=None, help="forked worker processes (default: 2, 0: none)")
-    parser.add_argument("--json", action="store_true",
-                        help="print the rows and the totals as one JSON document on stdout, and nothing else there")
-    parser.set_defaults(run=run_conformance_command)
+    parser.add_argument("--workers", type=arguments.non_negative_int, default=None,
+                        help="forked worker processes (default: 2; 0: none, run in this process)")
+    arguments.add_json(parser, "the rows and the totals")
+    parser.set_defaults(run=run)
 
 
-def run_conformance_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from registry.harness import conformance
     from registry.store.conformance import write_conformance
     from registry.store.db import Store
 
     try:
-        if args.limit_samples < 0:
-            raise conformance.ConformanceError(f"--limit-samples must be 0 (every sample) or more, got "
-                                               f"{args.limit_samples}")
         checks = conformance.parse_checks(args.check)
         jobs = conformance.covered_entries(args.op)
         config = conformance.ConformanceConfig(checks=checks, sample_limit=args.limit_samples)
