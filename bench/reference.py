@@ -117,12 +117,13 @@ def check(rounds: int, min_run_time: float) -> list[dict[str, Any]]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time)
-            # Per round, auto over the fastest pinned composite of that round: a ratio within a round is what a
-            # burst on a shared machine cannot bias.
-            ratios = [timed["auto"].rounds_us[r] / min(timed[n].rounds_us[r] for n in runners if n != "auto")
-                      for r in range(rounds)]
-            fastest = min((n for n in runners if n != "auto"), key=lambda n: timed[n].median_us)
+            # The fastest pinned composite by its median per-round ratio to the others (noise.relative), then auto
+            # over it per round: a ratio within a round is what a load on the machine cannot bias.
+            pinned = noise.relative({n: t for n, t in timed.items() if n != "auto"})
+            fastest = min(pinned, key=lambda n: pinned[n].median_us)
+            ratios = [a / f for a, f in zip(timed["auto"].rounds_us, timed[fastest].rounds_us, strict=True)]
             results.append({"op": op, "auto_choice": decision.composite, "fastest": fastest,
+                            "auto_is_fastest": decision.composite == fastest,
                             "medians_ms": {n: round(t.median_us / 1e3, 2) for n, t in timed.items()},
                             "auto_over_fastest": round(statistics.median(ratios), 3), "reason": decision.reason})
         os.environ.pop("MULTICOMPOSITE_DB")
