@@ -41,16 +41,31 @@ _GATES = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3}
 
 
 def _native_rules(op: str) -> rules.Rule:
-    """Where PyTorch's own ``op`` fails (measured through nn.RNN, nn.GRU and nn.LSTM, torch 2.13.0 CPU)."""
+    """Where PyTorch's own ``op`` fails (measured on the aten ops and through nn.RNN, nn.GRU and nn.LSTM, torch 2.13.0
+    CPU). The flat parameter list is a Tensor[]: the router sees ``input`` and ``hx`` only (and for the LSTM, whose
+    ``hx`` is a Tensor[] too, ``input`` only)."""
     no_rule = rules.fails_when(
         rules.innermost_vmap, "error",
         f"Batching rule not implemented for aten::{op}.input (vmap raises: we could not generate a fallback)")
-    lstm = (" (nn.LSTM's own call, on CPU, runs aten::mkldnn_rnn_layer instead, which has no batching rule: vmap's "
-            "per-sample loop)") if op == "lstm" else ""
+    if op == "lstm":
+        return rules.first_of(no_rule, rules.fails_when(
+            rules.under_vmap, "error",
+            "under vmap(grad) aten::lstm.input raises a shape error inside its in-place cell updates, or (nn.LSTM "
+            "on CPU) loops over aten::mkldnn_rnn_layer, which has no batching rule; under vmap(jvp) and jacfwd "
+            "mkldnn_rnn_layer has no forward AD; the state pair hx, a Tensor[], is not visible to the router, so "
+            "every vmap takes the composite"))
+
+    def shape_error(ctx) -> bool:
+        if not rules.under_vmap(ctx):
+            return False
+        # Only the innermost level's batching is known: nested vmaps and compiled graphs are assumed batched.
+        return "compile" in ctx.stack or ctx.stack.count("vmap") > 1 or bool({"input", "hx"} & set(ctx.batched))
+
     return rules.first_of(no_rule, rules.fails_when(
-        rules.under_vmap, "error",
+        shape_error, "error",
         f"aten::{op}.input decomposes into in-place cell updates that raise a shape error under vmap(grad) and "
-        f"vmap(jvp) (output with shape [N, H] doesn't match the broadcast shape [B, N, H]){lstm}"))
+        "vmap(jvp) where input or hx is batched (output with shape [N, H] doesn't match the broadcast shape "
+        "[B, N, H]); with only the parameters batched, and under jacfwd, it works"))
 
 
 for _op, _doc in (

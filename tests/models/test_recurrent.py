@@ -179,3 +179,19 @@ def test_embedding_max_norm_model_per_sample_gradients_equal_the_loop() -> None:
     torch.testing.assert_close(model.embedding.weight, looped.embedding.weight, rtol=0, atol=1e-15)
     changed = (model.embedding.weight != before).any(-1)
     assert changed.any() and set(changed.nonzero().flatten().tolist()) <= set(tokens.flatten().tolist())
+
+
+@pytest.mark.parametrize("name", ["gru-2layer-bi-batchfirst", "lstm-2layer-bi-batchfirst"])
+def test_float32_models_equal_the_loop(name: str) -> None:
+    """float32 on CPU: nn.LSTM's own call takes the mkldnn path there (natively vmap's per-sample loop)."""
+    kind, options = MODELS[name]
+    model, batch_first = _model(kind, **dict(options))
+    model = model.float()
+    x, y = _data(batch_first, 2)
+    x = x.float()
+    expected = _loop(model, x, y)
+    with registry.use():
+        got, fallbacks = _fallbacks(lambda: _step(model)(x, y))
+    assert fallbacks == []
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, msg=lambda m, key=key: f"{key}: {m}")
