@@ -1,6 +1,7 @@
 """Built-in composites, one module per operator family. Importing this package registers them all."""
 
 from composites import (
+    attention,
     copies,
     elementwise,
     embedding,
@@ -19,6 +20,7 @@ from composites import (
 )
 
 __all__ = [
+    "attention",
     "copies",
     "elementwise",
     "embedding",
