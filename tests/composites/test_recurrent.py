@@ -290,16 +290,24 @@ def test_auto_keeps_native_where_it_works_and_routes_where_it_fails() -> None:
 @pytest.mark.parametrize("op", ["rnn_tanh", "gru", "lstm"])
 def test_pytorch_where_the_rules_keep_it(op: str) -> None:
     """Natively: jacfwd works for the RNN and the GRU (not the float32 LSTM: no forward AD for mkldnn_rnn_layer), and
-    per-model gradients of an ensemble over a shared input work for all three."""
+    per-model gradients of an ensemble over a shared input work for all three; inside use() too, and the ensemble's
+    forward alone (which natively raises) equals the loop."""
     config = Config(op)
     generator = torch.Generator().manual_seed(17)
     params, hx = _params(config, generator, batch=SAMPLES), _hx(config, generator)
     x = _input(config, generator, batch=None)
-    ensemble = vmap(grad(lambda weights: _loss(_call(config, x, hx, weights))))(params)
+    per_model = grad(lambda weights: _loss(_call(config, x, hx, weights)))
+    ensemble = vmap(per_model)(params)
+    with registry.use():  # the same inside use(): native for the RNN and GRU, the composite for the LSTM
+        routed = _no_fallback(lambda: vmap(per_model)(params))
+        forward = _no_fallback(lambda: vmap(lambda weights: _call(config, x, hx, weights)[0])(params))
     for b in range(SAMPLES):
         leaves = [p[b].clone().requires_grad_() for p in params]
-        for g, e in zip(ensemble, torch.autograd.grad(_loss(_call(config, x, hx, leaves)), leaves), strict=True):
+        result = _call(config, x, hx, leaves)
+        torch.testing.assert_close(forward[b], result[0].detach())
+        for g, r, e in zip(ensemble, routed, torch.autograd.grad(_loss(result), leaves), strict=True):
             torch.testing.assert_close(g[b], e)
+            torch.testing.assert_close(r[b], e)
     shared = [p[0] for p in params]
     if op == "lstm":  # float32 on CPU: the mkldnn path (float64 takes the decomposition, whose jacfwd works)
         shared, hx32 = [p.float() for p in shared], [h.float() for h in hx]
