@@ -477,12 +477,16 @@ class Worker:
 
     def requeue_or_fail(self, job_id: str, attempts: int) -> str:
         """The store side of one stalled procrastinate job: 'retry' (row back to queued with the reason), 'fail'
-        (row failed with the reason), or 'finish' (the row is final already, or gone)."""
+        (row failed with the reason), 'finish' (the row is final already, or gone), or 'alive' (its worker is this
+        one, or beat within ``stale_after_s`` in the workers table: procrastinate's heartbeat lagged, as it does
+        on a loaded machine, and the job is left to run)."""
         job = self.store.job(job_id)
         if job is None or job.state in FINISHED_JOB_STATES:
             return "finish"
         if job.state == "queued":
             return "retry"  # fetched but never claimed: nothing ran
+        if job.owner == self.id or self._beat_recently(job.owner):
+            return "alive"
         if job.state == "cancelling":  # asked to stop, and its worker did: with its process
             with self.store.engine.begin() as conn:
                 conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "cancelling",
@@ -509,6 +513,14 @@ class Worker:
                                                        _jobs.c.owner == job.owner)
                                    .values(updated_at=now, **values)).rowcount
         return outcome if changed else "finish"
+
+    def _beat_recently(self, owner: str) -> bool:
+        """Whether worker ``owner`` beat within ``stale_after_s`` (database clock) in the workers table."""
+        cutoff = func.extract("epoch", func.now()) - self.options.stale_after_s
+        with self.store.engine.connect() as conn:
+            return conn.execute(select(workers_table.c.id).where(workers_table.c.id == owner,
+                                                                 workers_table.c.heartbeat >= cutoff)).first() \
+                is not None
 
     def _last_heartbeat(self, owner: str) -> str:
         with self.store.engine.connect() as conn:
@@ -566,6 +578,8 @@ class Worker:
                 for stalled_job in stalled:
                     job_id = str(stalled_job.task_kwargs.get("job_id", ""))
                     outcome = await asyncio.to_thread(self.requeue_or_fail, job_id, stalled_job.attempts)
+                    if outcome == "alive":
+                        continue
                     if outcome == "retry":
                         await self._app.job_manager.retry_job(stalled_job)
                     else:

@@ -221,6 +221,16 @@ def test_a_stale_workers_job_is_requeued_with_the_reason_then_failed_after_max_a
     assert worker_here.requeue_or_fail("never-claimed", attempts=0) == "retry"
     assert store.job("never-claimed").state == "queued"
     assert worker_here.requeue_or_fail("no-such-job", attempts=0) == "finish"
+    # Its own job, or one of a worker that beats in the workers table: procrastinate's heartbeat only lagged.
+    _running(store, "mine", worker_here.id)
+    assert worker_here.requeue_or_fail("mine", attempts=0) == "alive"
+    with store.engine.begin() as conn:
+        conn.execute(workers_table.insert().values(id="busy:5:abcdef", host="busy", pid=5, kinds="cpu",
+                                                   started_at=func.extract("epoch", func.now()),
+                                                   heartbeat=func.extract("epoch", func.now())))
+    _running(store, "busy", "busy:5:abcdef")
+    assert worker_here.requeue_or_fail("busy", attempts=0) == "alive"
+    assert store.job("busy").state == store.job("mine").state == "running"
 
 
 def test_the_reason_names_the_last_heartbeat_when_the_dead_workers_row_is_still_there(worker_here: Worker) -> None:
