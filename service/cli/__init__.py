@@ -23,7 +23,20 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from service.cli import jobs, matrix, ops, profile, profiles, report, select, serve, survey, survey_results, verify
+from service.cli import (
+    build_kernels,
+    jobs,
+    matrix,
+    ops,
+    profile,
+    profiles,
+    report,
+    select,
+    serve,
+    survey,
+    survey_results,
+    verify,
+)
 from service.cli.parser import Parser, ParserExit, VersionAction
 from service.cli_output import UsageError
 
@@ -76,6 +89,8 @@ SUBCOMMANDS: list[Subcommand] = [
                _configure_db),
     Subcommand("worker", "run verify and profile jobs for the device kinds of this machine (needs a PostgreSQL "
                "store)", _configure_worker),
+    Subcommand("build-kernels", "compile use()'s C++ routing kernels into their cache (else the first use() does)",
+               build_kernels.configure),
 ]
 
 
@@ -111,6 +126,15 @@ def _silence_stdout() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as error:  # a library of an extra that is not installed: say which extra
+        from service.extras import report_missing_extra
+
+        return report_missing_extra(error, argv)
+
+
+def _main(argv: list[str]) -> int:
     named = _command_in(argv)
     parser = build_parser(only=[named] if named is not None else [])
     try:
