@@ -277,3 +277,9 @@ def test_matrix_entries_give_iso_times(client: TestClient, db_url: str) -> None:
     time.sleep(0.3)  # the watcher sees the new generation
     items = client.get("/matrix", params={"op": "take"}).json()["items"]
     assert [item["measured_at"] for item in items] == ["2025-11-30T17:05:09.500Z"]
+
+
+def test_a_body_that_is_not_valid_json_says_where(client: TestClient) -> None:
+    response = client.post("/select", content=b'[{"op":', headers={"Content-Type": "application/json"})
+    assert (response.status_code, response.json()) == (422, {  # was "body.7: JSON decode error"
+        "detail": "body: not valid JSON at character 7: Expecting value; send a JSON document"})
