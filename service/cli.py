@@ -173,7 +173,7 @@ def _fresh(store: Store, *, entries: bool = True,
     asked for is not read (an empty list)."""
     import torch
 
-    from registry.harness.verify import source_hashes
+    from registry.core.sources import source_hashes
 
     hashes = source_hashes()
     return (store.fresh_entries(source_hashes=hashes, torch_version=torch.__version__) if entries else [],
@@ -498,7 +498,7 @@ def _matrix(args: argparse.Namespace) -> int:
 
 
 def _configure_matrix(parser: argparse.ArgumentParser) -> None:
-    from registry.store.db import STATUSES
+    from registry.core.status import STATUSES
 
     parser.add_argument("--op", action="append", type=_op, help="only this op (repeatable; default: all)")
     parser.add_argument("--stack", action="append", type=_stack, help="only this stack, vmap(grad) or vmap,grad "
@@ -855,8 +855,11 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog="exit codes: 0 done, 1 a failure was found (verify), 2 bad input")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND",
                                      help="one of the commands below; COMMAND --help for its options")
+    from service.extras import configure_or_defer
+
     for command in SUBCOMMANDS:
-        command.configure(commands.add_parser(command.name, help=command.help, description=command.help))
+        configure_or_defer(command.configure, commands.add_parser(command.name, help=command.help,
+                                                                  description=command.help))
     return parser
 
 

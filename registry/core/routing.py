@@ -20,7 +20,6 @@ the kernel routes it.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -275,9 +274,6 @@ def register_kernels() -> None:
         load()
         if _libraries and len(_routed_ops) == len(OPS):
             return
-        # The first decision reads the store's evidence, whose staleness check imports the harness: import it here,
-        # outside any transform, rather than inside the first routed call (import-time code would run under vmap).
-        importlib.import_module("registry.harness.verify")
         library = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():
             # PyTorch warns once that a kernel overrides FuncTorchDynamicLayerFrontMode's: that is the point here.

@@ -13,7 +13,7 @@ import torch
 
 import registry
 from registry.core.selector import covered_ops
-from registry.harness.verify import source_hashes
+from registry.core.sources import source_hashes
 from registry.store import evidence
 from registry.store.db import JobRecord, MatrixEntry, ProfileEntry, Store
 from registry.store.survey import write_survey
