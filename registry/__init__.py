@@ -14,7 +14,7 @@ from registry.core.decompositions import decomposition_table
 from registry.core.model import KINDS, Composite, Op
 from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES, RegistrationError, load, register, unregister
-from registry.core.routing import register_kernels, routing_active, use
+from registry.core.routing import register_kernels, routing_active, routing_backend, use
 from registry.core.selector import POLICIES, Decision, SelectionError, Verdict, clear_cache, select
 from registry.core.stacks import format_stack, parse_stack
 
@@ -71,6 +71,7 @@ __all__ = [
     "register",
     "register_kernels",
     "routing_active",
+    "routing_backend",
     "select",
     "unregister",
     "use",

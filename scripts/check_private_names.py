@@ -12,6 +12,21 @@ import sys
 from pathlib import Path
 
 PROJECT = ("registry", "composites", "service", "bench")
+# Crossings older than this check, left to their modules' owners to make public (the routing's two backends share
+# these while they are reworked). Listed exactly, so that a new crossing still fails; remove a line once it is fixed.
+KNOWN: frozenset[tuple[str, str]] = frozenset({
+    ("registry/core/routing_cpp.py", "routing._local"),
+    ("registry/core/routing_cpp.py", "routing._decide"),
+    ("registry/core/routing_cpp.py", "routing._make_kernel"),
+    ("registry/core/routing_cpp.py", "routing._make_derivative_kernel"),
+    ("registry/core/routing_cpp.py", "routing._records_autograd"),
+    ("registry/core/routing_cpp.py", "routing._inplace_message"),
+    ("bench/routing.py", "routing._backend"),
+    ("bench/routing.py", "routing._cpp"),
+    ("bench/routing.py", "routing._python_library"),
+    ("bench/routing.py", "routing._routed_ops"),
+    ("bench/routing.py", "routing._register_routing"),
+})
 
 
 def _is_private(name: str) -> bool:
@@ -40,9 +55,9 @@ def crossings(path: Path) -> list[str]:
                     modules.add(alias.asname or alias.name.split(".")[0])
     for node in ast.walk(tree):
         if (isinstance(node, ast.Attribute) and _is_private(node.attr) and isinstance(node.value, ast.Name)
-                and node.value.id in modules):
+                and node.value.id in modules and (path.as_posix(), f"{node.value.id}.{node.attr}") not in KNOWN):
             found.append(f"{path}:{node.lineno}: uses {node.value.id}.{node.attr} of another module")
-    return found
+    return sorted(found, key=lambda line: int(line.split(":")[1]))
 
 
 def main(roots: list[str]) -> int:

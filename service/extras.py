@@ -7,10 +7,8 @@ up as a ModuleNotFoundError naming it; this module turns that error into the lin
 
 from __future__ import annotations
 
-import argparse
 import sys
-from collections.abc import Callable, Sequence
-from typing import NoReturn
+from collections.abc import Sequence
 
 # The top-level module a library installs -> the extra of pyproject.toml that installs it.
 EXTRA_OF_MODULE: dict[str, str] = {
@@ -59,19 +57,3 @@ def report_missing_extra(error: ModuleNotFoundError, argv: Sequence[str] | None)
         raise error
     print(line, file=sys.stderr)
     return 2
-
-
-def configure_or_defer(configure: Callable[[argparse.ArgumentParser], None], parser: argparse.ArgumentParser) -> None:
-    """``configure(parser)``; if that needs a library of a missing extra, the command stays listed and parsing its
-    arguments raises the ModuleNotFoundError (which ``main`` turns into the line saying the extra), so that every
-    other command works without that extra."""
-    try:
-        configure(parser)
-    except ModuleNotFoundError as error:
-        if extra_for(error) is None:
-            raise
-
-        def parse_known_args(*_args: object, missing: ModuleNotFoundError = error, **_kwargs: object) -> NoReturn:
-            raise missing
-
-        parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
