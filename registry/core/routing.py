@@ -25,7 +25,6 @@ the kernel routes it.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import threading
 import warnings
@@ -320,9 +319,6 @@ def register_kernels() -> None:
         load()
         if _libraries and len(_routed_ops) == len(OPS):
             return
-        # The first decision reads the store's evidence, whose staleness check imports the harness: import it here,
-        # outside any transform, rather than inside the first routed call (import-time code would run under vmap).
-        importlib.import_module("registry.harness.verify")
         if not _backend:
             _backend.append(_choose_backend())
         new = [op for op in OPS.values() if op.name not in _routed_ops]
