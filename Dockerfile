@@ -20,8 +20,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ nlohmann-js
         apt-get install -y --no-install-recommends python3-dev; \
     fi \
     && rm -rf /var/lib/apt/lists/*
-# torch first, pinned and CPU-only (no CUDA wheels in the image), so the project's torch>=2.4 keeps it; in a layer of
-# its own, before the sources, so that a change to the code does not install torch again.
+# torch first, pinned and CPU-only (no CUDA wheels in the image), so the project's torch>=2.13,<2.14 keeps it; in a
+# layer of its own, before the sources, so that a change to the code does not install torch again.
 RUN python3 -m venv /opt/venv \
     && /opt/venv/bin/pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch==2.13.0
 WORKDIR /src
@@ -29,8 +29,10 @@ COPY pyproject.toml README.md ./
 COPY registry ./registry
 COPY composites ./composites
 COPY service ./service
-# The routing kernels are compiled here, once (about a minute), never at the first use() of a running container.
-RUN /opt/venv/bin/pip install . torch==2.13.0 \
+# What the image serves: the HTTP service with its store, on PostgreSQL, and the workers (compose runs all three from
+# this image). Not the plots extra: the API renders no PNG. The routing kernels are compiled here, once (about a
+# minute), never at the first use() of a running container.
+RUN /opt/venv/bin/pip install '.[service,postgres,workers]' torch==2.13.0 \
     && MULTICOMPOSITE_KERNELS_DIR=/opt/kernels /opt/venv/bin/multicomposite build-kernels
 
 FROM ${BASE_IMAGE} AS runtime

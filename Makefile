@@ -1,5 +1,6 @@
 # `make test` and `make serve` work on a fresh clone: both create .venv, install torch==2.13.0 (the CPU build) and
-# the project with its dev extra, then run. torch is installed first and pinned so pip never resolves a newer one.
+# the project with its dev extra (every other extra, and the test and lint tools), then run. torch is installed first
+# and pinned so pip never resolves a newer one.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

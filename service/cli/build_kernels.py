@@ -1,6 +1,5 @@
 """``multicomposite build-kernels``: compile use()'s C++ routing kernels into their cache ahead of the first use()
-(registry/core/kernels does the work). ``service/cli.py`` lists it as one row of its subcommand table
-(``configure_build_kernels``)."""
+(registry/core/kernels does the work)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import argparse
 import sys
 
 
-def configure_build_kernels(parser: argparse.ArgumentParser) -> None:
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Compile the C++ routing kernels once per torch, Python and compiler flags into the cache "
                           "folder (MULTICOMPOSITE_KERNELS_DIR, default ~/.cache/multicomposite/kernels); a cached "
                           "build is reused. Needs a C++ compiler and nlohmann-json (Debian: g++ "
