@@ -361,7 +361,8 @@ def _register_routing(ops: list[Op]) -> None:
     if _backend[0] == "cpp":
         from registry.core import routing_cpp
 
-        assert _cpp is not None
+        if _cpp is None:
+            raise RuntimeError("routing: the C++ backend is active but its kernels are not loaded; report this bug")
         routing_cpp.register(_cpp, ops)
         _set_frame = _cpp.set_frame
         return
@@ -416,8 +417,7 @@ def set_routing_backend(backend: str) -> None:
             _cpp = module
             if module.clear not in CACHE_LISTENERS:
                 CACHE_LISTENERS.append(module.clear)
-        else:
-            assert _cpp is not None
+        elif _cpp is not None:
             _cpp.unregister_all()
             _cpp.set_frame(0)
             _cpp.clear()
