@@ -41,6 +41,8 @@ from registry.core.frames import raising_user_frame
 # and the routing kernels' in-place variants say it).
 INPLACE_REFUSAL = ("is not possible because there exists a Tensor `other` in extra_args that has more elements than "
                    "`self`")
+# The same refusal from in-place arithmetic (``buffer.add_(batched)``): the broadcast shape includes the batch.
+BROADCAST_REFUSAL = "doesn't match the broadcast shape"
 # Functionalization's refusal of the same write where self lives outside the functionalized function.
 OUTSIDE_REFUSAL = "mutating a non-functional tensor with a functional tensor is not allowed"
 # grad's refusal of a write into a tensor captured from outside it (the write, functionalized, reaches grad as copy_).
@@ -137,6 +139,12 @@ def _is_write_refusal(error: BaseException) -> bool:
     return isinstance(error, OutsideWriteError) or (isinstance(error, RuntimeError) and INPLACE_REFUSAL in str(error))
 
 
+def _may_be_write_refusal(error: BaseException) -> bool:
+    """The refusal, or in-place arithmetic's shape error (which a true shape mismatch also raises: its retry fails
+    the same way and that error is raised unchanged)."""
+    return _is_write_refusal(error) or BROADCAST_REFUSAL in str(error)
+
+
 def _functionalization_failed(error: BaseException) -> bool:
     """Whether ``error`` says that this write cannot be functionalized here (rather than that the function failed):
     the write refusal again, functionalization's own refusal, or an internal limit of functionalize."""
@@ -200,14 +208,16 @@ def _flat_vmap(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # cannot run, on a path that writes nothing): run it as written, from the same random state.
         _set_rng_state(state)
         return _original_flat_vmap(func, *args, **kwargs)
-    if not _is_write_refusal(failure):
+    if CAPTURED_REFUSAL in str(failure):  # grad refuses a write into a captured tensor before vmap sees it
+        raise OutsideWriteError(_outside_write_message(failure, failure)) from failure
+    if not _may_be_write_refusal(failure):
         raise failure
     _set_rng_state(state)
     fresh_buffers.register()
     try:
         result = _original_flat_vmap(_functionalizing(func), *args, **kwargs)
     except Exception as retry:
-        if not _functionalization_failed(retry):
+        if not _functionalization_failed(retry) or (not _is_write_refusal(failure) and _may_be_write_refusal(retry)):
             raise  # an error of the function itself, which the first run did not reach
         raise OutsideWriteError(_outside_write_message(failure, retry)) from failure
     FUNCTIONALIZED.add(key)
