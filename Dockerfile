@@ -13,8 +13,15 @@ RUN if ! command -v python3 >/dev/null || ! python3 -c "import venv, ensurepip" 
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
         && rm -rf /var/lib/apt/lists/*; \
     fi
-# torch first, pinned and CPU-only (no CUDA wheels in the image), so the project's torch>=2.4 keeps it; in a layer of
-# its own, before the sources, so that a change to the code does not install torch again.
+# What compiles use()'s C++ routing kernels (registry/core/kernels): a compiler, functorch's json header, Python's
+# headers where the base image lacks them. Only this stage has them: the runtime stage copies the compiled kernels.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ nlohmann-json3-dev \
+    && if [ ! -f "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ]; then \
+        apt-get install -y --no-install-recommends python3-dev; \
+    fi \
+    && rm -rf /var/lib/apt/lists/*
+# torch first, pinned and CPU-only (no CUDA wheels in the image), so the project's torch>=2.13,<2.14 keeps it; in a
+# layer of its own, before the sources, so that a change to the code does not install torch again.
 RUN python3 -m venv /opt/venv \
     && /opt/venv/bin/pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch==2.13.0
 WORKDIR /src
@@ -22,7 +29,11 @@ COPY pyproject.toml README.md ./
 COPY registry ./registry
 COPY composites ./composites
 COPY service ./service
-RUN /opt/venv/bin/pip install . torch==2.13.0
+# What the image serves: the HTTP service with its store, on PostgreSQL, and the workers (compose runs all three from
+# this image). Not the plots extra: the API renders no PNG. The routing kernels are compiled here, once (about a
+# minute), never at the first use() of a running container.
+RUN /opt/venv/bin/pip install '.[service,postgres,workers]' torch==2.13.0 \
+    && MULTICOMPOSITE_KERNELS_DIR=/opt/kernels /opt/venv/bin/multicomposite build-kernels
 
 FROM ${BASE_IMAGE} AS runtime
 SHELL ["/bin/sh", "-eu", "-c"]
@@ -33,9 +44,11 @@ RUN if ! command -v python3 >/dev/null; then \
     && (getent passwd multicomposite >/dev/null || useradd --create-home --uid 10001 multicomposite) \
     && mkdir -p /data && chown multicomposite /data
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/kernels /opt/kernels
 # Used by compose.yaml: the containers that need PostgreSQL wait for it (see the script for why).
 COPY --chmod=0755 containers/multicomposite/wait-for-store.py /usr/local/bin/wait-for-store
 ENV PATH=/opt/venv/bin:$PATH \
+    MULTICOMPOSITE_KERNELS_DIR=/opt/kernels \
     MULTICOMPOSITE_DB=sqlite:////data/multicomposite.db \
     MULTICOMPOSITE_HOST=0.0.0.0 \
     MULTICOMPOSITE_PORT=8000

@@ -1,12 +1,13 @@
 # `make test` and `make serve` work on a fresh clone: both create .venv, install torch==2.13.0 (the CPU build) and
-# the project with its dev extra, then run. torch is installed first and pinned so pip never resolves a newer one.
+# the project with its dev extra (every other extra, and the test and lint tools), then run. torch is installed first
+# and pinned so pip never resolves a newer one.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
 
-.PHONY: venv test lint serve bench bench-api clean browser-deps postgres-deps container-smoke
+.PHONY: venv test lint serve bench bench-api clean browser-deps postgres-deps kernel-deps kernels container-smoke
 
 venv: $(STAMP)
 
@@ -49,8 +50,27 @@ postgres-deps:
 			"install them with: sudo apt-get install postgresql (or set POSTGRES_BIN_DIR to their folder)"; \
 	fi
 
-test: $(STAMP) lint browser-deps postgres-deps
-	DASHBOARD_TEST_REQUIRE_BROWSER=$(AS_ROOT) POSTGRES_TEST_REQUIRE_SERVER=$(AS_ROOT) $(PY) -m pytest
+# use()'s C++ routing kernels need a C++ compiler and functorch's headers, which include <nlohmann/json.hpp> (not in
+# the torch wheel). As root, make installs g++ and nlohmann-json3-dev; otherwise it says how, use() runs its Python
+# kernels, and the C++ half of the routing tests skips. As root a failed build then fails those tests instead.
+kernel-deps:
+	@if command -v c++ >/dev/null && [ -f /usr/include/nlohmann/json.hpp ]; then :; \
+	elif [ "$(AS_ROOT)" = 1 ] && command -v apt-get >/dev/null; then \
+		echo "installing g++ and nlohmann-json3-dev for the C++ routing kernels"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			g++ nlohmann-json3-dev >/dev/null; \
+	else \
+		echo "note: the C++ routing kernels need a C++ compiler and nlohmann-json; without them use() runs its" \
+			"Python kernels; install them with: sudo apt-get install g++ nlohmann-json3-dev"; \
+	fi
+
+# Compiled once per torch, Python and flags into ~/.cache/multicomposite/kernels (about a minute on two cores).
+kernels: $(STAMP) kernel-deps
+	@$(VENV)/bin/multicomposite build-kernels || [ "$(AS_ROOT)" = 0 ]
+
+test: $(STAMP) lint browser-deps postgres-deps kernels
+	DASHBOARD_TEST_REQUIRE_BROWSER=$(AS_ROOT) POSTGRES_TEST_REQUIRE_SERVER=$(AS_ROOT) \
+		ROUTING_TEST_REQUIRE_CPP=$(AS_ROOT) $(PY) -m pytest
 
 serve: $(STAMP)
 	$(VENV)/bin/multicomposite serve

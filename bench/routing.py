@@ -1,12 +1,17 @@
-"""What routing at the dispatcher costs, measured side by side in one process (``python -m bench --routing``).
+"""What routing at the dispatcher costs, on each backend, measured side by side in one process
+(``python -m bench.routing``; ``python -m bench`` runs it too).
 
-(r1) ``with use(): pass`` — construction, enter and exit (target <= 2 us)
+(r0) outside ``use()``: a vmap(grad(f)) of a covered op (index_add, batch 8, 6 x 64) with the routing kernels
+     registered vs with none (target >= 0.99x); in a fresh process, where the kernels are registered and removed
+     between rounds
+(r1) ``with use(): pass`` — construction, enter and exit — over an empty with-statement (target <= 1 us)
 (r2) a whole ``vmap(grad(f))`` call whose covered op runs PyTorch's own kernel: index_add, batch 8, 6 x 64, inside
-     vs outside ``use()`` (target >= 0.97x native)
-(r3) a routed op over its composite called directly: masked_scatter under vmap, batch 8, 5 x 4, inside ``use()``
-     (functional chosen) vs vmap of the functional composite outside (target <= 3 us added)
+     vs outside ``use()`` (target >= 0.98x native)
+(r3) a routed op over its composite called directly: masked_scatter, batch 8, 5 x 4, inside ``use()`` (functional
+     pinned) vs the functional composite under the same transform outside, under vmap and vmap(grad) (target
+     <= 5 us added)
 (r4) eager, no transform: a covered op (index_add) and an uncovered one (add) inside vs outside ``use()``
-     (targets <= 1 us and 0 added)
+     (targets <= 0.5 us and 0 added)
 
 Each pair is timed in alternating rounds (``torch.utils.benchmark.Timer.blocked_autorange``); the minimum over rounds
 is reported, since on a shared machine noise only ever adds time.
@@ -14,18 +19,32 @@ is reported, since on a shared machine noise only ever adds time.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import func
 from torch.utils.benchmark import Timer
 
 import registry
+from registry.core import routing
+
+BACKENDS = ("cpp", "python")
+
+
+CLOCK_ENV = "BENCH_ROUTING_CLOCK"  # "thread": the calling thread's CPU time (set by --cpu-time, read by (r0)'s child)
 
 
 def _us(stmt: Callable[[], object], min_run_time: float) -> float:
-    timer = Timer(stmt="stmt()", globals={"stmt": stmt}, num_threads=torch.get_num_threads())
+    clock = time.thread_time if os.environ.get(CLOCK_ENV) == "thread" else time.perf_counter
+    timer = Timer(stmt="stmt()", globals={"stmt": stmt}, num_threads=torch.get_num_threads(), timer=clock)
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
 
 
@@ -40,6 +59,57 @@ def _pair(outside: Callable[[], object], inside: Callable[[], object], rounds: i
     return min(outside_times), min(inside_times)
 
 
+def _index_add_vmap_grad() -> tuple[Callable[[torch.Tensor], Any], torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 6, 64, generator=generator)
+    index = torch.tensor([0, 2, 5, 1])
+    source = torch.randn(4, 64, generator=generator)
+
+    def loss(row: torch.Tensor) -> torch.Tensor:
+        return row.index_add(0, index, source * row[:4]).pow(2).sum()
+
+    return func.vmap(func.grad(loss)), x
+
+
+def bench_outside_registered(rounds: int, min_run_time: float, backend: str) -> dict[str, float]:
+    """(r0), in a fresh process: no kernel has been registered there before it starts."""
+    code = f"from bench.routing import _outside_child; _outside_child({rounds}, {min_run_time}, {backend!r})"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, routing.BACKEND_ENV: backend})
+    if done.returncode != 0:
+        raise RuntimeError(f"(r0) child process failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _unregister() -> None:
+    if routing._backend[0] == "cpp":
+        assert routing._cpp is not None
+        routing._cpp.unregister_all()
+    else:
+        for library in routing._python_library:
+            library._destroy()
+        routing._python_library.clear()
+
+
+def _outside_child(rounds: int, min_run_time: float, backend: str) -> None:
+    if os.environ.get(CLOCK_ENV) == "thread":
+        torch.set_num_threads(1)
+    per_sample_grads, x = _index_add_vmap_grad()
+    per_sample_grads(x)
+    registry.register_kernels()
+    if routing.routing_backend() != backend:
+        raise RuntimeError(f"asked for the {backend} backend, got {routing.routing_backend()}")
+    ops = [registry.OPS[name] for name in routing._routed_ops]
+    registered, unregistered = [], []
+    for _ in range(rounds):
+        registered.append(_us(lambda: per_sample_grads(x), min_run_time))
+        _unregister()
+        unregistered.append(_us(lambda: per_sample_grads(x), min_run_time))
+        routing._register_routing(ops)
+    before, after = min(unregistered), min(registered)
+    print(json.dumps({"unregistered_us": before, "registered_us": after, "ratio": before / after}))
+
+
 def bench_enter_exit(rounds: int, min_run_time: float) -> dict[str, float]:
     def empty() -> None:
         with contextlib.nullcontext():
@@ -50,39 +120,44 @@ def bench_enter_exit(rounds: int, min_run_time: float) -> dict[str, float]:
             pass
 
     baseline, routed = _pair(empty, enter_exit, rounds, min_run_time, inside_use=False)
-    return {"enter_exit_us": routed, "nullcontext_us": baseline}
+    return {"enter_exit_us": routed, "nullcontext_us": baseline, "added_us": routed - baseline}
 
 
-def bench_vmap_grad_native(rounds: int, min_run_time: float) -> dict[str, float]:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 6, 64, generator=generator)
-    index = torch.tensor([0, 2, 5, 1])
-    source = torch.randn(4, 64, generator=generator)
-
-    def loss(row: torch.Tensor) -> torch.Tensor:
-        return row.index_add(0, index, source * row[:4]).pow(2).sum()
-
-    per_sample_grads = func.vmap(func.grad(loss))
+def bench_vmap_grad_native(rounds: int, min_run_time: float) -> dict[str, Any]:
+    per_sample_grads, x = _index_add_vmap_grad()
     with registry.use():
-        torch.testing.assert_close(per_sample_grads(x), func.vmap(func.grad(loss))(x))
+        torch.testing.assert_close(per_sample_grads(x), per_sample_grads(x))
     decision = registry.select("index_add", stack="vmap,grad", batched=["self", "source"], dtype="float32")
     native, routed = _pair(lambda: per_sample_grads(x), lambda: per_sample_grads(x), rounds, min_run_time)
     return {"native_us": native, "routed_us": routed, "ratio": native / routed, "composite": decision.composite}
 
 
-def bench_routed_over_composite(rounds: int, min_run_time: float) -> dict[str, float]:
+def bench_routed_over_composite(rounds: int, min_run_time: float) -> dict[str, dict[str, float]]:
     generator = torch.Generator().manual_seed(0)
     x, source = torch.randn(8, 5, 4, generator=generator), torch.randn(8, 5, 4, generator=generator)
     mask = torch.rand(8, 5, 4, generator=generator) > 0.5
     functional = registry.composites("masked_scatter")["functional"].fn
-    direct = func.vmap(functional)
-    routed = func.vmap(lambda s, m, v: s.masked_scatter(m, v))
     pins = {"masked_scatter": "functional"}  # the same composite both ways, whatever the profiles would pick
-    with registry.use(pins=pins):
-        torch.testing.assert_close(routed(x, mask, source), direct(x, mask, source))
-    direct_us, routed_us = _pair(lambda: direct(x, mask, source), lambda: routed(x, mask, source), rounds,
-                                 min_run_time, pins=pins)
-    return {"composite_us": direct_us, "routed_us": routed_us, "added_us": routed_us - direct_us}
+
+    def op_loss(s: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return s.masked_scatter(m, v).pow(2).sum()
+
+    def composite_loss(s: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return functional(s, m, v).pow(2).sum()
+
+    cases = {
+        "vmap": (func.vmap(functional), func.vmap(lambda s, m, v: s.masked_scatter(m, v))),
+        "vmap(grad)": (func.vmap(func.grad(composite_loss, argnums=(0, 2))),
+                       func.vmap(func.grad(op_loss, argnums=(0, 2)))),
+    }
+    results = {}
+    for stack, (direct, routed) in cases.items():
+        with registry.use(pins=pins):
+            torch.testing.assert_close(routed(x, mask, source), direct(x, mask, source))
+        direct_us, routed_us = _pair(lambda d=direct: d(x, mask, source), lambda r=routed: r(x, mask, source),
+                                     rounds, min_run_time, pins=pins)
+        results[stack] = {"composite_us": direct_us, "routed_us": routed_us, "added_us": routed_us - direct_us}
+    return results
 
 
 def bench_eager(rounds: int, min_run_time: float) -> dict[str, float]:
@@ -95,29 +170,84 @@ def bench_eager(rounds: int, min_run_time: float) -> dict[str, float]:
             "covered_native_us": covered_out, "covered_added_us": covered_in - covered_out}
 
 
-def print_routing(rounds: int, min_run_time: float) -> dict[str, dict[str, float]]:
-    results = {
-        "enter_exit": bench_enter_exit(rounds, min_run_time),
-        "vmap_grad_native": bench_vmap_grad_native(rounds, min_run_time),
-        "routed_over_composite": bench_routed_over_composite(rounds, min_run_time),
-        "eager": bench_eager(rounds, min_run_time),
-    }
-    r = results["enter_exit"]
-    print(f"(r1) with use(): pass  {r['enter_exit_us']:.2f} us (an empty with-statement {r['nullcontext_us']:.2f} us;"
-          f" target <= 2 us)")
-    r = results["vmap_grad_native"]
-    print(f"(r2) vmap(grad(f)), index_add runs {r['composite']}, batch 8, 6 x 64: native {r['native_us']:.1f} us, "
-          f"inside use() {r['routed_us']:.1f} us -> {r['ratio']:.3f}x native (target >= 0.97x)")
-    r = results["routed_over_composite"]
-    print(f"(r3) masked_scatter under vmap, batch 8, 5 x 4: functional composite {r['composite_us']:.1f} us, "
-          f"routed inside use() {r['routed_us']:.1f} us -> {r['added_us']:+.2f} us (target <= 3 us)")
-    r = results["eager"]
-    print(f"(r4) eager inside use(): covered index_add {r['covered_added_us']:+.2f} us (native "
-          f"{r['covered_native_us']:.2f} us; target <= 1 us), uncovered add {r['uncovered_added_us']:+.2f} us "
-          f"(native {r['uncovered_native_us']:.2f} us; target 0)")
+def measure(rounds: int, min_run_time: float, backend: str, outside: bool = True) -> dict[str, Any]:
+    """Every measurement on ``backend``; ``outside``: also (r0), which starts a process of its own."""
+    routing.set_routing_backend(backend)
+    results: dict[str, Any] = {}
+    if outside:
+        results["outside_registered"] = bench_outside_registered(rounds, min_run_time, backend)
+    results["enter_exit"] = bench_enter_exit(rounds, min_run_time)
+    results["vmap_grad_native"] = bench_vmap_grad_native(rounds, min_run_time)
+    results["routed_over_composite"] = bench_routed_over_composite(rounds, min_run_time)
+    results["eager"] = bench_eager(rounds, min_run_time)
     return results
 
 
+def _verdict(met: bool) -> str:
+    return "met" if met else "MISSED"
+
+
+def print_results(backend: str, results: dict[str, Any]) -> None:
+    print(f"backend {backend}:")
+    if "outside_registered" in results:
+        r = results["outside_registered"]
+        print(f"  (r0) outside use(), vmap(grad) index_add: no kernels {r['unregistered_us']:.1f} us, kernels "
+              f"registered {r['registered_us']:.1f} us -> {r['ratio']:.3f}x (target >= 0.99x) "
+              f"{_verdict(r['ratio'] >= 0.99)}")
+    r = results["enter_exit"]
+    print(f"  (r1) with use(): pass  {r['enter_exit_us']:.2f} us, {r['added_us']:+.2f} us over an empty "
+          f"with-statement ({r['nullcontext_us']:.2f} us; target <= 1 us) {_verdict(r['added_us'] <= 1.0)}")
+    r = results["vmap_grad_native"]
+    print(f"  (r2) vmap(grad(f)), index_add runs {r['composite']}, batch 8, 6 x 64: native {r['native_us']:.1f} us, "
+          f"inside use() {r['routed_us']:.1f} us -> {r['ratio']:.3f}x native (target >= 0.98x) "
+          f"{_verdict(r['ratio'] >= 0.98)}")
+    for stack, r in results["routed_over_composite"].items():
+        print(f"  (r3) masked_scatter under {stack}, batch 8, 5 x 4: functional composite {r['composite_us']:.1f} us, "
+              f"routed inside use() {r['routed_us']:.1f} us -> {r['added_us']:+.2f} us (target <= 5 us) "
+              f"{_verdict(r['added_us'] <= 5.0)}")
+    r = results["eager"]
+    print(f"  (r4) eager inside use(): covered index_add {r['covered_added_us']:+.2f} us (native "
+          f"{r['covered_native_us']:.2f} us; target <= 0.5 us) {_verdict(r['covered_added_us'] <= 0.5)}, "
+          f"uncovered add {r['uncovered_added_us']:+.2f} us (native {r['uncovered_native_us']:.2f} us; target 0)")
+
+
+def print_routing(rounds: int, min_run_time: float, backends: tuple[str, ...] = BACKENDS,
+                  outside: bool = True) -> dict[str, dict[str, Any]]:
+    """Measure and print every backend in ``backends``; the active backend is restored after."""
+    active = routing.routing_backend()
+    results = {}
+    try:
+        for backend in backends:
+            results[backend] = measure(rounds, min_run_time, backend, outside)
+            print_results(backend, results[backend])
+    finally:
+        routing.set_routing_backend(active)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds per pair")
+    parser.add_argument("--min-run-time", type=float, default=0.2, help="seconds per blocked_autorange")
+    parser.add_argument("--backend", choices=BACKENDS, action="append",
+                        help="only this backend (repeatable; default: both)")
+    parser.add_argument("--no-outside", action="store_true", help="skip (r0), which starts a process per backend")
+    parser.add_argument("--json", action="store_true", help="also print every number as one JSON object")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread, timed in thread CPU time (a shared machine: time spent descheduled does "
+                             "not count)")
+    args = parser.parse_args(argv)
+    if args.cpu_time:
+        os.environ[CLOCK_ENV] = "thread"
+        os.environ["OMP_NUM_THREADS"] = "1"  # (r0)'s child too
+        torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
+    results = print_routing(args.rounds, args.min_run_time, tuple(args.backend or BACKENDS), not args.no_outside)
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
 if __name__ == "__main__":
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print_routing(rounds=7, min_run_time=0.2)
+    raise SystemExit(main())

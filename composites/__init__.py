@@ -1,8 +1,10 @@
 """Built-in composites, one module per operator family. Importing this package registers them all."""
 
 from composites import (
+    attention,
     copies,
     elementwise,
+    embedding,
     index,
     indexing,
     linalg,
@@ -11,14 +13,17 @@ from composites import (
     memory,
     normalization,
     pooling,
+    recurrent,
     reduce,
     resample,
     statistics,
 )
 
 __all__ = [
+    "attention",
     "copies",
     "elementwise",
+    "embedding",
     "index",
     "indexing",
     "linalg",
@@ -27,6 +32,7 @@ __all__ = [
     "memory",
     "normalization",
     "pooling",
+    "recurrent",
     "reduce",
     "resample",
     "statistics",

@@ -23,6 +23,10 @@ define_op(
 @register("take", "functional")
 def take_functional(self, index):
     """self flattened, indexed by index: advanced indexing batches, and its backward is index_put."""
+    if self.numel() == 0 or index.numel() == 0:
+        # An empty self or index: reshape(-1) of zero elements under vmap is ambiguous, and indexing an empty self
+        # fails to broadcast; PyTorch's own kernel returns the empty result (or its own error).
+        return aten.take(self, index)
     return self.reshape(-1)[index]
 
 

@@ -106,8 +106,12 @@ define_op(
 
 @register("soft_margin_loss", "functional")
 def soft_margin_loss_functional(self, target, reduction=_MEAN):
-    """log1p(exp(-self * target)), reduced: ATen's formula in elementwise ops."""
-    return _reduce(torch.log1p(torch.exp(-self * target)), reduction)
+    """log1p(exp(-self * target)), reduced: ATen's formula in elementwise ops.
+
+    target is detached: PyTorch's derivatives treat it as non-differentiable (its backward refuses a target that
+    requires grad, its forward-AD tangent with respect to target is zero), so jacfwd over target is zero here too.
+    """
+    return _reduce(torch.log1p(torch.exp(-self * target.detach())), reduction)
 
 
 @register("margin_ranking_loss", "functional")
@@ -127,11 +131,11 @@ def _hinge(z: torch.Tensor) -> torch.Tensor:
 def multi_margin_loss_functional(self, target, p=1, margin=1, weight=None, reduction=_MEAN):
     """sum over classes i != target of max(0, margin - self[target] + self[i])^p (times weight[target]) / C, with
     the target's score gathered: one batched gather instead of the kernel's loop over samples."""
-    if p not in (1, 2):
-        raise ValueError(f"multi_margin_loss: only p == 1 and p == 2 are supported, got p={p}")
-    if self.dim() > 2 or target.dim() != max(self.dim() - 1, 0):
-        raise ValueError(f"multi_margin_loss: expected self of shape (N, C) or (C,) and target of shape (N,) or (), "
-                         f"got {tuple(self.shape)} and {tuple(target.shape)}")
+    samples = self.shape[0] if self.dim() == 2 else 1
+    if p not in (1, 2) or self.dim() > 2 or target.dim() > 1 or target.numel() != samples or self.numel() == 0:
+        # Shapes this formula does not cover (and p other than 1 and 2): PyTorch's own kernel, which accepts what it
+        # accepts (self (C,) with target (1,), self (1, C) with target ()) and raises its own error otherwise.
+        return aten.multi_margin_loss(self, target, p, margin, weight, reduction)
     classes = self.shape[-1] if self.dim() > 0 else 1
     scores = self.reshape(-1, classes)
     labels = target.reshape(-1, 1)

@@ -185,18 +185,24 @@ def _batch_norm(op: str, input: torch.Tensor, weight: torch.Tensor | None, bias:
 def batch_norm_batch_mean(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
     """Per-sample batch statistics; running statistics updated per sample where batched, else with the mean over the
     vmap batch of the per-sample updates."""
+    if input.dim() < 2:  # no channel dimension: PyTorch's own kernel (an empty input passes, others raise)
+        return aten.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
     return _batch_norm("batch_norm", input, weight, bias, running_mean, running_var, training, momentum, eps)[0]
 
 
 @register("native_batch_norm", "functional", name="batch_mean")
 def native_batch_norm_batch_mean(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """batch_norm's batch_mean composite, returning the saved mean and inverse standard deviation too."""
+    if input.dim() < 2:  # no channel dimension: PyTorch's own kernel (an empty input passes, others raise)
+        return aten.native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
     return _batch_norm("native_batch_norm", input, weight, bias, running_mean, running_var, training, momentum, eps)
 
 
 @register("_native_batch_norm_legit", "functional", name="batch_mean")
 def native_batch_norm_legit_batch_mean(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """batch_norm's batch_mean composite, returning the saved mean and inverse standard deviation too."""
+    if input.dim() < 2:  # no channel dimension: PyTorch's own kernel (an empty input passes, others raise)
+        return aten._native_batch_norm_legit(input, weight, bias, running_mean, running_var, training, momentum, eps)
     return _batch_norm("_native_batch_norm_legit", input, weight, bias, running_mean, running_var, training,
                        momentum, eps)
 
@@ -204,6 +210,8 @@ def native_batch_norm_legit_batch_mean(input, weight, bias, running_mean, runnin
 @register("_batch_norm_with_update", "functional", name="batch_mean")
 def batch_norm_with_update_batch_mean(input, weight, bias, running_mean, running_var, momentum, eps):
     """batch_norm's batch_mean composite in training mode, with the empty reserve PyTorch returns on CPU."""
+    if input.dim() < 2:  # no channel dimension: PyTorch's own kernel (an empty input passes, others raise)
+        return aten._batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps)
     out, mean, invstd = _batch_norm("_batch_norm_with_update", input, weight, bias, running_mean, running_var, True,
                                     momentum, eps)
     return out, mean, invstd, torch.empty(0, dtype=torch.uint8, device=input.device)

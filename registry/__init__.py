@@ -6,14 +6,22 @@
     registry.select("index_fill", stack="vmap,grad").reason
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _distribution_version
+
 from registry.core.context import Context, current_stack
 from registry.core.decompositions import decomposition_table
 from registry.core.model import KINDS, Composite, Op
 from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES, RegistrationError, load, register, unregister
-from registry.core.routing import register_kernels, routing_active, use
+from registry.core.routing import register_kernels, routing_active, routing_backend, use
 from registry.core.selector import POLICIES, Decision, SelectionError, Verdict, clear_cache, select
 from registry.core.stacks import format_stack, parse_stack
+
+try:
+    __version__ = _distribution_version("multicomposite")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def composites(op: str) -> dict[str, Composite]:
@@ -42,6 +50,7 @@ __all__ = [
     "RegistrationError",
     "SelectionError",
     "Verdict",
+    "__version__",
     "clear_cache",
     "composites",
     "current_stack",
@@ -52,6 +61,7 @@ __all__ = [
     "register",
     "register_kernels",
     "routing_active",
+    "routing_backend",
     "select",
     "unregister",
     "use",

@@ -33,11 +33,13 @@ def is_terminal(stream: TextIO) -> bool:
         return False
 
 
-def _console(stream: TextIO) -> Any:
+def _console(stream: TextIO, *, live: bool = False) -> Any:
+    """A rich console on ``stream``, as wide as the terminal. ``live``: for a progress bar, which rich would draw
+    only at its end unless it is told the stream is a terminal (``is_terminal`` already said so)."""
     from rich.console import Console
 
     # The stream is looked up when writing, so that a redirected sys.stdout (a test's capture) is honoured.
-    return Console(file=stream, highlight=False, soft_wrap=False)
+    return Console(file=stream, highlight=False, soft_wrap=False, force_terminal=True if live else None)
 
 
 def _cell(value: object) -> str:
@@ -60,20 +62,55 @@ def plain_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> lis
     return lines
 
 
+def footnote_repeats(rows: Sequence[Sequence[object]], *, separator: str = "; ",
+                     ) -> tuple[list[tuple[object, ...]], list[str]]:
+    """``rows`` with their last column (free text: notes, details) shortened: each part of it (split on
+    ``separator``) that more than one row carries becomes a mark, ``[1]``, and is printed once in the returned
+    notes (``[1] re-measured 2x: ...``). A table of one run otherwise repeats the run's note on every row."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        for part in dict.fromkeys(str(row[-1] or "").split(separator)):
+            if part:
+                counts[part] = counts.get(part, 0) + 1
+    marks: dict[str, str] = {}
+    shortened = []
+    for row in rows:
+        parts = []
+        for part in str(row[-1] or "").split(separator) if row[-1] is not None else []:
+            if counts.get(part, 0) > 1:
+                part = marks.setdefault(part, f"[{len(marks) + 1}]")
+            parts.append(part)
+        shortened.append((*row[:-1], separator.join(p for p in parts if p) if row[-1] is not None else None))
+    return shortened, [f"{mark} {part}" for part, mark in marks.items()]
+
+
+def _rich_table(columns: Sequence[str], rows: Sequence[Sequence[object]], title: str | None,
+                last_min_width: int | None) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", header_style="bold")
+    # The last column (free text: reasons, details) takes what is left of the terminal's width and wraps there; a
+    # cell too wide for its column folds onto the next line: nothing is cut off.
+    for i, name in enumerate(columns):
+        last = i == len(columns) - 1
+        table.add_column(name, overflow="fold", min_width=last_min_width if last else None, ratio=1 if last else None)
+    for row in rows:
+        table.add_row(*(_cell(value) for value in row))
+    return table
+
+
 def print_table(columns: Sequence[str], rows: Sequence[Sequence[object]], *, title: str | None = None) -> None:
     """A table on stdout: rich on a terminal, ``plain_table`` lines elsewhere (the title as a first line)."""
     if is_terminal(sys.stdout):
-        from rich.table import Table
+        from rich.measure import Measurement
 
-        table = Table(title=title, title_justify="left", header_style="bold")
-        # Short columns keep their width; the last (free text: reasons, details) wraps in what is left.
-        for i, name in enumerate(columns):
-            last = i == len(columns) - 1
-            table.add_column(name, no_wrap=not last, overflow="fold" if last else "ellipsis",
-                             min_width=20 if last else None, ratio=1 if last else None)
-        for row in rows:
-            table.add_row(*(_cell(value) for value in row))
-        _console(sys.stdout).print(table)
+        console = _console(sys.stdout)
+        table = _rich_table(columns, rows, title, last_min_width=20)
+        unbounded = console.options.update(width=1 << 20)  # the table's own width, not one clamped to the terminal
+        if Measurement.get(console, unbounded, table).maximum > console.width:
+            # It must wrap: the last column gets what is left, or a 20-wide one makes rich crop the right edge.
+            table = _rich_table(columns, rows, title, last_min_width=None)
+        console.print(table)
         return
     if title:
         print(title)
@@ -105,16 +142,20 @@ def note(command: str, text: str) -> None:
 
 @contextmanager
 def progress(command: str, what: str) -> Iterator[Progress]:
-    """A ``progress(done, total, label)`` callback for the length of the block, writing to stderr: a rich bar on a
-    terminal; elsewhere one plain line per PLAIN_PROGRESS_STEP percent (and the last), such as
-    ``multicomposite verify: entries 40/120 (33%) index_fill/functional vmap all``."""
+    """A ``progress(done, total, label)`` callback for the length of the block, writing to stderr: on a terminal a
+    rich bar, drawn as soon as the block starts ("starting" until the first report), with the time elapsed and an
+    estimate of the time left; elsewhere one plain line per PLAIN_PROGRESS_STEP percent (and the last), such as
+    ``multicomposite verify: entries 40/120 (33%) index_fill/functional vmap all``; a report of nothing done yet
+    (0 of N) prints no plain line."""
     if is_terminal(sys.stderr):
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
         from rich.progress import Progress as Bar
 
         with Bar(TextColumn(f"{what}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                 TextColumn("{task.description}"), console=_console(sys.stderr), transient=False) as bar:
-            task = bar.add_task("", total=None)
+                 TextColumn("left"), TimeRemainingColumn(), TextColumn("{task.description}"),
+                 console=_console(sys.stderr, live=True), transient=False) as bar:
+            task = bar.add_task("starting", total=None)
+            bar.refresh()  # now, not at the first report: loading the harness and the first entries take seconds
 
             def advance(done: int, total: int, label: str) -> None:
                 bar.update(task, completed=done, total=total, description=label[:60])
@@ -124,6 +165,8 @@ def progress(command: str, what: str) -> Iterator[Progress]:
     last_step = [-1]
 
     def line(done: int, total: int, label: str) -> None:
+        if done == 0 and total:
+            return
         percent = 100 * done // total if total else 100
         step = percent // PLAIN_PROGRESS_STEP
         if step == last_step[0] and done != total:

@@ -118,7 +118,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             state.close()
 
     app = FastAPI(title="multicomposite", description="Which decomposition of a PyTorch op fits a transform stack",
-                  responses={code: {"model": ErrorPublic} for code in (401, 404, 409, 413, 422, 429, 503)},
+                  responses={code: {"model": ErrorPublic} for code in (401, 404, 405, 409, 413, 415, 422, 429, 503)},
                   lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.store_state = state
@@ -128,7 +128,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
         # One readable string, like every other error of this API: where, and what is wrong; never the input itself
         # beyond a short prefix.
-        parts = [f"{'.'.join(shorten(p, 24) for p in e['loc'])}: {shorten(e['msg'], 200)}" for e in error.errors()]
+        parts = [f"{'.'.join(shorten(p, 24) for p in e['loc'])}: {shorten(e['msg'].removeprefix('Value error, '), 200)}"
+                 for e in error.errors()]
         return JSONResponse(status_code=422, content={"detail": "; ".join(parts[:5])})
 
     @app.exception_handler(InputError)
@@ -159,5 +160,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (meta, ops, select, store, jobs, dashboard):
         app.include_router(module.router)
     app.get("/metrics", include_in_schema=False)(metrics.endpoint)
-    app.add_middleware(ServiceMiddleware, state=state, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ServiceMiddleware, state=state, metrics=metrics, max_body_bytes=settings.max_body_bytes,
+                       routes=app.routes)
     return app

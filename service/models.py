@@ -1,15 +1,34 @@
-"""Pydantic models of every response."""
+"""Pydantic models of every response, and the base of every request body (``StrictBody``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from registry.core.stacks import format_stack
+from registry.core.stacks import format_stack, shorten
+from service.timestamps import ISO_EXAMPLE, iso_utc
 
 if TYPE_CHECKING:
     from registry.core.selector import Decision
+
+
+class StrictBody(BaseModel):
+    """A JSON request body: a field it does not declare is refused (422 naming it and the fields there are), never
+    ignored: ``{"opz": [...]}`` must not start a job over every op. The schema says so (additionalProperties:
+    false)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = [name for name in data if name not in cls.model_fields]
+            if unknown:
+                raise ValueError(f"unknown field {shorten(unknown[0])!r}; the fields are "
+                                 f"{', '.join(cls.model_fields)}")
+        return data
 
 
 class ErrorPublic(BaseModel):
@@ -95,6 +114,12 @@ class DecisionPublic(BaseModel):
         )
 
 
+def Timestamp(what: str, *, nullable: str = "") -> Any:  # noqa: N802 -- a Field factory, read as a type
+    """A point in time in ISO 8601 UTC (``service.timestamps``), described and typed date-time in the schema."""
+    return Field(default=None if nullable else ..., description=f"{what}, ISO 8601 in UTC ({ISO_EXAMPLE})"
+                 f"{'; null ' + nullable if nullable else ''}", json_schema_extra={"format": "date-time"})
+
+
 class MatrixEntryPublic(BaseModel):
     op: str
     composite: str
@@ -108,8 +133,8 @@ class MatrixEntryPublic(BaseModel):
     max_rel_error: float | None
     torch_version: str
     device: str
-    measured_at: float | None = Field(default=None, description="when it was measured, seconds since the epoch "
-                                      "(UTC); null for entries stored before the store kept it")
+    measured_at: str | None = Timestamp("when it was measured",
+                                        nullable="for entries stored before the store kept it")
 
 
 class ProfilePublic(BaseModel):
@@ -140,3 +165,36 @@ class ProfilePage(BaseModel):
     items: list[ProfilePublic]
     total: int = Field(description="timings that match the filters, over all pages")
     next_cursor: str | None = Field(description="pass as cursor for the next page; null on the last")
+
+
+def public_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A job's parameters as every output shows them: stacks spelled vmap(grad) (jobs stored before that spelled
+    them as lists of names)."""
+    stacks = params.get("stacks")
+    if stacks is None:
+        return dict(params)
+    return {**params, "stacks": [s if isinstance(s, str) else format_stack(s) for s in stacks]}
+
+
+class JobPublic(BaseModel):
+    id: str = Field(description="the job's id: GET /jobs/{id} follows it")
+    kind: str = Field(description="verify or profile")
+    state: str = Field(description="queued, running, done, failed, cancelled or interrupted")
+    done: int = Field(description="work items finished so far")
+    total: int = Field(description="work items in all (0 until the job starts)")
+    params: dict = Field(description="what the job runs, as checked and completed from the request: ops, stacks "
+                                     "(spelled vmap(grad)) or workloads, dtypes, sizes, device_kind")
+    result: dict | None = Field(description="when done: counts of what it wrote, and (profile) the contexts refused "
+                                            "as too noisy; null before")
+    error: str | None = Field(description="why it failed or was interrupted; null otherwise")
+    created_at: str = Timestamp("when it was submitted")
+    started_at: str | None = Timestamp("when it started", nullable="while queued")
+    finished_at: str | None = Timestamp("when it finished", nullable="until it finishes")
+
+    @classmethod
+    def of(cls, job: Any) -> JobPublic:
+        """The public form of a stored job (``registry.store.db.JobRecord``)."""
+        return cls(id=job.id, kind=job.kind, state=job.state, done=job.done, total=job.total,
+                   params=public_params(job.params), result=job.result, error=job.error,
+                   created_at=iso_utc(job.created_at), started_at=iso_utc(job.started_at),
+                   finished_at=iso_utc(job.finished_at))

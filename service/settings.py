@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.limits import MAX_BATCH, MAX_CONTEXTS, MAX_NUMEL, PORTS
+
 PREFIX = "MULTICOMPOSITE_"
 
 
@@ -21,12 +23,13 @@ class Settings(BaseSettings):
 
     db: str | None = Field(default=None, description="SQLAlchemy URL; default: SQLite in the user data dir")
     host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=1, le=65535)
-    token: str | None = Field(default=None, description="when set, POST and DELETE need Authorization: Bearer")
+    port: int = Field(default=8000, ge=PORTS[0], le=PORTS[1])
+    token: str | None = Field(default=None, description="when set, the routes that write the store or start work "
+                              "(POST /verify, POST /profiles, DELETE /jobs/{id}) need Authorization: Bearer")
     queue_size: int = Field(default=8, ge=1, le=10_000)
-    max_numel: int = Field(default=2**24, ge=1, description="elements per tensor a profiling job may use")
-    max_batch: int = Field(default=1024, ge=1)
-    max_contexts: int = Field(default=256, ge=1, description="(op, stack, batch, dtype) contexts per job")
+    max_numel: int = Field(default=MAX_NUMEL, ge=1, description="elements per tensor a profiling job may use")
+    max_batch: int = Field(default=MAX_BATCH, ge=1, description="samples per batch a profiling job may time")
+    max_contexts: int = Field(default=MAX_CONTEXTS, ge=1, description="(op, stack, batch, dtype) contexts per job")
     job_timeout_s: float = Field(default=600.0, gt=0)
     job_retention_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="finished jobs are deleted after this")
     max_body_bytes: int = Field(default=1 << 20, ge=1)

@@ -8,7 +8,6 @@ reloading anything per request. When the store cannot be read, store-backed rout
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -104,7 +103,6 @@ class StoreState:
         self.listings = Listings()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._file_id: tuple[int, int] | None = None
 
     def open(self) -> None:
         """Open the store, or raise StoreUnavailableError with one line saying why (the server then refuses to
@@ -120,7 +118,6 @@ class StoreState:
                                         f"{type(error).__name__}: {first}") from error
         store.check()
         self.store = store
-        self._file_id = self._sqlite_file_id()
         self.generation = store.generation()
         evidence.use_store(store)
         self._thread = threading.Thread(target=self._watch, name="multicomposite-store-watch", daemon=True)
@@ -150,25 +147,13 @@ class StoreState:
 
         return self.listings.get(self.generation, "devices", compute)
 
-    def _sqlite_file_id(self) -> tuple[int, int] | None:
-        if self.store is None or not self.store.url.startswith("sqlite:///"):
-            return None
-        stat = os.stat(self.store.url.removeprefix("sqlite:///"))
-        return stat.st_dev, stat.st_ino
-
     def poll(self) -> None:
         """One check: the store readable and its generation; invalidate what depends on it when either changed."""
         store = self.store
         if store is None:
             return
         try:
-            store.check()
-            file_id = self._sqlite_file_id()
-            if file_id != self._file_id:
-                # Replaced under us (restored from a backup, deleted and recreated): pooled connections still read
-                # the old file.
-                store.engine.dispose()
-                self._file_id = file_id
+            store.check()  # through SQLite only; a SQLite file replaced under us is reopened there
             generation = store.generation()
         except Exception as error:  # unreadable: say so on every store-backed route until it reads again
             message = str(error) if isinstance(error, StoreUnavailableError) else \

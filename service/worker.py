@@ -567,8 +567,8 @@ def _kind_arg(value: str) -> str:
 
 def configure_worker(worker: argparse.ArgumentParser) -> None:
     """``multicomposite worker``: its arguments, on the parser the CLI's table of subcommands made."""
-    from service.cli import _positive as _positive_int  # the CLI's argument types: one wording for every command
-    from service.cli import _seconds as _positive_float
+    from service.cli.arguments import positive_int as _positive_int  # one wording for every command
+    from service.cli.arguments import positive_seconds as _positive_float
 
     worker.add_argument("--device-kind", action="append", type=_kind_arg, dest="device_kinds",
                         help="a device kind to take jobs for: cpu or cuda:NAME (repeatable; default: every kind "

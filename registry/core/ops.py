@@ -27,7 +27,7 @@ def schema_params(name: str, overload: str) -> tuple[tuple[str, bool], ...]:
     """(parameter name, keyword-only) of ``aten::name.overload``, without ``out``."""
     for schema in torch._C._jit_get_schemas_for_operator(f"aten::{name}"):
         if schema.overload_name == overload:
-            return tuple((arg.name, arg.kwarg_only) for arg in schema.arguments if arg.name != "out")
+            return tuple((arg.name, arg.kwarg_only) for arg in schema.arguments if not arg.is_out)
     known = sorted(s.overload_name or "<default>" for s in torch._C._jit_get_schemas_for_operator(f"aten::{name}"))
     raise ValueError(f"aten::{name} has no overload {overload!r}; it has {known}")
 

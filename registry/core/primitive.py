@@ -158,6 +158,8 @@ def _single_level_function(function: type, level: int, key: Any) -> type:
                        else _set_fwd_grad_enabled(False))
         with torch.enable_grad(), _set_fwd_grad_enabled(True), restore, _lower():
             out = apply(function, *unwrapped)
+        if isinstance(out, tuple):
+            return tuple(_wrap_for_grad(each, level) for each in out)
         return _wrap_for_grad(out, level)
 
     def setup_context(ctx: Any, inputs: Any, output: Any) -> Any:
@@ -178,7 +180,8 @@ def _single_level_function(function: type, level: int, key: Any) -> type:
 
 def apply(function: type, *args: Any) -> Any:
     """``function.apply(*args)`` for a primitive (an autograd.Function with its own vmap rule and one tensor
-    output), through the lighter functorch path above under torch.func transforms."""
+    output, or a tuple of tensors whose vmap rule returns a tuple of batch dimensions), through the lighter functorch
+    path above under torch.func transforms."""
     if torch.compiler.is_compiling():  # Dynamo traces functorch's own path, not this one
         return function.apply(*args)
     interpreter = peek_interpreter_stack()
@@ -207,6 +210,9 @@ def apply(function: type, *args: Any) -> Any:
             vmap_interpreter = CVmapInterpreterPtr(interpreter)
             info = _VmapInfo(vmap_interpreter.batchSize(), _RANDOMNESS[vmap_interpreter.randomness()])
             out, out_dim = function.vmap(info, tuple(in_dims), *unwrapped)
+        if isinstance(out, tuple):  # several outputs: one batch dimension (or None) each
+            return tuple(each if dim is None else _add_batch_dim(each, dim, level)
+                         for each, dim in zip(out, out_dim, strict=True))
         return out if out_dim is None else _add_batch_dim(out, out_dim, level)
     if key in (TransformType.Grad, TransformType.Jvp):
         if not any(isinstance(x, torch.Tensor) and maybe_get_level(x) == level for x in args):

@@ -99,6 +99,7 @@ def define_op(
     inplace: bool = True,
     eager_autograd: tuple[str, ...] = (),
     generate: tuple[str, ...] = ("native",),
+    preference: Callable[[rule_tables.Context], rule_tables.Order | None] | None = None,
 ) -> Op:
     """Cover ``aten::name.overload``: the one entry an op needs, next to its composites in ``composites/<family>.py``.
 
@@ -107,7 +108,8 @@ def define_op(
     empty). ``rules``: what is known of where each kind fails, keyed by kind (``registry.core.rules`` has the
     families). ``overloads``: the aten overloads routed to its composites (default: the functional ones and, with
     ``inplace``, their in-place variants). ``generate``: composites made from the schema where they are mechanical:
-    ``native`` (PyTorch's own kernel) and ``mutating`` (clone, then the in-place overload).
+    ``native`` (PyTorch's own kernel) and ``mutating`` (clone, then the in-place overload). ``preference``: the
+    op's own order of kinds where measurement ranks them otherwise than ``rules.preference`` (None: the general one).
     """
     if name in OPS:
         raise RegistrationError(f"define_op: {name} is already defined by {OPS[name].family or 'an earlier call'}")
@@ -129,6 +131,8 @@ def define_op(
     COMPOSITES[name] = {}
     DERIVATIVES[name] = {}
     rule_tables.OP_RULES[name] = dict(rules or {})
+    if preference is not None:
+        rule_tables.OP_PREFERENCES[name] = preference
     for kind, make in (("native", _generated_native), ("mutating", _generated_mutating)):
         if kind in generate:
             register(name, kind)(make(op))
@@ -151,7 +155,7 @@ def _schema_signature(op: Op) -> inspect.Signature:
     schema = aten_schema(f"{op.name}.{op.overload}" if op.overload else op.name)
     parameters = []
     for arg in schema.arguments:
-        if arg.name == "out":
+        if arg.is_out:
             continue
         kind = inspect.Parameter.KEYWORD_ONLY if arg.kwarg_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
         default = inspect.Parameter.empty if not arg.has_default_value() else arg.default_value

@@ -11,6 +11,11 @@ layer, so its derivative and its batching come from those ops.
 ``use()`` itself only pushes a frame (policy, pins) on a thread-local stack that the kernels read: the kernels of a
 thread outside ``use()`` fall straight through to PyTorch's own, and eager code (no transform) never reaches them.
 
+Two backends run the same kernels: compiled C++ (``kernels/routing.cpp``, ``routing_cpp.py``: the pass-through, the
+decision key and its lookup without Python; Python only decides a miss and runs a composite), and the Python kernels
+below, used where no compiler is available or with ``MULTICOMPOSITE_ROUTING=python``. ``routing_backend()`` says
+which is active.
+
 One entry point cannot be reached at the dispatcher: ``Tensor.contiguous(memory_format=...)`` asks
 ``is_contiguous(memory_format)`` in C++ before dispatching, which raises under vmap. A Python wrapper sends a call
 with a memory format other than ``contiguous_format`` to ``aten::contiguous`` (same result outside transforms), where
@@ -21,9 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -42,9 +49,10 @@ DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 class _Frame:
     """What ``use()`` pushed: the policy and pins the kernels read. Interned per (policy, pins)."""
 
-    __slots__ = ("pins", "policy", "prefixes", "signature")
+    __slots__ = ("id", "pins", "policy", "prefixes", "signature")
 
     def __init__(self, policy: str, pins: dict[str, str]) -> None:
+        self.id = len(_FRAMES) + 1  # what the C++ kernels read (0: no frame)
         self.policy = policy
         self.pins = pins
         self.signature = (policy, tuple(sorted(pins.items())))
@@ -89,10 +97,44 @@ CACHE_LISTENERS.append(_decisions.clear)
 _traced_signatures: set[tuple[str, tuple[tuple[str, str], ...]] | None] = set()
 
 _register_lock = threading.Lock()
-_libraries: list[torch.library.Library] = []
+_libraries: list[torch.library.Library] = []  # the dynamic-shape refusals' (kept for the process)
+_python_library: list[torch.library.Library] = []  # the Python backend's kernels, while it is active
 _refusing: set[str] = set()  # dynamic-shape overloads refused under vmap (registry.core.dynamic)
 _routed_ops: set[str] = set()  # ops whose overloads have routing kernels (ops defined later get theirs at use())
-KERNEL_CALLS: dict[str, int] = {}  # overload name -> calls that a routing kernel decided; tests read it
+_python_calls: dict[str, int] = {}  # what the Python kernels decided
+
+BACKEND_ENV = "MULTICOMPOSITE_ROUTING"  # "python" forces the Python kernels; "cpp" makes a failed build an error
+_backend: list[str] = []  # the active backend once kernels are registered: "cpp" or "python"
+_cpp: ModuleType | None = None  # the compiled kernels' module while the C++ backend is active
+_set_frame: Callable[[int], None] | None = None  # _cpp.set_frame while the C++ backend is active
+
+
+class _KernelCalls(Mapping[str, int]):
+    """Overload name -> calls that a routing kernel decided (either backend), since ``clear()``; tests read it."""
+
+    def _counts(self) -> dict[str, int]:
+        counts = dict(_python_calls)
+        if _cpp is not None:
+            for name, calls in _cpp.calls().items():
+                counts[name] = counts.get(name, 0) + calls
+        return counts
+
+    def __getitem__(self, name: str) -> int:
+        return self._counts()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._counts())
+
+    def __len__(self) -> int:
+        return len(self._counts())
+
+    def clear(self) -> None:
+        _python_calls.clear()
+        if _cpp is not None:
+            _cpp.clear_calls()
+
+
+KERNEL_CALLS = _KernelCalls()
 
 
 def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -182,7 +224,7 @@ def _make_kernel(op: Op, overload: Overload, native: Any, *, eager_autograd: boo
             return call_native(keyset, *args, **kwargs)
         cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
         composite, kind, self_covers = _decide(op, frame, cargs, ckwargs, compiling)
-        KERNEL_CALLS[name] = KERNEL_CALLS.get(name, 0) + 1
+        _python_calls[name] = _python_calls.get(name, 0) + 1
         if inplace and not self_covers:
             raise RuntimeError(_inplace_message(packet))
         # The layers below this one reach this kernel again with the same call: it is decided here, once.
@@ -207,7 +249,9 @@ def _make_kernel(op: Op, overload: Overload, native: Any, *, eager_autograd: boo
 def _routing_on() -> bool:
     """Inside ``use()`` with a policy that routes, and not inside a composite or a decided native call."""
     frames = _local.frames
-    return bool(frames) and not _local.busy and frames[-1].policy != "native"
+    if not frames or _local.busy or frames[-1].policy == "native":
+        return False
+    return _cpp is None or not _cpp.busy()
 
 
 def _records_autograd(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -232,7 +276,7 @@ def _make_derivative_kernel(name: str, functional: Callable[..., Any], native: A
             return call_native(keyset, *args, **kwargs)
         if not vmap_active():
             return call_native(keyset, *args, **kwargs)
-        KERNEL_CALLS[name] = KERNEL_CALLS.get(name, 0) + 1
+        _python_calls[name] = _python_calls.get(name, 0) + 1
         local.busy = True
         try:
             return functional(*args, **kwargs)
@@ -268,7 +312,8 @@ _contiguous.__doc__ = _original_contiguous.__doc__
 
 
 def register_kernels() -> None:
-    """Register the routing kernels, once per process (``use()`` calls it; it costs about 12 us an overload)."""
+    """Register the routing kernels, once per process (``use()`` calls it; it costs about 12 us an overload), on the
+    C++ backend where it builds or loads, else on the Python one."""
     if _libraries and len(_routed_ops) == len(OPS):
         return
     with _register_lock:
@@ -278,31 +323,114 @@ def register_kernels() -> None:
         # The first decision reads the store's evidence, whose staleness check imports the harness: import it here,
         # outside any transform, rather than inside the first routed call (import-time code would run under vmap).
         importlib.import_module("registry.harness.verify")
-        library = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            # PyTorch warns once that a kernel overrides FuncTorchDynamicLayerFrontMode's: that is the point here.
-            warnings.filterwarnings("ignore", message="Warning only once for all operators")
-            for op in [op for op in OPS.values() if op.name not in _routed_ops]:
-                _routed_ops.add(op.name)
-                for overload in op.overloads:
-                    native = torch.library.get_kernel(overload.qualified_name, DISPATCH_KEY)
-                    library.impl(overload.name, _make_kernel(op, overload, native), DISPATCH_KEY, with_keyset=True)
-                    if overload.name in op.eager_autograd:
-                        # The Autograd alias key: one registration for every backend's autograd key. The native
-                        # kernel there is VariableType's, the same function for every backend.
-                        native = torch.library.get_kernel(overload.qualified_name, "AutogradCPU")
-                        library.impl(overload.name, _make_kernel(op, overload, native, eager_autograd=True),
-                                     "Autograd", with_keyset=True)
-                for name, functional in DERIVATIVES[op.name].items():
-                    native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
-                    library.impl(name, _make_derivative_kernel(name, functional, native), DISPATCH_KEY,
-                                 with_keyset=True)
-        dynamic.register(library, _routing_on, _refusing)
+        if not _backend:
+            _backend.append(_choose_backend())
+        new = [op for op in OPS.values() if op.name not in _routed_ops]
+        _register_routing(new)
+        _routed_ops.update(op.name for op in new)
         if not _libraries:
+            library = torch.library.Library("aten", "IMPL")
+            dynamic.register(library, _routing_on, _refusing)
             control_flow.register(library, _routing_on)
             functionalization.install(_routing_on)
-        torch.Tensor.contiguous = _contiguous  # type: ignore[method-assign]
-        _libraries.append(library)  # every Library object stays alive: dropping one unregisters its kernels
+            torch.Tensor.contiguous = _contiguous  # type: ignore[method-assign]
+            _libraries.append(library)  # every Library object stays alive: dropping one unregisters its kernels
+        else:
+            dynamic.register(_libraries[0], _routing_on, _refusing)
+
+
+def _choose_backend() -> str:
+    """"cpp" when the compiled kernels build or load; else "python", saying once why and how to get the fast path."""
+    global _cpp
+    wanted = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if wanted not in ("", "cpp", "python"):
+        raise SelectionError(f"{BACKEND_ENV}={wanted!r}: expected cpp or python (or unset: cpp where it builds)")
+    if wanted == "python":
+        return "python"
+    from registry.core import kernels
+
+    try:
+        _cpp = kernels.load()
+    except kernels.KernelBuildError as error:
+        if wanted == "cpp":
+            raise
+        warnings.warn(f"multicomposite: use() runs its Python routing kernels (a few microseconds more per call "
+                      f"under a transform): {error}; or set {BACKEND_ENV}=python to choose them", stacklevel=4)
+        return "python"
+    CACHE_LISTENERS.append(_cpp.clear)
+    return "cpp"
+
+
+def _register_routing(ops: list[Op]) -> None:
+    """Register the routing kernels of ``ops`` on the active backend."""
+    global _set_frame
+    if _backend[0] == "cpp":
+        from registry.core import routing_cpp
+
+        assert _cpp is not None
+        routing_cpp.register(_cpp, ops)
+        _set_frame = _cpp.set_frame
+        return
+    if not _python_library:
+        _python_library.append(torch.library.Library("aten", "IMPL"))
+    library = _python_library[0]
+    with warnings.catch_warnings():
+        # PyTorch warns once that a kernel overrides FuncTorchDynamicLayerFrontMode's: that is the point here.
+        warnings.filterwarnings("ignore", message="Warning only once for all operators")
+        for op in ops:
+            for overload in op.overloads:
+                native = torch.library.get_kernel(overload.qualified_name, DISPATCH_KEY)
+                library.impl(overload.name, _make_kernel(op, overload, native), DISPATCH_KEY, with_keyset=True)
+                if overload.name in op.eager_autograd:
+                    # The Autograd alias key: one registration for every backend's autograd key. The native
+                    # kernel there is VariableType's, the same function for every backend.
+                    native = torch.library.get_kernel(overload.qualified_name, "AutogradCPU")
+                    library.impl(overload.name, _make_kernel(op, overload, native, eager_autograd=True),
+                                 "Autograd", with_keyset=True)
+            for name, functional in DERIVATIVES[op.name].items():
+                native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
+                library.impl(name, _make_derivative_kernel(name, functional, native), DISPATCH_KEY,
+                             with_keyset=True)
+
+
+def routing_backend() -> str:
+    """Which kernels route ``use()``: ``"cpp"`` (compiled) or ``"python"``; registers them if nothing has yet."""
+    register_kernels()
+    return _backend[0]
+
+
+def set_routing_backend(backend: str) -> None:
+    """Route on ``backend`` ("cpp" or "python") from now on, in this process (tests and benchmarks run both).
+
+    Outside ``use()`` only. Raises KernelBuildError when "cpp" cannot be built or loaded."""
+    global _cpp, _set_frame
+    if backend not in ("cpp", "python"):
+        raise SelectionError(f"set_routing_backend: unknown backend {backend!r}; backends are cpp, python")
+    if _local.frames:
+        raise RuntimeError("set_routing_backend: called inside use(); switch backends outside it")
+    register_kernels()
+    if _backend[0] == backend:
+        return
+    with _register_lock:
+        if backend == "cpp":
+            from registry.core import kernels
+
+            module = kernels.load()
+            for library in _python_library:
+                library._destroy()
+            _python_library.clear()
+            _cpp = module
+            if module.clear not in CACHE_LISTENERS:
+                CACHE_LISTENERS.append(module.clear)
+        else:
+            assert _cpp is not None
+            _cpp.unregister_all()
+            _cpp.set_frame(0)
+            _cpp.clear()
+            _set_frame = None
+        _backend[0] = backend
+        _register_routing([OPS[name] for name in _routed_ops])
+        _decisions.clear()
 
 
 def _validate(policy: str, pins: Mapping[str, str] | None) -> dict[str, str]:
@@ -364,6 +492,8 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
         if frames.__class__ is tuple:
             frames = local.frames = []
         frames.append(self._frame)
+        if _set_frame is not None:
+            _set_frame(self._frame.id)
         if _traced_signatures:
             _drop_graphs_traced_elsewhere(self._frame.signature)
         return self
@@ -371,6 +501,8 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
     def __exit__(self, *exc_info: object) -> None:
         frames = _local.frames
         frames.pop()
+        if _set_frame is not None:
+            _set_frame(frames[-1].id if frames else 0)
         if _traced_signatures:
             _drop_graphs_traced_elsewhere(frames[-1].signature if frames else None)
 

@@ -31,6 +31,19 @@ def _under_vmap(ctx: Context) -> bool:
 OP_RULES: dict[str, dict[str, Rule]] = {}
 
 
+@dataclass(frozen=True)
+class Order:
+    """An op's own order of kinds in some contexts, where measurement ranked its kinds otherwise than
+    ``preference`` does (the fused attention primitive before the math composite under vmap)."""
+
+    kinds: tuple[str, ...]
+    reason: str
+
+
+# op -> what gives its own Order in a context (None: the general preference): ``define_op(..., preference=...)``.
+OP_PREFERENCES: dict[str, Callable[[Context], Order | None]] = {}
+
+
 # --- rule families: what the op-specific tables are made of -------------------------------------------------------
 
 
@@ -158,20 +171,31 @@ def problem(op: str, kind: str, ctx: Context) -> Problem | None:
     return specific(ctx) if specific is not None else None
 
 
-def preference(ctx: Context) -> tuple[str, ...]:
-    """Kinds in order of preference.
+def _own_order(ctx: Context, op: str | None) -> Order | None:
+    specific = OP_PREFERENCES.get(op) if op is not None else None
+    return specific(ctx) if specific is not None else None
+
+
+def preference(ctx: Context, op: str | None = None) -> tuple[str, ...]:
+    """Kinds in order of preference: ``op``'s own order where its ``define_op`` gives one here, else the general one.
 
     Without a profile the rules put functional before primitive under vmap: the functional composites need nothing
     but PyTorch's ops and verify everywhere, while the fused primitives' speed depends on the machine (their C
     kernels need gcc; for index_add and index_copy they measured 0.6x-0.8x native, for masked_fill 3x-6.8x). Where a
     profile exists, ``auto`` picks the fastest valid composite beyond the noise (bench/fused.py, bench/kinds.py).
     """
+    own = _own_order(ctx, op)
+    if own is not None:
+        return own.kinds
     if _under_vmap(ctx):
         return ("native", "functional", "primitive", "mutating")
     return ("native", "mutating", "functional", "primitive")
 
 
-def preference_reason(ctx: Context) -> str:
+def preference_reason(ctx: Context, op: str | None = None) -> str:
+    own = _own_order(ctx, op)
+    if own is not None:
+        return own.reason
     if _under_vmap(ctx):
         return "under vmap out-of-place ops batch without in-place writes (no profile here to rank the primitive)"
     return "outside vmap PyTorch's own kernel, then clone-and-mutate, are cheapest"

@@ -163,7 +163,7 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
         chosen = next(c for c, _ in judged if c.kind == "native")
         reason = "policy native routes nothing: PyTorch's own op runs"
     else:
-        order = rules.preference(ctx)
+        order = rules.preference(ctx, op)
         valid = [(c, p) for c, p in judged if p is None]
         if not valid:
             listed = ", ".join(f"{c.name} [{p.status}]" for c, p in judged)
@@ -217,9 +217,9 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
         elif skipped:
             worse = skipped[0]
             reason = (f"{worse[0].name} fails under {where} ({worse[1].status}: {worse[1].evidence}); "
-                      f"{chosen.name} is the next choice: {rules.preference_reason(ctx)}")
+                      f"{chosen.name} is the next choice: {rules.preference_reason(ctx, op)}")
         else:
-            reason = f"{chosen.name} is preferred under {where}: {rules.preference_reason(ctx)}"
+            reason = f"{chosen.name} is preferred under {where}: {rules.preference_reason(ctx, op)}"
         if policy == "fastest":
             reason += " (no profile here: rules decide)"
         elif policy == "auto":

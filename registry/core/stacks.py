@@ -51,7 +51,7 @@ def parse_stack(text: str | Iterable[str]) -> tuple[str, ...]:
     for name in names:
         if name not in TRANSFORMS and name not in STACK_ALIASES:
             valid = ", ".join((*TRANSFORMS, *STACK_ALIASES))
-            raise ValueError(f"unknown transform {shorten(name)!r} in stack {shorten(format_stack(names), 60)!r}; "
+            raise ValueError(f"unknown transform {shorten(name)!r} in stack {shorten(format_stack(names))!r}; "
                              f"valid: {valid}")
     return _parse_names(names)
 

@@ -35,6 +35,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from registry.core.dynamic import REFUSAL_PHRASE
 
 SURVEY_STACKS: tuple[str, ...] = ("vmap", "grad", "vmap(grad)", "jacrev", "jacfwd", "vmap(jvp)")
+# The interpreter runs these too (the conformance suite's checks): jvp alone, the vjp of a vmapped function and
+# forward-over-reverse (the jvp of grad, a Hessian-vector product).
+MORE_STACKS: tuple[str, ...] = ("jvp", "grad(vmap)", "jvp(grad)")
+INTERPRETER_STACKS: tuple[str, ...] = SURVEY_STACKS + MORE_STACKS
 BATCHINGS: tuple[str, ...] = ("input", "others")
 DTYPES: tuple[str, ...] = ("float32", "float64")
 # Over the samples of one row the worst status wins; "unsupported" is the mildest, so one sample that cannot be
@@ -53,9 +57,9 @@ UNINITIALIZED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strid
 _VARIATION = 0.05  # per-sample float arguments: sample b is OpInfo's value scaled by 1 - b * this
 
 # Stacks that differentiate, and which kind of derivative the op must support for them.
-_REVERSE = frozenset({"grad", "vmap(grad)", "jacrev"})
-_FORWARD = frozenset({"jacfwd", "vmap(jvp)"})
-_BATCHED = frozenset({"vmap", "vmap(grad)", "vmap(jvp)"})
+_REVERSE = frozenset({"grad", "vmap(grad)", "jacrev", "grad(vmap)", "jvp(grad)"})
+_FORWARD = frozenset({"jacfwd", "vmap(jvp)", "jvp", "jvp(grad)"})
+_BATCHED = frozenset({"vmap", "vmap(grad)", "vmap(jvp)", "grad(vmap)"})
 _STACK_SPELLINGS = {"vmap,grad": "vmap(grad)", "vmap,jvp": "vmap(jvp)"}
 
 # vmap's own words for what it cannot do by design rather than by a missing rule: not a coverage gap.
@@ -196,15 +200,20 @@ class SurveyCase:
     """One SampleInput and one batching variant: the leaves a stack batches (``batched``), those it differentiates
     (``diff``, a subset of ``batched``) and the per-sample values of the batched leaves."""
 
-    def __init__(self, opinfo: Any, sample: Any, batching: str, batch: int, seed: int = SEED) -> None:
+    def __init__(self, opinfo: Any, sample: Any, batching: str, batch: int, seed: int = SEED, *,
+                 leaves: Sequence[int] | None = None, last_dim: bool = False) -> None:
+        """``leaves``: the positions (among the tensor leaves of input, args and kwargs, flattened) to batch instead
+        of ``batching``'s; ``last_dim``: vmap finds their batch dimension last rather than first (``in_dims=-1``)."""
         self.opinfo = opinfo
         self.call_op = live_callable(opinfo.op)
         self.leaves, self.spec = tree_flatten((sample.input, sample.args, sample.kwargs))
         self.output_process = sample.output_process_fn_grad
         input_count = len(tree_flatten(sample.input)[0])
         tensors = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, torch.Tensor)]
-        chosen = [i for i in tensors if (i < input_count) == (batching == "input")]
+        chosen = ([i for i in tensors if (i < input_count) == (batching == "input")] if leaves is None
+                  else [i for i in tensors if i in leaves])
         self.batched: tuple[int, ...] = tuple(chosen)
+        self.in_dims: tuple[int, ...] = tuple(-1 if last_dim else 0 for _ in chosen)
         self.diff: tuple[int, ...] = tuple(i for i in chosen if self.leaves[i].dtype.is_floating_point)
         self.layouts = {self.leaves[i].layout for i in tensors}
         generator = torch.Generator().manual_seed(seed)
@@ -290,7 +299,28 @@ def run_stack(stack: str, case: SurveyCase) -> Any:
         return case.differentiable_outputs(case.call(values, diff_values))
 
     if stack == "vmap":
-        return tree_flatten(func.vmap(lambda *v: case.call(v))(*_stacked(case.per_sample)))[0]
+        # The batch dimension where in_dims says: stacked first, moved last for in_dims=-1.
+        stacked = tuple(t.movedim(0, d) for t, d in zip(_stacked(case.per_sample), case.in_dims, strict=True))
+        return tree_flatten(func.vmap(lambda *v: case.call(v), in_dims=case.in_dims)(*stacked))[0]
+    if stack == "jvp":
+        base = case.per_sample[0]
+        return func.jvp(lambda *d: outputs_at(base, d), tuple(base[s] for s in slots), tuple(case.tangents[0]))
+    if stack == "grad(vmap)":
+        stacked = _stacked(case.per_sample)
+
+        def batch_loss(*d: torch.Tensor) -> torch.Tensor:
+            values = list(stacked)
+            for s, value in zip(slots, d, strict=True):
+                values[s] = value
+            # The per-sample weights broadcast over the batch: the loss is the sum of the per-sample losses.
+            return case.loss(func.vmap(lambda *v: case.differentiable_outputs(case.call(v)))(*values))
+
+        return func.grad(batch_loss, tuple(range(len(slots))))(*(stacked[s] for s in slots))
+    if stack == "jvp(grad)":
+        base = case.per_sample[0]
+        loss = lambda *d: case.loss(outputs_at(base, d))  # noqa: E731
+        gradient = func.grad(loss, tuple(range(len(slots))))
+        return func.jvp(gradient, tuple(base[s] for s in slots), tuple(case.tangents[0]))
     if stack == "grad":
         base = case.per_sample[0]
         loss = lambda *d: case.loss(outputs_at(base, d))  # noqa: E731
@@ -313,7 +343,7 @@ def run_stack(stack: str, case: SurveyCase) -> Any:
             return func.jvp(lambda *d: outputs_at(values, d), tuple(values[s] for s in slots), tuple(tangents))
 
         return func.vmap(per_sample_jvp)(*_stacked(case.per_sample), *_stacked(case.tangents))
-    raise SurveyError(f"unknown survey stack {stack!r}; valid: {', '.join(SURVEY_STACKS)}")
+    raise SurveyError(f"unknown survey stack {stack!r}; valid: {', '.join(INTERPRETER_STACKS)}")
 
 
 class _Reference:
@@ -347,6 +377,22 @@ class _Reference:
         values, leaves = self._leaves(b)
         outputs = self.case.differentiable_outputs(self.case.call(values, leaves))
         return torch.autograd.grad(outputs, leaves, tuple(cotangents), allow_unused=True, materialize_grads=True)
+
+    def hvp(self, b: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """(the loss's gradient, its derivative along sample ``b``'s tangents): a double backward."""
+        values, leaves = self._leaves(b)
+        outputs = self.case.differentiable_outputs(self.case.call(values, leaves))
+        grads = torch.autograd.grad(self.case.loss(outputs), leaves, create_graph=True, allow_unused=True,
+                                    materialize_grads=True)
+        used = [(g, leaf, t) for g, leaf, t in zip(grads, leaves, self.case.tangents[b], strict=True)
+                if g.requires_grad]
+        if used:
+            # The Hessian is symmetric: the vjp of the gradient with the tangents is its jvp.
+            products = torch.autograd.grad([g for g, _, _ in used], leaves, [t for _, _, t in used],
+                                           allow_unused=True, materialize_grads=True)
+        else:  # the gradient does not depend on the inputs: the Hessian is zero
+            products = tuple(torch.zeros_like(leaf) for leaf in leaves)
+        return tuple(g.detach() for g in grads), tuple(products)
 
     def jvp(self, b: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """(outputs, ``J t``) for sample ``b``'s tangents ``t``.
@@ -395,7 +441,11 @@ def reference(stack: str, ref: _Reference) -> Any:
                 else outputs[0][k] for k in range(len(outputs[0]))]
     if stack == "grad":
         return ref.grads(0)
-    if stack == "vmap(grad)":
+    if stack == "jvp":
+        return ref.jvp(0)
+    if stack == "jvp(grad)":
+        return ref.hvp(0)
+    if stack in ("vmap(grad)", "grad(vmap)"):
         per = [ref.grads(b) for b in range(count)]
         return tuple(torch.stack([g[j] for g in per]) for j in range(len(per[0])))
     if stack in ("jacrev", "jacfwd"):
@@ -405,7 +455,7 @@ def reference(stack: str, ref: _Reference) -> Any:
         outputs = tuple(torch.stack([p[0][i] for p in per]) for i in range(len(per[0][0])))
         tangents = tuple(torch.stack([p[1][i] for p in per]) for i in range(len(per[0][1])))
         return outputs, tangents
-    raise SurveyError(f"unknown survey stack {stack!r}; valid: {', '.join(SURVEY_STACKS)}")
+    raise SurveyError(f"unknown survey stack {stack!r}; valid: {', '.join(INTERPRETER_STACKS)}")
 
 
 def project_jacobian(jacobian: Any, case: SurveyCase) -> Any:
@@ -512,11 +562,44 @@ def _deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
 
+def repeated_unpool_indices(indices: torch.Tensor, spatial: int) -> bool:
+    """Whether two entries of one channel of max_unpool's ``indices`` (the last ``spatial`` dimensions) are equal."""
+    if indices.numel() == 0:
+        return False
+    planes = indices.reshape(-1, math.prod(indices.shape[-spatial:]) if indices.dim() >= spatial else 1)
+    ordered = planes.sort(-1).values
+    return bool((ordered[:, 1:] == ordered[:, :-1]).any())
+
+
+_UNPOOL_SPATIAL = {"nn.functional.max_unpool1d": 1, "nn.functional.max_unpool2d": 2, "nn.functional.max_unpool3d": 3}
+# Where max_unpool's indices repeat within a channel, which value lands there is unspecified (PyTorch's MaxUnpool
+# documentation; measured: on two threads native's own result changes with the input's memory format, its
+# channels_last kernel writing one channel from several threads):
+# the stacks that compare values or tangents have nothing to compare. Gradients gather, and stay checked.
+_UNSPECIFIED_STACKS = frozenset({"vmap", "jacfwd", "vmap(jvp)", "jvp"})
+
+
+def _unspecified_reason(case: SurveyCase, stack: str) -> str | None:
+    spatial = _UNPOOL_SPATIAL.get(case.opinfo.name)
+    if spatial is None or stack not in _UNSPECIFIED_STACKS:
+        return None
+    integer = [i for i, leaf in enumerate(case.leaves) if isinstance(leaf, torch.Tensor) and not
+               (leaf.dtype.is_floating_point or leaf.dtype.is_complex)]
+    slots = [case.batched.index(i) for i in integer if i in case.batched]
+    candidates = [case.leaves[i] for i in integer] + [values[s] for values in case.per_sample for s in slots]
+    if any(repeated_unpool_indices(t, spatial) for t in candidates):
+        return ("repeated indices within a channel: PyTorch leaves max_unpool's value there unspecified (native's own "
+                "result depends on the input's memory format and the threads)")
+    return None
+
+
 def _static_reason(case: SurveyCase, stack: str, dtype: torch.dtype) -> str | None:
     """Why ``stack`` cannot be checked on ``case`` at all, before running anything."""
     opinfo = case.opinfo
     if opinfo.name in UNINITIALIZED:
         return "the output is uninitialized memory: nothing to compare"
+    if (reason := _unspecified_reason(case, stack)) is not None:
+        return reason
     if case.layouts - {torch.strided}:
         return f"{', '.join(sorted(str(x) for x in case.layouts - {torch.strided}))} arguments: torch.func handles " \
                "strided tensors only"
@@ -528,6 +611,8 @@ def _static_reason(case: SurveyCase, stack: str, dtype: torch.dtype) -> str | No
         return "op does not support autograd"
     if stack in _FORWARD and not opinfo.supports_forward_ad:
         return "op does not support forward-mode AD"
+    if stack == "jvp(grad)" and not opinfo.supports_fwgrad_bwgrad:
+        return "op does not support forward-over-reverse AD"
     if stack in _BATCHED and case.random:
         return "random op: vmap's per-sample results follow its randomness flag, not a loop"
     return None
@@ -798,7 +883,8 @@ def run_survey(entries: Sequence[Any], dtypes: Sequence[str], config: SurveyConf
     return result
 
 
-def _worker_main(connection: Any, entries: Sequence[Any], config: SurveyConfig) -> None:
+def _worker_main(connection: Any, entries: Sequence[Any], config: Any, work: Callable[..., list[Any]],
+                 crash: Callable[..., list[Any]]) -> None:
     torch.set_num_threads(1)
     while True:
         job = connection.recv()
@@ -806,15 +892,18 @@ def _worker_main(connection: Any, entries: Sequence[Any], config: SurveyConfig) 
             return
         index, dtype_name = job
         try:
-            rows = survey_entry(entries[index], dtype_name, config)
+            rows = work(entries[index], dtype_name, config)
         except Exception as error:  # sent back as error rows
-            rows = _crash_rows(entries[index], dtype_name, config,
+            rows = crash(entries[index], dtype_name, config,
                                f"survey worker: {_first_line(error)} ({traceback.format_exc(limit=1).strip()[-200:]})")
         connection.send(rows)
 
 
-def _run_forked(entries: Sequence[Any], jobs: list[tuple[int, str]], config: SurveyConfig, workers: int,
-                job_timeout_s: float, finished: Callable[[list[SurveyRow]], None]) -> None:
+def _run_forked(entries: Sequence[Any], jobs: list[tuple[int, str]], config: Any, workers: int,
+                job_timeout_s: float, finished: Callable[[list[Any]], None],
+                work: Callable[..., list[Any]] = survey_entry, crash: Callable[..., list[Any]] = _crash_rows) -> None:
+    """Run ``work(entry, dtype, config)`` for each (entry index, dtype) job in ``workers`` forked processes; a job
+    that raises, crashes its worker or outlives ``job_timeout_s`` becomes ``crash(entry, dtype, config, why)``."""
     import multiprocessing
     from multiprocessing.connection import wait
 
@@ -824,7 +913,7 @@ def _run_forked(entries: Sequence[Any], jobs: list[tuple[int, str]], config: Sur
 
     def spawn() -> _Worker:
         parent, child = context.Pipe()
-        process = context.Process(target=_worker_main, args=(child, entries, config), daemon=True)
+        process = context.Process(target=_worker_main, args=(child, entries, config, work, crash), daemon=True)
         process.start()
         child.close()
         return _Worker(process, parent)
@@ -856,16 +945,16 @@ def _run_forked(entries: Sequence[Any], jobs: list[tuple[int, str]], config: Sur
                         rows = worker.connection.recv()
                     except (EOFError, OSError):
                         worker.process.join(1)
-                        rows = _crash_rows(entries[job[0]], job[1], config,
-                                           f"survey worker died (exit code {worker.process.exitcode})")
+                        rows = crash(entries[job[0]], job[1], config,
+                                     f"survey worker died (exit code {worker.process.exitcode})")
                         pool[pool.index(worker)] = worker = spawn()
                     finished(rows)
                     assign(worker)
                 elif now - worker.started > job_timeout_s:
                     worker.process.kill()
                     worker.process.join(1)
-                    finished(_crash_rows(entries[job[0]], job[1], config,
-                                         f"survey worker killed: the job took over {job_timeout_s:g} s"))
+                    finished(crash(entries[job[0]], job[1], config,
+                                   f"survey worker killed: the job took over {job_timeout_s:g} s"))
                     pool[pool.index(worker)] = worker = spawn()
                     assign(worker)
     finally:

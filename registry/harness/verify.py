@@ -25,6 +25,7 @@ import inspect
 import itertools
 import multiprocessing
 import os
+import signal
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -465,9 +466,10 @@ def verify(
         results = map(_run_item, labels)
     else:
         # Forked workers inherit every registration (plugins and test composites included); each takes one core.
-        pool = multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,))
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker)
         results = pool.imap(_run_item, labels, chunksize=8)
     entries = []
+    pooled = workers > 1 and len(labels) >= 64
     try:
         for done, produced in enumerate(results, 1):
             entries.extend(produced)
@@ -475,11 +477,22 @@ def verify(
                 entry = produced[-1]
                 stack = format_stack(entry.stack) or "eager"
                 progress(done, len(labels), f"{entry.op}/{entry.composite} {stack} {entry.pattern}")
+    except BaseException:
+        if pooled:  # Ctrl-C or a failure: stop the workers now (close() would first wait for every queued item)
+            pool.terminate()
+        raise
     finally:
-        if workers > 1 and len(labels) >= 64:
+        if pooled:
             pool.close()
             pool.join()
     return entries
+
+
+def _init_worker() -> None:
+    """A forked worker: one core each, and Ctrl-C left to the parent, which stops the pool (a worker that took it too
+    would print its own traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
 
 
 _audits: dict[tuple[str, str], str | None] = {}

@@ -7,12 +7,14 @@ import os
 import random
 import socket
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import (
     BigInteger,
@@ -45,6 +47,7 @@ JOB_STATES: tuple[str, ...] = ("queued", "running", "done", "failed", "cancelled
 FINISHED_JOB_STATES: tuple[str, ...] = ("done", "failed", "cancelled", "interrupted")
 ENV_VAR = "MULTICOMPOSITE_DB"
 BUSY_TIMEOUT_MS = 30_000
+CHECK_TIMEOUT_S = 5.0  # a readiness check waits this long for a lock, not a writer's 30 s
 
 
 @dataclass(frozen=True)
@@ -422,6 +425,8 @@ class Store:
             from registry.store.migrate import ensure_current
 
             ensure_current(self.engine, self.url, self.display_url)
+        self._replacing = threading.Lock()
+        self._file_id = self._sqlite_file_id()
 
     @staticmethod
     def _bump(conn: Any) -> None:
@@ -471,21 +476,16 @@ class Store:
         return data_dir(self.url)
 
     def check(self) -> None:
-        """Raise StoreUnavailableError saying why, unless the store answers a query."""
+        """Raise StoreUnavailableError saying why, unless the store answers a query.
+
+        A SQLite file is checked through SQLite only, never opened by this process directly: closing any descriptor
+        of a file drops every POSIX lock the process holds on it, SQLite's included, and another process closing its
+        connection then takes itself for the last one and deletes the ``-wal`` and ``-shm`` files this process still
+        writes into (https://www.sqlite.org/howtocorrupt.html, 2.2). SQLite's own connections share one descriptor
+        per file in a process and keep it open while any of them holds a lock.
+        """
         if self._sqlite:
-            path = self.url.removeprefix("sqlite:///")
-            if path not in ("", ":memory:"):
-                try:
-                    with open(path, "rb") as file:
-                        header = file.read(16)
-                except FileNotFoundError:
-                    raise StoreUnavailableError(f"the store file {path} does not exist") from None
-                except OSError as error:
-                    raise StoreUnavailableError(f"the store file {path} cannot be opened: {error}") from None
-                # A pooled connection in WAL mode may answer from its cache after the file was overwritten: the
-                # header is read fresh every time.
-                if header and header != b"SQLite format 3\x00":
-                    raise StoreUnavailableError(f"the store file {path} is not a SQLite database (bad header)")
+            self._check_sqlite_file()
         try:
             self.generation()
         except StoreUnavailableError:
@@ -493,6 +493,69 @@ class Store:
         except Exception as error:  # any driver error is the answer
             raise StoreUnavailableError(f"the store at {self.display_url} cannot be read: {type(error).__name__}: "
                                         f"{_first_line(error)}") from error
+
+    def _sqlite_path(self) -> str | None:
+        """The SQLite file's path, or None (a server store, an in-memory one, a ``file:`` URI)."""
+        if not self._sqlite:
+            return None
+        path = self.engine.url.database or ""
+        return None if path in ("", ":memory:") or path.startswith("file:") else path
+
+    def _sqlite_file_id(self) -> tuple[int, int] | None:
+        """The SQLite file's device and inode (a stat: it opens nothing), or None when there is none."""
+        path = self._sqlite_path()
+        if path is None:
+            return None
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return None
+        return stat.st_dev, stat.st_ino
+
+    def _check_sqlite_file(self) -> None:
+        """The file is there and is a SQLite database, read fresh: a pooled connection in WAL mode answers from its
+        cache after the file was overwritten, so a new connection (``mode=rw``: it never creates a missing file)
+        reads the generation from the file itself. A file replaced since the last check (restored from a backup,
+        deleted and recreated) is reopened first (``_reopen_replaced``)."""
+        path = self._sqlite_path()
+        if path is None:
+            return
+        file_id = self._sqlite_file_id()
+        if file_id is None:
+            if not os.path.exists(path):
+                raise StoreUnavailableError(f"the store file {path} does not exist")
+            raise StoreUnavailableError(f"the store file {path} cannot be read (check its permissions)")
+        with self._replacing:
+            if self._file_id is not None and file_id != self._file_id:
+                self._reopen_replaced()
+            self._file_id = file_id
+        try:
+            fresh = sqlite3.connect(f"file:{quote(path)}?mode=rw", uri=True, timeout=CHECK_TIMEOUT_S)
+        except sqlite3.Error as error:
+            raise StoreUnavailableError(f"the store file {path} cannot be opened: {error}") from None
+        try:
+            fresh.execute("SELECT value FROM store_meta WHERE key = ?", (GENERATION,)).fetchall()
+        except sqlite3.Error as error:
+            if getattr(error, "sqlite_errorname", "") == "SQLITE_NOTADB":
+                raise StoreUnavailableError(f"the store file {path} is not a SQLite database (bad header)") from None
+            raise StoreUnavailableError(f"the store at {self.display_url} cannot be read: {type(error).__name__}: "
+                                        f"{_first_line(error)}") from None
+        finally:
+            fresh.close()
+
+    def _reopen_replaced(self) -> None:
+        """The file at the path is another one now; pooled connections still read the old one. The -wal beside it
+        still holds the old file's pages, and SQLite closing a moved file leaves them there: the new file would
+        read them as its own. So an idle pooled connection of the old file first moves them into that file and
+        empties the -wal (``wal_checkpoint(TRUNCATE)``), then the pool closes. Only an idle one: a new connection
+        would open the new file. Best effort: what SQLite can still save of a file replaced under it is saved."""
+        if self.engine.pool.checkedin() > 0:  # type: ignore[attr-defined]
+            try:
+                with self.engine.connect() as conn:
+                    conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+            except Exception:  # the old file is beyond saving; the new one is what counts now
+                pass
+        self.engine.dispose()
 
     def __enter__(self) -> Store:
         return self

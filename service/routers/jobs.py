@@ -5,64 +5,72 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Response
-from pydantic import BaseModel, Field
+from fastapi import Path as FastAPIPath
+from pydantic import Field, ValidationInfo, field_validator
 
 import registry
 from registry.core.selector import unknown_op_message
-from registry.core.stacks import canonical_workload, shorten
+from registry.core.stacks import canonical_workload, format_stack, shorten
 from registry.profiling.timing import WORKLOADS
 from service.deps import Authorized, RunnerDep, SettingsDep, StoreDep
 from service.jobs import Job, QueueFullError
+from service.models import JobPublic, StrictBody
 from service.validation import InputError, host_device_types, parse_stack_input
 from service.worker import DEFAULT_KIND, QueuedJobs, available_kinds, kind_device_type, resolve_kind
 
 router = APIRouter(tags=["jobs"])
 
 Dtype = Literal["float32", "float64"]
-
-
 Name = Annotated[str, Field(max_length=64)]
 
+# What an omitted (or null) list means; an empty list is refused, since it would name nothing to run.
+EVERY = {"ops": "every covered op", "stacks": "every stack of the matrix", "workloads": "every workload",
+         "dtypes": "float32"}
 
-class VerifyCreate(BaseModel):
-    ops: list[Name] | None = Field(default=None, max_length=64, description="default: every covered op")
+
+def _not_empty(value: list | None, info: ValidationInfo) -> list | None:
+    if value is not None and not value:
+        raise ValueError(f"an empty list names nothing to run; leave {info.field_name} out (or null) for "
+                         f"{EVERY[info.field_name]}")
+    return value
+
+
+class VerifyCreate(StrictBody):
+    ops: list[Name] | None = Field(default=None, max_length=64, description="ops to verify, e.g. [\"index_fill\"]; "
+                                   "omitted or null: every covered op (GET /ops lists them); [] is refused")
     stacks: list[Annotated[str, Field(max_length=120)]] | None = Field(
-        default=None, max_length=256, description='e.g. ["vmap", "vmap(grad)"] (vmap,grad works too); default: all')
-    dtypes: list[Dtype] = Field(default=["float32"], max_length=2)
+        default=None, max_length=256, description='stacks, e.g. ["vmap", "vmap(grad)"] (vmap,grad works too); '
+                                                  "omitted or null: every stack of the matrix; [] is refused")
+    dtypes: list[Dtype] = Field(default=["float32"], max_length=2, description="float32, float64 or both "
+                                "(default: float32)")
+
+    _check_lists = field_validator("ops", "stacks", "dtypes")(_not_empty)
 
 
-class ProfileCreate(BaseModel):
-    ops: list[Name] | None = Field(default=None, max_length=64)
+class ProfileCreate(StrictBody):
+    ops: list[Name] | None = Field(default=None, max_length=64, description="ops to time; omitted or null: every "
+                                   "covered op; [] is refused")
     workloads: list[Annotated[str, Field(max_length=32)]] | None = Field(
-        default=None, max_length=16, description="vmap, grad, vmap(grad) (or vmap,grad), jacrev, jacfwd, hessian")
-    batch_sizes: list[int] = Field(default=[32], min_length=1, max_length=16)
-    numels: list[int] = Field(default=[1024], min_length=1, max_length=16)
-    dtypes: list[Dtype] = Field(default=["float32"], max_length=2)
+        default=None, max_length=16, description="vmap, grad, vmap(grad) (or vmap,grad), jacrev, jacfwd, hessian; "
+                                                 "omitted or null: every workload; [] is refused")
+    batch_sizes: list[int] = Field(default=[32], min_length=1, max_length=16,
+                                   description="samples per batch, each 1..MAX_BATCH (default 1024)")
+    numels: list[int] = Field(default=[1024], min_length=1, max_length=16, description="elements per sample; "
+                              "batch x numel at most MAX_NUMEL (default 2**24)")
+    dtypes: list[Dtype] = Field(default=["float32"], max_length=2, description="float32, float64 or both "
+                                "(default: float32)")
     device: str = Field(default="cpu", max_length=16, description="a device type this host has: cpu, cuda")
     device_kind: str | None = Field(default=None, max_length=120, description=(
         "the machines to run on: cpu or cuda:NAME (with a PostgreSQL store, one a worker registered); default: "
         "the one kind of the device's type"))
-    min_run_time: float = Field(default=0.05, gt=0, le=5)
+    min_run_time: float = Field(default=0.05, gt=0, le=5, description="seconds each context is timed for, over "
+                                "its rounds")
 
-
-class JobPublic(BaseModel):
-    id: str
-    kind: str
-    state: str = Field(description="queued, running, done, failed, cancelled or interrupted")
-    done: int
-    total: int
-    params: dict
-    result: dict | None
-    error: str | None
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
+    _check_lists = field_validator("ops", "workloads", "dtypes")(_not_empty)
 
 
 def _public(job: Job) -> JobPublic:
-    return JobPublic(id=job.id, kind=job.kind, state=job.state, done=job.done, total=job.total, params=job.params,
-                     result=job.result, error=job.error, created_at=job.created_at, started_at=job.started_at,
-                     finished_at=job.finished_at)
+    return JobPublic.of(job)
 
 
 def _check_ops(ops: list[str] | None) -> list[str]:
@@ -85,8 +93,10 @@ def _submit(runner: RunnerDep, kind: str, params: dict, response: Response) -> J
 
 @router.post("/verify", status_code=202, dependencies=[Authorized])
 def post_verify(body: VerifyCreate, runner: RunnerDep, settings: SettingsDep, response: Response) -> JobPublic:
+    """Start a verify job: 202 with the job and Location: /jobs/{id} (needs the token when the server sets one)."""
     ops = _check_ops(body.ops)
-    stacks = [list(parse_stack_input(s)) for s in body.stacks] if body.stacks is not None else None
+    # One spelling in the job's params, as in every output: vmap(grad) (verify parses it back).
+    stacks = [format_stack(parse_stack_input(s)) for s in body.stacks] if body.stacks is not None else None
     contexts = len(ops) * (len(stacks) if stacks is not None else 63) * len(body.dtypes)
     if contexts > settings.max_contexts:
         raise HTTPException(status_code=422, detail=f"{contexts} (op, stack, dtype) contexts is over the limit of "
@@ -98,6 +108,7 @@ def post_verify(body: VerifyCreate, runner: RunnerDep, settings: SettingsDep, re
 @router.post("/profiles", status_code=202, dependencies=[Authorized])
 def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep, store: StoreDep,
                   response: Response) -> JobPublic:
+    """Start a profile job: 202 with the job and Location: /jobs/{id} (needs the token when the server sets one)."""
     ops = _check_ops(body.ops)
     on_workers = isinstance(runner, QueuedJobs)
     kinds = available_kinds(store, on_workers=on_workers)
@@ -139,8 +150,12 @@ def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep,
     return _submit(runner, "profile", params, response)
 
 
+JobId = Annotated[str, FastAPIPath(description="the id POST /verify or POST /profiles answered")]
+
+
 @router.get("/jobs/{job_id}")
-def get_job(job_id: str, runner: RunnerDep) -> JobPublic:
+def get_job(job_id: JobId, runner: RunnerDep) -> JobPublic:
+    """A job's state, progress, parameters, result or error, and its times."""
     job = runner.get(job_id)
     if job is None:
         raise HTTPException(status_code=404, detail=f"no job {shorten(job_id)!r}")
@@ -148,7 +163,8 @@ def get_job(job_id: str, runner: RunnerDep) -> JobPublic:
 
 
 @router.delete("/jobs/{job_id}", dependencies=[Authorized])
-def delete_job(job_id: str, runner: RunnerDep) -> JobPublic:
+def delete_job(job_id: JobId, runner: RunnerDep) -> JobPublic:
+    """Cancel a job (needs the token when the server sets one)."""
     job = runner.cancel(job_id)
     if job is None:
         raise HTTPException(status_code=404, detail=f"no job {shorten(job_id)!r}")

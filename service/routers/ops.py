@@ -21,6 +21,7 @@ def _base(op: registry.Op) -> dict:
 
 @router.get("")
 async def list_ops() -> list[OpSummary]:
+    """Every covered op with its tensor arguments, entry points and composites."""
     return [
         OpSummary(**_base(op), composites=[CompositeBase(name=c.name, kind=c.kind, doc=c.doc)
                                            for c in registry.composites(op.name).values()])
@@ -30,7 +31,9 @@ async def list_ops() -> list[OpSummary]:
 
 # Sync: the first call after a store write reads the store (in the thread pool); the middleware caches the answer.
 @router.get("/{op}")
-def get_op(op: Annotated[str, Path(max_length=64)], state: StateDep) -> OpPublic:
+def get_op(op: Annotated[str, Path(max_length=64, description="ATen op packet name, e.g. index_fill")],
+           state: StateDep) -> OpPublic:
+    """One op: its composites with kind, doc, registration site, source and the stacks where they are verified."""
     if op not in registry.OPS:
         raise HTTPException(status_code=404, detail=unknown_op_message(op))
     verified = verified_stacks(fresh_matrix(state).items, op)

@@ -3,12 +3,12 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Body, HTTPException, Query, Request
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 import registry
 from registry.core.selector import POLICIES, SelectionError, unknown_op_message
 from registry.core.stacks import MAX_STACK_TEXT, shorten
-from service.models import DecisionPublic
+from service.models import DecisionPublic, StrictBody
 from service.validation import InputError, check_dtype_under_stack, parse_device, parse_dtype, parse_stack_input
 
 router = APIRouter(tags=["select"])
@@ -20,15 +20,25 @@ def _names(text: str | None) -> list[str]:
     return [part.strip() for part in (text or "").split(",") if part.strip()]
 
 
-class SelectQuery(BaseModel):
-    op: str = Field(max_length=64)
-    stack: str = Field(default="", max_length=MAX_STACK_TEXT)
-    batched: list[str] = Field(default=[], max_length=8)
-    dtype: str | None = Field(default=None, max_length=32)
-    device: str | None = Field(default=None, max_length=32)
-    numel: int | None = Field(default=None, ge=0, le=2**40)
-    policy: str = Field(default="auto", max_length=16)
-    pin: str | None = Field(default=None, max_length=64)
+OP_DOC = "ATen op packet name, e.g. index_fill (GET /ops lists them)"
+STACK_IN_DOC = 'transforms, outermost first: vmap(grad) or vmap,grad; "" with no transform'
+DTYPE_DOC = "the arguments' dtype: float32, float64, int64, bool, ..."
+DEVICE_DOC = "a device type this host has, or one a profile names: cpu, cuda, ..."
+NUMEL_DOC = "elements per sample: picks the profiled size nearest to it"
+POLICY_DOC = "how to choose: auto, fastest, rules or native"
+PIN_DOC = "force a kind or composite for this op, e.g. functional"
+
+
+class SelectQuery(StrictBody):
+    op: str = Field(max_length=64, description=OP_DOC)
+    stack: str = Field(default="", max_length=MAX_STACK_TEXT, description=STACK_IN_DOC)
+    batched: list[str] = Field(default=[], max_length=8, description="tensor arguments batched at the innermost "
+                               "vmap, e.g. [\"self\", \"value\"]")
+    dtype: str | None = Field(default=None, max_length=32, description=DTYPE_DOC)
+    device: str | None = Field(default=None, max_length=32, description=DEVICE_DOC)
+    numel: int | None = Field(default=None, ge=0, le=2**40, description=NUMEL_DOC)
+    policy: str = Field(default="auto", max_length=16, description=POLICY_DOC)
+    pin: str | None = Field(default=None, max_length=40, description=PIN_DOC)
 
 
 def _decide(request: Request, op: str, stack: str, batched: list[str], dtype: str | None, device: str | None,
@@ -58,9 +68,11 @@ def _decide(request: Request, op: str, stack: str, batched: list[str], dtype: st
 
 
 @router.post("/select")
-async def select_many(request: Request, queries: Annotated[list[SelectQuery], Body(max_length=MAX_QUERIES)]
+async def select_many(request: Request, queries: Annotated[list[SelectQuery], Body(
+        max_length=MAX_QUERIES, description="up to 256 queries, each with the fields of GET /select")]
                       ) -> list[DecisionPublic]:
-    """Up to 256 queries in one call; the first bad one answers for the request, named by its index."""
+    """Up to 256 queries in one call; the first bad one answers for the request, named by its index. A read: it
+    needs no token."""
     answers = []
     for index, query in enumerate(queries):
         try:
@@ -78,16 +90,16 @@ async def select_many(request: Request, queries: Annotated[list[SelectQuery], Bo
 @router.get("/select")
 async def select(
     request: Request,
-    op: Annotated[str, Query(max_length=64, description="ATen op packet name, e.g. index_fill")],
-    stack: Annotated[str, Query(max_length=MAX_STACK_TEXT,
-                                description="transforms, outermost first: vmap(grad) or vmap,grad")] = "",
-    batched: Annotated[str | None, Query(max_length=200,
-                                         description="tensor arguments batched at the innermost vmap")] = None,
-    dtype: Annotated[str | None, Query(max_length=32, description="float32, float64, int64, bool, ...")] = None,
-    device: Annotated[str | None, Query(max_length=32, description="a device type this host has, or one a "
-                                                                  "profile names: cpu, cuda, ...")] = None,
-    numel: Annotated[int | None, Query(ge=0, le=2**40)] = None,
-    policy: Annotated[str, Query(max_length=16, description="auto, fastest, rules or native")] = "auto",
-    pin: Annotated[str | None, Query(max_length=64, description="force a kind or composite for this op")] = None,
+    op: Annotated[str, Query(max_length=64, description=OP_DOC)],
+    stack: Annotated[str, Query(max_length=MAX_STACK_TEXT, description=STACK_IN_DOC)] = "",
+    batched: Annotated[str | None, Query(max_length=200, description="comma-separated tensor arguments batched at "
+                                                                     "the innermost vmap, e.g. self,value")] = None,
+    dtype: Annotated[str | None, Query(max_length=32, description=DTYPE_DOC)] = None,
+    device: Annotated[str | None, Query(max_length=32, description=DEVICE_DOC)] = None,
+    numel: Annotated[int | None, Query(ge=0, le=2**40, description=NUMEL_DOC)] = None,
+    policy: Annotated[str, Query(max_length=16, description=POLICY_DOC)] = "auto",
+    pin: Annotated[str | None, Query(max_length=40, description=PIN_DOC)] = None,
 ) -> DecisionPublic:
+    """The decision for one op under a stack: the composite, the reason, every alternative's verdict, and the
+    measured speedups."""
     return _decide(request, op, stack, _names(batched), dtype, device, numel, policy, pin)

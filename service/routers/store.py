@@ -13,23 +13,26 @@ from registry.core.stacks import MAX_STACK_TEXT, format_stack, shorten
 from registry.store.db import STATUSES, MatrixEntry, ProfileEntry
 from service.deps import StateDep
 from service.models import MatrixEntryPublic, MatrixPage, ProfilePage, ProfilePublic
+from service.timestamps import iso_utc
 from service.validation import InputError, parse_dtype, parse_stack_input
 from service.views import fresh_matrix, fresh_profiles, page
 
 router = APIRouter(tags=["store"])
 PublicT = TypeVar("PublicT", MatrixEntryPublic, ProfilePublic)
 
-Limit = Annotated[int, Query(ge=1, le=1000, description="entries per page")]
+Limit = Annotated[int, Query(ge=1, le=1000, description="entries per page, 1..1000")]
 Cursor = Annotated[str | None, Query(max_length=1000, description="next_cursor of the previous page")]
-OpFilter = Annotated[str | None, Query(max_length=64)]
+OpFilter = Annotated[str | None, Query(max_length=64, description="only this op, e.g. index_fill")]
 StackFilter = Annotated[str | None, Query(max_length=MAX_STACK_TEXT, description="vmap(grad) or vmap,grad")]
 CompositeFilter = Annotated[str | None, Query(max_length=64, description="a composite name: functional, ...")]
 
 
 def _public(model: type[PublicT], row: object) -> PublicT:
     fields = model.model_fields
-    return model(**{k: v for k, v in vars(row).items() if k in fields and k != "stack"},
-                 stack=format_stack(row.stack))  # type: ignore[attr-defined]
+    values = {k: v for k, v in vars(row).items() if k in fields and k != "stack"}
+    if "measured_at" in values:
+        values["measured_at"] = iso_utc(values["measured_at"])
+    return model(**values, stack=format_stack(row.stack))  # type: ignore[attr-defined]
 
 
 def _op(op: str | None) -> str | None:
@@ -54,7 +57,8 @@ def _composite(op: str | None, composite: str | None) -> str | None:
 
 @router.get("/matrix")
 def get_matrix(state: StateDep, op: OpFilter = None, composite: CompositeFilter = None,
-               status: Annotated[str | None, Query(max_length=16, description=", ".join(STATUSES))] = None,
+               status: Annotated[str | None, Query(max_length=16, description="only this status: "
+                                                                             + ", ".join(STATUSES))] = None,
                stack: StackFilter = None, limit: Limit = 100, cursor: Cursor = None) -> MatrixPage:
     """The stored entries fresh for this torch and these composites, ordered by op, composite, stack, pattern."""
     op = _op(op)
@@ -76,9 +80,12 @@ def get_profiles(state: StateDep, op: OpFilter = None, composite: CompositeFilte
                  stack: Annotated[str | None, Query(max_length=MAX_STACK_TEXT,
                                                     description="the stack the op sees: vmap(grad) or vmap,grad")
                                   ] = None,
-                 status: Annotated[str | None, Query(max_length=16, description="valid or invalid")] = None,
-                 dtype: Annotated[str | None, Query(max_length=32)] = None,
-                 device: Annotated[str | None, Query(max_length=32)] = None,
+                 status: Annotated[str | None, Query(max_length=16, description="only valid (timed) or invalid "
+                                                                               "timings")] = None,
+                 dtype: Annotated[str | None, Query(max_length=32, description="only this dtype, e.g. float32")
+                                  ] = None,
+                 device: Annotated[str | None, Query(max_length=32, description="only this device type: cpu, "
+                                                                               "cuda, ...")] = None,
                  limit: Limit = 100, cursor: Cursor = None) -> ProfilePage:
     """The stored timings fresh for this torch and these composites, ordered by op, workload, size, batch."""
     op = _op(op)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,10 +16,11 @@ import registry
 from registry.core.selector import covered_ops
 from registry.harness.verify import source_hashes
 from registry.store import evidence
+from registry.store.choices import native_failures
 from registry.store.db import JobRecord, MatrixEntry, ProfileEntry, Store
 from registry.store.survey import write_survey
 from service import cli_output
-from service.cli import SUBCOMMANDS, build_parser, main, native_failures
+from service.cli import SUBCOMMANDS, build_parser, main
 
 TORCH = torch.__version__
 
@@ -279,8 +281,9 @@ def test_ops_jobs_and_survey_results(seeded: str, capsys: pytest.CaptureFixture[
     code, stdout, _ = _run(["jobs", "job-1", "--json"], capsys)
     assert json.loads(stdout) == {"id": "job-1", "kind": "verify", "params": {"ops": ["index_fill"]},
                                   "state": "done", "done": 3, "total": 3, "result": {"entries": 3}, "error": None,
-                                  "owner": "host:1", "created_at": 0.0, "started_at": 1.0, "finished_at": 61.0,
-                                  "updated_at": 61.0}
+                                  "owner": "host:1", "created_at": "1970-01-01T00:00:00.000Z",
+                                  "started_at": "1970-01-01T00:00:01.000Z", "finished_at": "1970-01-01T00:01:01.000Z",
+                                  "updated_at": "1970-01-01T00:01:01.000Z"}  # ISO 8601 with the zone (issue 20)
     code, stdout, _ = _run(["jobs", "--state", "running"], capsys)
     assert stdout.splitlines() == ["id  kind  state  progress  created  finished  error"]
 
@@ -486,3 +489,55 @@ def test_a_subcommand_plugs_in_as_one_row(monkeypatch: pytest.MonkeyPatch,
         2, "multicomposite plug: no revision 'bad'; revisions: head\n")
     assert _run(["plug", "downgrade"], capsys)[0] == 2
     assert [f"{w} {a.dest}" for w, a in _actions(cli.build_parser()) if not a.help] == []
+
+
+# --- issue 20, part 5: the bar, wide tables, repeated notes ----------------------------------------------------------
+
+
+def test_the_bar_shows_at_once_with_an_estimate(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # Nothing showed for the first ~10 s of verify (the bar waited for the first entry), and it had no ETA.
+    monkeypatch.setattr(cli_output, "is_terminal", lambda stream: True)
+    with cli_output.progress("verify", "entries") as progress:
+        before = capsys.readouterr().err  # drawn when the block starts, before any report
+        progress(1, 4, "first")
+    after = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", capsys.readouterr().err)
+    assert "entries" in before and "starting" in before
+    assert re.search(r"1/4 \d:\d\d:\d\d left (-:--:--|\d:\d\d:\d\d) first", after), after  # elapsed, then the ETA
+
+
+def test_a_terminal_table_folds_wide_cells_instead_of_cutting_them(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(cli_output, "is_terminal", lambda stream: True)
+    monkeypatch.setenv("COLUMNS", "120")
+    cells = [f"cell{i}-" + "x" * 20 for i in range(8)]
+    cli_output.print_table([f"column{i}" for i in range(8)], [cells])
+    printed = capsys.readouterr().out
+    assert "…" not in printed  # was: every column but the last cut with an ellipsis
+    assert printed.count("x") == 8 * 20  # every character of every cell, folded onto more lines where needed
+    assert max(len(line) for line in printed.splitlines()) <= 120  # within the terminal's width
+
+
+def test_a_note_shared_by_rows_is_printed_once(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # `profiles` repeated a run's note (a re-measurement, say) on every row of that run.
+    note = "re-measured 1x: spread 0.31 over 0.25"
+    timings = [_timing("masked_fill", name, median, 1.0, detail=f"{note}; first call {first} ms")
+               for name, median, first in (("native", 40.0, 1.5), ("functional", 20.0, 0.9))]
+    url = f"sqlite:///{tmp_path / 'notes.db'}"
+    monkeypatch.setenv("MULTICOMPOSITE_DB", url)
+    with Store(url) as store:
+        store.write_profiles(timings)
+    code, stdout, _ = _run(["profiles"], capsys)
+    assert (code, stdout.splitlines()) == (0, [
+        "op           workload  dtype    batch  composite   median us  IQR us  vs native  detail",
+        "masked_fill  vmap      float32  256    functional  20.0       1.0     2.00x      [1]; first call 0.9 ms",
+        "masked_fill  vmap      float32  256    native      40.0       1.0     1.00x      [1]; first call 1.5 ms",
+        f"[1] {note}",
+        "2 profiles",
+    ])
+
+
+def test_footnotes_leave_unique_notes_alone() -> None:
+    assert cli_output.footnote_repeats([("a", "x; y"), ("b", "x"), ("c", None), ("d", "z")]) == (
+        [("a", "[1]; y"), ("b", "[1]"), ("c", None), ("d", "z")], ["[1] x"])

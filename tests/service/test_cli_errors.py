@@ -83,3 +83,105 @@ def test_unknown_setting_names_and_empty_tokens(monkeypatch: pytest.MonkeyPatch)
         load_settings()
     with pytest.raises(ValueError, match="is set but empty"):
         Settings(token="")  # defect 9: an empty token silently disabled auth
+
+
+# --- issue 20, part 5: the command line never shows a traceback ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    # The API's bound (service.limits.MAX_BATCH), applied before anything is allocated: was a 29-line traceback.
+    ("profile --batch 100000000000",
+     "multicomposite profile: argument --batch: batch size 100000000000 is over the limit of 1024 (the same bound "
+     "as the API's MULTICOMPOSITE_MAX_BATCH default) (see multicomposite profile --help)"),
+    ("survey --workers -3",
+     "multicomposite survey: argument --workers: '-3' is not a whole number of at least 0 (see multicomposite survey "
+     "--help)"),
+    # The option given is the one blamed (was: MULTICOMPOSITE_PORT).
+    ("serve --port 99999",
+     "multicomposite serve: argument --port: '99999' is not a TCP port: use 1..65535 (see multicomposite serve "
+     "--help)"),
+])
+def test_out_of_bounds_options_are_one_line(argv: str, line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv.split()) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_a_port_in_use_is_one_line_before_the_app_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    monkeypatch.setenv("MULTICOMPOSITE_DB", f"sqlite:///{tmp_path / 's.db'}")
+    started: list[object] = []
+    monkeypatch.setattr("service.main.create_app", lambda *a, **k: started.append(a))  # must not be reached
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == (f"multicomposite serve: port {port} on 127.0.0.1 is in use (another server?); "
+                                       "stop it, or choose another port with --port\n")
+    assert started == []
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    import torch
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"multicomposite {version('multicomposite')} (torch {torch.__version__})\n"
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_help_loads_neither_torch_nor_the_service() -> None:
+    # --help took 4 s: every command's module, torch and the registry were imported to build the parser.
+    result = _python("import sys\nfrom service.cli import main\ncode = main(['--help'])\n"
+                     "print(code, sorted(m for m in ('torch', 'registry', 'fastapi', 'sqlalchemy', 'service.main') "
+                     "if m in sys.modules))")
+    assert result.stdout.splitlines()[-1] == "0 []", result.stderr[-2000:]
+    assert "Verify, profile and choose among the decompositions of each PyTorch op under torch.func transforms" in \
+        " ".join(result.stdout.split())  # says what the tool does
+    result = _python("import sys\nfrom service.cli import main\ncode = main(['verify', '--help'])\n"
+                     "print(code, 'torch' in sys.modules)")
+    assert result.stdout.splitlines()[-1] == "0 False", result.stderr[-2000:]
+
+
+def test_a_closed_stdout_is_no_traceback(tmp_path: Path) -> None:
+    # `multicomposite ops | head -5` ended in a BrokenPipeError traceback. The reader here is gone before the
+    # command writes its first line.
+    process = subprocess.Popen([sys.executable, "-m", "service.cli", "ops"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT),
+                                    "MULTICOMPOSITE_DB": f"sqlite:///{tmp_path / 's.db'}"})
+    assert process.stdout is not None
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=120)
+    assert (process.returncode, stderr) == (141, "")
+
+
+def test_ctrl_c_during_verify_stops_the_workers_in_one_line(tmp_path: Path) -> None:
+    # Was four tracebacks (the parent's and each forked worker's), then a hang until a second Ctrl-C.
+    import signal
+
+    process = subprocess.Popen([sys.executable, "-m", "service.cli", "verify", "--op", "index_fill", "--dtype",
+                                "float32"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True,  # its own process group, as a terminal's foreground job
+                               env={**os.environ, "PYTHONPATH": str(ROOT),
+                                    "MULTICOMPOSITE_DB": f"sqlite:///{tmp_path / 's.db'}"})
+    assert process.stderr is not None
+    try:
+        first = process.stderr.readline()  # the first entry is done: the workers are running
+        assert first.startswith("multicomposite verify: entries 1/"), first
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group gets it
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert (process.returncode, stderr) == (130, "\nmulticomposite verify: interrupted; nothing of this run was "
+                                                 "stored\n")
+    with pytest.raises(ProcessLookupError):
+        os.killpg(process.pid, 0)  # no worker is left behind

@@ -5,6 +5,7 @@ store is back."""
 from __future__ import annotations
 
 import shutil
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -30,13 +31,22 @@ def test_every_store_route_answers_503_json_then_recovers(serve, tmp_path: Path,
     for route in STORE_ROUTES[:-1]:
         assert client.get(route).status_code == 200, route  # and cached: the damage must still show
     backup = tmp_path / "backup.db"
-    shutil.copy(path, backup)
+    # Through SQLite's backup API: a copy of the file alone misses what is still in its -wal.
+    with sqlite3.connect(path) as live, sqlite3.connect(backup) as copy:
+        live.backup(copy)
+    live.close()
+    copy.close()
     state = client.app.state.store_state
     if damage == "missing":
         path.unlink()
         expected = f"the store file {path} does not exist"
     else:
-        path.write_bytes(b"this is not a database" * 1000)
+        # Another file put in its place (a wrong copy, a restore gone bad). Not an overwrite in place: while the
+        # server's -wal holds the pages, SQLite reads them from there and the damage does not show until a checkpoint;
+        # looking at the file's bytes ourselves is what dropped SQLite's locks (issue 20).
+        wrong = tmp_path / "wrong.db"
+        wrong.write_bytes(b"this is not a database" * 1000)
+        wrong.replace(path)
         expected = f"the store file {path} is not a SQLite database (bad header)"
     state.poll()
     _all_503(client, expected)

@@ -10,6 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import registry
 from registry.core.selector import SelectionError
 
+pytestmark = pytest.mark.usefixtures("routing_backend")
+
 aten = torch.ops.aten
 
 

@@ -9,6 +9,8 @@ from torch import func
 import registry
 from registry.core import dynamic
 
+pytestmark = pytest.mark.usefixtures("routing_backend")
+
 X = torch.tensor([[1.0, -2.0, 3.0], [-1.0, 0.5, 0.0]])
 
 

@@ -16,6 +16,8 @@ from registry.harness.checks import check
 from registry.harness.samples import SAMPLES
 from tests.registry.core.captured import CAPTURED, fill_rows
 
+pytestmark = pytest.mark.usefixtures("routing_backend")
+
 ORIGINAL_METHOD = torch._C.TensorBase.index_fill
 ORIGINAL_FUNCTION = torch.index_fill
 FALLBACK = "There is a performance drop"
@@ -73,7 +75,7 @@ def test_nothing_is_patched_but_contiguous() -> None:
         assert torch.Tensor.index_fill is ORIGINAL_METHOD
         assert torch.index_fill is ORIGINAL_FUNCTION
         assert torch.Tensor.add is torch._C.TensorBase.add
-    assert torch.Tensor.contiguous is routing._contiguous  # the one Python-level path, listed in the README
+    assert torch.Tensor.contiguous is routing._contiguous  # the one Python-level path, listed in docs/routing.md
 
 
 def test_eager_calls_run_pytorchs_own_kernel(spy) -> None:
@@ -478,9 +480,10 @@ def test_wrapped_numbers_reach_pytorchs_kernel() -> None:
         assert func.vmap(func.vmap(lambda r: r * 2))(torch.ones(2, 3, 4)).eq(2).all()
 
 
-def test_first_routed_call_of_a_process_can_be_under_vmap() -> None:
+def test_first_routed_call_of_a_process_can_be_under_vmap(routing_backend: str) -> None:
     """The first decision reads the store's evidence, which imports the harness; that import must not run under
     vmap (it once built samples with torch.randn there: 'called random operation while in randomness error mode')."""
+    import os
     import subprocess
     import sys
 
@@ -490,6 +493,7 @@ def test_first_routed_call_of_a_process_can_be_under_vmap() -> None:
             "with registry.use():\n"
             "    y = func.vmap(func.grad(lambda r: r.index_add(0, torch.tensor([1]), r[:1]).pow(2).sum()))(x)\n"
             "print(tuple(y.shape))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, routing.BACKEND_ENV: routing_backend}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "(4, 5)"

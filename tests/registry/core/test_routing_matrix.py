@@ -16,6 +16,7 @@ from registry.harness.checks import entry_call
 from registry.harness.samples import SAMPLES
 from registry.harness.verify import PATTERNS, _patterns_for, check_stack, default_stacks
 
+pytestmark = pytest.mark.usefixtures("routing_backend")
 STACKS = default_stacks()
 
 

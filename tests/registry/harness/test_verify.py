@@ -134,8 +134,8 @@ def full_matrix():
 
 def test_full_default_matrix_is_fast_and_claims_hold(full_matrix) -> None:
     """The whole default matrix for the seven seed ops: every built-in non-native composite is ok wherever the
-    rules claim it works. (How long it takes is measured by ``multicomposite verify`` and reported in the README: a
-    unit test asserts behaviour, not timings.)"""
+    rules claim it works. (How long it takes is measured by ``multicomposite verify`` and reported in
+    docs/verification.md: a unit test asserts behaviour, not timings.)"""
     entries, _ = full_matrix
     broken = []
     for entry in entries:

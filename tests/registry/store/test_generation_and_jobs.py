@@ -41,7 +41,11 @@ def test_check_names_what_is_wrong(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
     store = Store(f"sqlite:///{path}")
     store.check()
-    path.write_bytes(b"garbage" * 10)
+    # Another file put in its place. (An overwrite in place shows only once SQLite reads the overwritten pages:
+    # while its -wal holds them it reads them from there, and looking at the bytes ourselves would drop its locks.)
+    wrong = tmp_path / "wrong.db"
+    wrong.write_bytes(b"garbage" * 10)
+    wrong.replace(path)
     with pytest.raises(StoreUnavailableError, match=f"^the store file {path} is not a SQLite database"):
         store.check()
     path.unlink()

@@ -1,0 +1,326 @@
+"""Composites of the recurrent family: ``rnn_tanh``, ``rnn_relu``, ``lstm`` and ``gru`` as batched cells over time.
+
+PyTorch's own recurrent ops fail under vmap (measured on torch 2.13.0 CPU, through ``nn.RNN``, ``nn.GRU`` and
+``nn.LSTM``): ``vmap`` raises "Batching rule not implemented for aten::gru.input. We could not generate a fallback."
+(the same for ``rnn_tanh``, ``rnn_relu``, ``lstm`` and their ``.data`` overloads); under ``vmap(grad)`` the GRU and
+RNN decompositions raise a shape error inside an in-place ``add_``, and the LSTM runs vmap's per-sample loop over
+``aten::mkldnn_rnn_layer``. Under ``grad`` alone and ``jacrev`` (whose forward runs under grad only) they work.
+
+The ``unrolled`` composite computes what PyTorch's CPU kernel computes, with out-of-place ops only: per layer and
+direction, one matrix product projects the whole input sequence, then a Python loop over the time steps applies
+the cell (one matrix product with the hidden state and elementwise gates), in PyTorch's gate order and formulas.
+Every op it calls has a batching rule, so under vmap the cells run batched over the vmap dimension too. Dropout
+between layers (``dropout > 0`` in training) calls ``torch.dropout`` on each layer's output, as PyTorch's kernel
+does: outside vmap it draws the same numbers as PyTorch's op, and under vmap it follows vmap's ``randomness``
+(``"error"``, the default, raises vmap's own error; ``"different"`` and ``"same"`` run).
+
+Packed sequences (``.data`` overloads, ``nn.GRU(PackedSequence)``) are routed under vmap to ``unrolled_packed``,
+registered as a companion overload of the op (``register_derivative``): PyTorch's kernel everywhere else. Packing
+itself must happen outside vmap (``pack_padded_sequence`` under vmap loops and batches ``batch_sizes``, whose
+``.item()`` then fails inside ``nn.GRU``); with the packed ``data`` batched and ``batch_sizes`` shared, the
+composite runs each time step on the sequences still active at it, as PyTorch's packed kernel does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from registry.core import rules
+from registry.core.ops import overloads
+from registry.core.registration import define_op, register, register_derivative
+
+# One cell step: (precomputed input projection at t, hidden state, cell state or None, the layer's hidden weights)
+# -> (new hidden state, new cell state or None).
+Cell = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+_GATES = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3}
+
+
+def _native_rules(op: str) -> rules.Rule:
+    """Where PyTorch's own ``op`` fails (measured through nn.RNN, nn.GRU and nn.LSTM, torch 2.13.0 CPU)."""
+    no_rule = rules.fails_when(
+        rules.innermost_vmap, "error",
+        f"Batching rule not implemented for aten::{op}.input (vmap raises: we could not generate a fallback)")
+    lstm = (" (nn.LSTM's own call, on CPU, runs aten::mkldnn_rnn_layer instead, which has no batching rule: vmap's "
+            "per-sample loop)") if op == "lstm" else ""
+    return rules.first_of(no_rule, rules.fails_when(
+        rules.under_vmap, "error",
+        f"aten::{op}.input decomposes into in-place cell updates that raise a shape error under vmap(grad) and "
+        f"vmap(jvp) (output with shape [N, H] doesn't match the broadcast shape [B, N, H]){lstm}"))
+
+
+for _op, _doc in (
+    ("rnn_tanh", "an Elman RNN with tanh: h' = tanh(W_ih x + b_ih + W_hh h + b_hh), over layers and directions"),
+    ("rnn_relu", "an Elman RNN with relu: h' = relu(W_ih x + b_ih + W_hh h + b_hh), over layers and directions"),
+    ("gru", "a gated recurrent unit (gates r, z, n), over layers and directions"),
+):
+    define_op(_op, "input", tensors=("input", "hx"), doc=_doc, inplace=False,
+              overloads=overloads(_op, inplace=False, only=(f"{_op}.input",)), rules={"native": _native_rules(_op)})
+define_op("lstm", "input", tensors=("input",), doc="a long short-term memory (gates i, f, g, o; optional projection), "
+          "over layers and directions; hx is the pair (h0, c0)", inplace=False,
+          overloads=overloads("lstm", inplace=False, only=("lstm.input",)), rules={"native": _native_rules("lstm")})
+
+
+# --- cells: PyTorch's formulas (aten/src/ATen/native/RNN.cpp), out of place ----------------------------------------
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _elman(activation: Callable[[torch.Tensor], torch.Tensor]) -> Cell:
+    def cell(x_t, h, c, w_hh, b_hh, w_hr):
+        return activation(x_t + _linear(h, w_hh, b_hh)), None
+
+    return cell
+
+
+def _gru_cell(x_t, h, c, w_hh, b_hh, w_hr):
+    x_r, x_z, x_n = x_t.chunk(3, -1)
+    h_r, h_z, h_n = _linear(h, w_hh, b_hh).chunk(3, -1)
+    reset = torch.sigmoid(x_r + h_r)
+    update = torch.sigmoid(x_z + h_z)
+    new = torch.tanh(x_n + reset * h_n)
+    return (h - new) * update + new, None
+
+
+def _lstm_cell(x_t, h, c, w_hh, b_hh, w_hr):
+    gates = x_t + _linear(h, w_hh, b_hh)
+    i, f, g, o = gates.chunk(4, -1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    h = torch.sigmoid(o) * torch.tanh(c)
+    if w_hr is not None:
+        h = _linear(h, w_hr, None)
+    return h, c
+
+
+_CELLS: dict[str, Cell] = {"rnn_tanh": _elman(torch.tanh), "rnn_relu": _elman(torch.relu), "gru": _gru_cell,
+                           "lstm": _lstm_cell}
+
+
+# --- the layout of PyTorch's flat parameter list --------------------------------------------------------------------
+
+
+def _layer_params(op: str, params: Sequence[torch.Tensor], has_biases: bool, num_layers: int, bidirectional: bool,
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                  torch.Tensor | None]]:
+    """(w_ih, w_hh, b_ih, b_hh, w_hr) per layer and direction, in PyTorch's order (layer-major, forward first).
+
+    Each group is ``w_ih, w_hh[, b_ih, b_hh][, w_hr]``; ``w_hr`` (LSTM's projection, ``proj_size > 0``) makes the
+    group one longer."""
+    directions = 2 if bidirectional else 1
+    groups = num_layers * directions
+    base = 4 if has_biases else 2
+    if groups <= 0 or len(params) % groups or len(params) // groups not in (base, base + (op == "lstm")):
+        raise ValueError(
+            f"{op}: got {len(params)} parameter tensors for {num_layers} layer(s), "
+            f"{'bidirectional' if bidirectional else 'one direction'}, has_biases={has_biases}: expected "
+            f"{base * groups}{f' (or {(base + 1) * groups} with a projection)' if op == 'lstm' else ''}, "
+            "as nn.RNN, nn.GRU and nn.LSTM pass their _flat_weights")
+    size = len(params) // groups
+    found = []
+    for g in range(groups):
+        group = list(params[g * size:(g + 1) * size])
+        w_ih, w_hh = group[0], group[1]
+        b_ih, b_hh = (group[2], group[3]) if has_biases else (None, None)
+        w_hr = group[-1] if size == base + 1 else None
+        if w_ih.shape[0] != w_hh.shape[0] or w_hh.shape[0] % _GATES[op]:
+            raise ValueError(f"{op}: weight_ih and weight_hh of layer group {g} have {w_ih.shape[0]} and "
+                             f"{w_hh.shape[0]} rows, expected the same multiple of {_GATES[op]} (gates x hidden size)")
+        found.append((w_ih, w_hh, b_ih, b_hh, w_hr))
+    return found
+
+
+def _initial_states(op: str, hx: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if op != "lstm":
+        if not isinstance(hx, torch.Tensor):
+            raise TypeError(f"{op}: hx must be one tensor (num_layers * directions, batch, hidden_size)")
+        return hx, None
+    if isinstance(hx, torch.Tensor) or len(hx) != 2:
+        raise TypeError("lstm: hx must be the pair [h0, c0], each (num_layers * directions, batch, size)")
+    return hx[0], hx[1]
+
+
+# --- over time, layers and directions -------------------------------------------------------------------------------
+
+
+def _run_direction(cell: Cell, projected: list[torch.Tensor], h: torch.Tensor, c: torch.Tensor | None,
+                   w_hh: torch.Tensor, b_hh: torch.Tensor | None, w_hr: torch.Tensor | None, reverse: bool,
+                   ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    steps = range(len(projected) - 1, -1, -1) if reverse else range(len(projected))
+    outputs: list[torch.Tensor] = [None] * len(projected)  # type: ignore[list-item]
+    for t in steps:
+        h, c = cell(projected[t], h, c, w_hh, b_hh, w_hr)
+        outputs[t] = h
+    return outputs, h, c
+
+
+def _unrolled(op: str, input: torch.Tensor, hx, params, has_biases: bool, num_layers: int, dropout: float,
+              train: bool, bidirectional: bool, batch_first: bool):
+    if input.dim() != 3:
+        raise ValueError(f"{op}: input must be 3-D ({'batch, seq' if batch_first else 'seq, batch'}, features), got "
+                         f"shape {tuple(input.shape)}; nn.RNN, nn.GRU and nn.LSTM add the batch dimension of an "
+                         "unbatched input before calling it")
+    cell = _CELLS[op]
+    h0, c0 = _initial_states(op, hx)
+    directions = 2 if bidirectional else 1
+    layers = _layer_params(op, params, has_biases, num_layers, bidirectional)
+    layer_input = input.transpose(0, 1) if batch_first else input
+    h_n, c_n = [], []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            w_ih, w_hh, b_ih, b_hh, w_hr = layers[index]
+            # One product for the whole sequence, as PyTorch's CPU kernel does (pre_compute_input).
+            projected = list(_linear(layer_input, w_ih, b_ih).unbind(0))
+            out, h, c = _run_direction(cell, projected, h0[index], None if c0 is None else c0[index], w_hh, b_hh,
+                                       w_hr, reverse=direction == 1)
+            outputs.append(torch.stack(out))
+            h_n.append(h)
+            c_n.append(c)
+        layer_input = outputs[0] if directions == 1 else torch.cat(outputs, -1)
+        if dropout > 0 and train and layer < num_layers - 1:
+            layer_input = torch.dropout(layer_input, dropout, train)
+    output = layer_input.transpose(0, 1) if batch_first else layer_input
+    if op == "lstm":
+        return output, torch.stack(h_n), torch.stack(c_n)
+    return output, torch.stack(h_n)
+
+
+def _run_packed_direction(cell: Cell, projected: torch.Tensor, sizes: list[int], h0: torch.Tensor,
+                          c0: torch.Tensor | None, w_hh: torch.Tensor, b_hh: torch.Tensor | None,
+                          w_hr: torch.Tensor | None, reverse: bool,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One direction over packed data: step t runs the first ``sizes[t]`` sequences (sorted by decreasing length).
+
+    Forward, a sequence's final state is the one it had when it stopped being active; in reverse, sequences join as
+    the loop reaches their last step, starting from their initial state."""
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    outputs: list[torch.Tensor] = [None] * len(sizes)  # type: ignore[list-item]
+    if not reverse:
+        h, c = h0, c0
+        finished_h: list[torch.Tensor] = []
+        finished_c: list[torch.Tensor] = []
+        for t, size in enumerate(sizes):
+            if size < h.shape[0]:  # sequences size.. ended at t - 1
+                finished_h.append(h[size:])
+                h = h[:size]
+                if c is not None:
+                    finished_c.append(c[size:])
+                    c = c[:size]
+            h, c = cell(projected[offsets[t]:offsets[t + 1]], h, c, w_hh, b_hh, w_hr)
+            outputs[t] = h
+        h_n = torch.cat([h, *reversed(finished_h)])
+        c_n = None if c is None else torch.cat([c, *reversed(finished_c)])
+        return torch.cat(outputs), h_n, c_n
+    h, c = h0[:sizes[-1]], None if c0 is None else c0[:sizes[-1]]
+    for t in range(len(sizes) - 1, -1, -1):
+        size = sizes[t]
+        if size > h.shape[0]:  # sequences h.shape[0]..size have their last step at t
+            h = torch.cat([h, h0[h.shape[0]:size]])
+            if c is not None:
+                c = torch.cat([c, c0[c.shape[0]:size]])
+        h, c = cell(projected[offsets[t]:offsets[t + 1]], h, c, w_hh, b_hh, w_hr)
+        outputs[t] = h
+    return torch.cat(outputs), h, c
+
+
+def _unrolled_packed(op: str, data: torch.Tensor, batch_sizes: torch.Tensor, hx, params, has_biases: bool,
+                     num_layers: int, dropout: float, train: bool, bidirectional: bool):
+    if data.dim() != 2:
+        raise ValueError(f"{op}: packed data must be 2-D (total steps, features), got shape {tuple(data.shape)}")
+    if torch._C._functorch.is_batchedtensor(batch_sizes):
+        raise ValueError(f"{op}: batch_sizes of a packed sequence must be the same for every sample under vmap; "
+                         "pack outside vmap (pack_padded_sequence under vmap batches them) and vmap over the "
+                         "packed data")
+    sizes = [int(size) for size in batch_sizes.tolist()]
+    if sum(sizes) != data.shape[0] or any(a < b for a, b in pairwise(sizes)):
+        raise ValueError(f"{op}: batch_sizes {sizes} must be non-increasing and sum to data's {data.shape[0]} rows")
+    cell = _CELLS[op]
+    h0, c0 = _initial_states(op, hx)
+    directions = 2 if bidirectional else 1
+    layers = _layer_params(op, params, has_biases, num_layers, bidirectional)
+    layer_input = data
+    h_n, c_n = [], []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            w_ih, w_hh, b_ih, b_hh, w_hr = layers[index]
+            out, h, c = _run_packed_direction(cell, _linear(layer_input, w_ih, b_ih), sizes, h0[index],
+                                              None if c0 is None else c0[index], w_hh, b_hh, w_hr,
+                                              reverse=direction == 1)
+            outputs.append(out)
+            h_n.append(h)
+            c_n.append(c)
+        layer_input = outputs[0] if directions == 1 else torch.cat(outputs, -1)
+        if dropout > 0 and train and layer < num_layers - 1:
+            layer_input = torch.dropout(layer_input, dropout, train)
+    if op == "lstm":
+        return layer_input, torch.stack(h_n), torch.stack(c_n)
+    return layer_input, torch.stack(h_n)
+
+
+# --- the composites -------------------------------------------------------------------------------------------------
+
+
+@register("rnn_tanh", "functional", name="unrolled")
+def rnn_tanh_unrolled(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """Batched tanh cells over time: one input product per layer, a loop of hidden products and gates."""
+    return _unrolled("rnn_tanh", input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                     batch_first)
+
+
+@register("rnn_relu", "functional", name="unrolled")
+def rnn_relu_unrolled(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """Batched relu cells over time: one input product per layer, a loop of hidden products and gates."""
+    return _unrolled("rnn_relu", input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                     batch_first)
+
+
+@register("gru", "functional", name="unrolled")
+def gru_unrolled(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """Batched GRU cells over time: one input product per layer, a loop of hidden products and gates."""
+    return _unrolled("gru", input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first)
+
+
+@register("lstm", "functional", name="unrolled")
+def lstm_unrolled(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """Batched LSTM cells over time (with the projection when proj_size > 0): one input product per layer, a loop
+    of hidden products and gates."""
+    return _unrolled("lstm", input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first)
+
+
+@register_derivative("rnn_tanh", "rnn_tanh.data")
+def rnn_tanh_unrolled_packed(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+    """rnn_tanh over a packed sequence: each step on the sequences still active."""
+    return _unrolled_packed("rnn_tanh", data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
+                            bidirectional)
+
+
+@register_derivative("rnn_relu", "rnn_relu.data")
+def rnn_relu_unrolled_packed(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+    """rnn_relu over a packed sequence: each step on the sequences still active."""
+    return _unrolled_packed("rnn_relu", data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
+                            bidirectional)
+
+
+@register_derivative("gru", "gru.data")
+def gru_unrolled_packed(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+    """gru over a packed sequence: each step on the sequences still active."""
+    return _unrolled_packed("gru", data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
+                            bidirectional)
+
+
+@register_derivative("lstm", "lstm.data")
+def lstm_unrolled_packed(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+    """lstm over a packed sequence: each step on the sequences still active."""
+    return _unrolled_packed("lstm", data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
+                            bidirectional)

@@ -1,0 +1,130 @@
+"""The compiled routing kernels (``routing.cpp``): built once per (torch, Python, compiler flags, source) into a cache
+folder, then loaded from it in milliseconds; never downloaded.
+
+``build_kernels()`` (or ``multicomposite build-kernels``) compiles them ahead of time; otherwise the first ``use()``
+does, which takes about a minute on two cores. The cache folder is ``$MULTICOMPOSITE_KERNELS_DIR`` when set, else
+``~/.cache/multicomposite/kernels``; each build lives in a subfolder named by the hash of what it depends on.
+
+Without a compiler or the headers (``DynamicLayer.h`` includes ``<nlohmann/json.hpp>``, which the torch wheel does not
+ship: Debian's ``nlohmann-json3-dev``), ``load()`` returns None and says why; the routing then runs its Python kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("routing.cpp")
+CACHE_ENV = "MULTICOMPOSITE_KERNELS_DIR"
+FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-w")
+HOW_TO = ("install a C++ compiler and nlohmann-json (Debian: apt-get install g++ nlohmann-json3-dev), then run "
+          "`multicomposite build-kernels`")
+
+
+class KernelBuildError(RuntimeError):
+    """The routing kernels could not be compiled or loaded; the message says why and how to fix it."""
+
+
+def cache_root() -> Path:
+    configured = os.environ.get(CACHE_ENV)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "multicomposite" / "kernels"
+
+
+def _compiler() -> str | None:
+    configured = os.environ.get("CXX")
+    return shutil.which(configured) if configured else (shutil.which("c++") or shutil.which("g++"))
+
+
+def _command(compiler: str, output: Path, name: str) -> list[str]:
+    from torch.utils import cpp_extension
+
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    libraries = cpp_extension.library_paths()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        compiler, *FLAGS, str(SOURCE), "-o", str(output),
+        f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{path}" for path in includes), *(f"-L{path}" for path in libraries),
+        *(f"-Wl,-rpath,{path}" for path in libraries), "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
+    ]
+
+
+def build_id() -> str:
+    """What a build depends on: torch, Python, the compiler flags and the source (not the compiler's path, so that a
+    runtime image without a compiler loads what its build stage compiled)."""
+    digest = hashlib.sha256()
+    for part in (torch.__version__, sys.version, " ".join(FLAGS), SOURCE.read_text()):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def extension_path() -> Path:
+    """Where the compiled extension of this torch, Python and source lives (whether or not it is built)."""
+    identity = build_id()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return cache_root() / identity / f"multicomposite_routing_{identity}{suffix}"
+
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+
+
+def build_kernels(*, quiet: bool = False) -> Path:
+    """Compile the kernels into the cache unless they are there; returns the extension's path.
+
+    Raises KernelBuildError saying what is missing or what the compiler said."""
+    with _lock:
+        path = extension_path()
+        if path.exists():
+            return path
+        compiler = _compiler()
+        if compiler is None:
+            raise KernelBuildError(f"no C++ compiler found (c++ or g++ on PATH, or $CXX); {HOW_TO}")
+        name = path.name.partition(".")[0]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not quiet:
+            print(f"multicomposite: compiling the routing kernels into {path.parent} (once; about a minute)",
+                  file=sys.stderr, flush=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        done = subprocess.run(_command(compiler, partial, name), capture_output=True, text=True)
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+            first = errors[0].strip() if errors else f"exit status {done.returncode}"
+            if "nlohmann/json.hpp" in done.stderr:
+                first = "the header <nlohmann/json.hpp> is missing (functorch's DynamicLayer.h includes it)"
+            raise KernelBuildError(f"compiling {SOURCE.name} failed: {first}; {HOW_TO}")
+        partial.replace(path)  # atomic: a concurrent process sees either no build or a whole one
+        return path
+
+
+def load() -> ModuleType:
+    """The kernels' module, built first when the cache has none. Raises KernelBuildError."""
+    global _module
+    if _module is not None:
+        return _module
+    path = build_kernels()
+    name = path.name.partition(".")[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise KernelBuildError(f"cannot load {path}: not a Python extension; delete it and run "
+                               "`multicomposite build-kernels`")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        raise KernelBuildError(f"loading {path} failed: {error}; delete {path.parent} and run "
+                               "`multicomposite build-kernels`") from error
+    _module = module
+    return module

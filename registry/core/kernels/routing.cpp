@@ -1,0 +1,455 @@
+// The routing kernels of use() in C++ (registry/core/routing_cpp.py registers them; registry/core/routing.py
+// explains the routing itself).
+//
+// One boxed kernel per covered aten overload at FuncTorchDynamicLayerFrontMode (and at Autograd for the overloads
+// whose eager derivative PyTorch gets wrong). Per call, without the GIL:
+//   - no use() frame on this thread, or this thread is inside a call a kernel already decided: PyTorch's own kernel;
+//   - otherwise a decision key (overload, frame, functorch layers, grad mode, and per tensor argument its position,
+//     dtype, device, requires_grad, size bucket and wrapper levels) is looked up in one table: a native decision runs
+//     PyTorch's own kernel. Only a miss (Python decides and the answer is stored) or a composite decision (the
+//     composite is Python) takes the GIL.
+//   - while something traces (a Python dispatch mode or subclass is in the keyset: torch.compile, make_fx) or shapes
+//     are symbolic, the whole call goes to the Python kernel, which records what torch.compile baked in.
+// The frame is an int that use() sets on enter and exit; Python keeps the frames themselves.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/functorch/BatchedTensorImpl.h>
+#include <ATen/functorch/DynamicLayer.h>
+#include <ATen/functorch/TensorWrapper.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// What a decision says about one call.
+enum Code : int64_t {
+  kPass = 0,    // PyTorch's own kernel, not counted as decided (policy "native", no autograd where only it matters)
+  kNative = 1,  // decided native: PyTorch's own kernel with the busy flag set, counted
+  kRun = 2,     // a Python callable (the composite, or what adapts the call to it), counted
+  kMiss = 3,
+};
+
+thread_local int64_t tls_frame = 0;  // the id of the innermost use() frame of this thread; 0 outside use()
+thread_local bool tls_busy = false;  // inside a call a kernel decided: the layers below reach the kernel again
+thread_local std::vector<int64_t> tls_key;  // scratch: building the key allocates nothing on a hit
+
+struct BusyGuard {
+  bool saved;
+  BusyGuard() : saved(tls_busy) { tls_busy = true; }
+  ~BusyGuard() { tls_busy = saved; }
+};
+
+// How an argument becomes a Python object: IValues keep dtypes, layouts and memory formats as ints.
+enum Convert : int { kGeneric, kDtype, kLayout, kMemoryFormat };
+
+struct Argument {
+  py::str name;
+  bool kwarg_only;
+  Convert convert;
+  std::optional<c10::IValue> default_value;
+};
+
+struct Overload {
+  int64_t id;
+  std::string name;
+  c10::DispatchKey key;
+  std::optional<c10::SafeKernelFunction> native;  // PyTorch's kernel at the key, captured before overriding
+  py::object decide;  // (*args, **kwargs) -> 0 | 1 | callable: the decision of a call, on a miss
+  py::object slow;    // (keyset, *args, **kwargs) -> result: the Python kernel, for calls made while tracing
+  std::vector<Argument> arguments;
+  std::atomic<int64_t> calls{0};
+};
+
+// Never freed: the dispatcher may hold a kernel until the process ends, and freeing a py::object needs the GIL.
+std::vector<Overload*> overloads;
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& key) const noexcept {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t v : key) {
+      h ^= static_cast<uint64_t>(v);
+      h *= 1099511628211ull;
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+struct Entry {
+  int64_t code;
+  PyObject* run;  // a strong reference for kRun, released (with the GIL) when the table is cleared
+};
+
+std::mutex table_mutex;
+std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table;
+std::atomic<uint64_t> epoch{0};  // bumped on every clear: a kRun entry read before it is stale after it
+
+bool traced(c10::DispatchKeySet keyset) {
+  return keyset.has(c10::DispatchKey::Python) || keyset.has(c10::DispatchKey::PythonTLSSnapshot);
+}
+
+int64_t bit_length(int64_t n) {
+  return n <= 0 ? 0 : 64 - __builtin_clzll(static_cast<unsigned long long>(n));
+}
+
+// The key of this call into tls_key; false when the call must go to Python whole (symbolic shapes).
+// wrapped: a wrapped number (the 0-d tensor C++ makes of a Python scalar) is an argument: PyTorch's kernel.
+bool build_key(const Overload& o, const c10::IValue* args, size_t count, bool* wrapped) {
+  auto& key = tls_key;
+  key.clear();
+  key.push_back(o.id);
+  key.push_back(tls_frame);
+  for (const auto& layer : at::functorch::getDynamicLayerStack()) {
+    key.push_back(layer.layerId() * 8 + static_cast<int64_t>(layer.key()));
+  }
+  key.push_back(at::GradMode::is_enabled() ? -2 : -3);
+  for (size_t i = 0; i < count; ++i) {
+    if (!args[i].isTensor()) {
+      continue;
+    }
+    const at::Tensor& tensor = args[i].toTensor();
+    if (!tensor.defined()) {
+      continue;
+    }
+    const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+    if (impl->is_wrapped_number()) {
+      *wrapped = true;
+      return true;
+    }
+    if (impl->has_symbolic_sizes_strides()) {
+      return false;
+    }
+    key.push_back(-16 - static_cast<int64_t>(i));
+    key.push_back((static_cast<int64_t>(tensor.scalar_type()) << 16) |
+                  (static_cast<int64_t>(tensor.device().type()) << 1) | (tensor.requires_grad() ? 1 : 0));
+    key.push_back(bit_length(tensor.numel()));
+    const at::Tensor* current = &tensor;
+    while (true) {
+      if (auto* batched = at::functorch::maybeGetBatchedImpl(*current)) {
+        key.push_back(batched->level() * 2);
+        current = &batched->value();
+      } else if (auto* wrapper = at::functorch::maybeGetTensorWrapper(*current)) {
+        key.push_back(wrapper->level().value_or(-1) * 2 + 1);
+        current = &wrapper->value();
+      } else {
+        break;
+      }
+    }
+  }
+  return true;
+}
+
+py::object to_python(const Argument& argument, const c10::IValue& value) {
+  if (value.isNone()) {
+    return py::none();
+  }
+  switch (argument.convert) {
+    case kDtype:
+      return py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<c10::ScalarType>(value.toInt()))));
+    case kLayout:
+      return py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPLayout(static_cast<c10::Layout>(value.toInt()))));
+    case kMemoryFormat:
+      return py::reinterpret_borrow<py::object>(
+          torch::utils::getTHPMemoryFormat(static_cast<c10::MemoryFormat>(value.toInt())));
+    default:
+      return torch::jit::toPyObject(value);
+  }
+}
+
+bool is_default(const Argument& argument, const c10::IValue& value) {
+  return argument.default_value.has_value() && c10::_fastEqualsForContainer(value, *argument.default_value);
+}
+
+// The call as Python sees it from a torch.library kernel: positional arguments up to the last one not at its
+// default, keyword-only ones by name where not at their default.
+std::pair<py::tuple, py::dict> python_arguments(const Overload& o, const c10::IValue* args) {
+  const size_t count = o.arguments.size();
+  size_t positional = 0;
+  while (positional < count && !o.arguments[positional].kwarg_only) {
+    ++positional;
+  }
+  size_t last = positional;
+  while (last > 0 && is_default(o.arguments[last - 1], args[last - 1])) {
+    --last;
+  }
+  py::tuple tuple(last);
+  for (size_t i = 0; i < last; ++i) {
+    tuple[i] = to_python(o.arguments[i], args[i]);
+  }
+  py::dict kwargs;
+  for (size_t i = positional; i < count; ++i) {
+    if (!is_default(o.arguments[i], args[i])) {
+      kwargs[o.arguments[i].name] = to_python(o.arguments[i], args[i]);
+    }
+  }
+  return {std::move(tuple), std::move(kwargs)};
+}
+
+void push_result(const c10::OperatorHandle& op, torch::jit::Stack* stack, const py::object& out) {
+  const auto& returns = op.schema().returns();
+  if (returns.size() == 1) {
+    torch::jit::push(stack, torch::jit::toIValue(out, returns[0].type()));
+    return;
+  }
+  auto items = py::cast<py::sequence>(out);
+  TORCH_CHECK(items.size() == returns.size(), "multicomposite: a composite of ", op.schema().name(), " returned ",
+              items.size(), " values where the schema has ", returns.size());
+  for (size_t i = 0; i < returns.size(); ++i) {
+    torch::jit::push(stack, torch::jit::toIValue(items[i], returns[i].type()));
+  }
+}
+
+// Call a Python function with this call's arguments (holding the GIL), and put its result on the stack.
+void call_python(const Overload& o, const py::object& fn, bool with_keyset, const c10::OperatorHandle& op,
+                 c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+  const size_t count = o.arguments.size();
+  py::gil_scoped_acquire gil;
+  auto [args, kwargs] = python_arguments(o, &(*stack)[stack->size() - count]);
+  py::object out;
+  {
+    BusyGuard busy;
+    out = with_keyset ? fn(py::cast(keyset), *args, **kwargs) : fn(*args, **kwargs);
+  }
+  torch::jit::drop(*stack, count);
+  push_result(op, stack, out);
+}
+
+void store(std::vector<int64_t> key, int64_t code, PyObject* run, uint64_t seen) {
+  std::lock_guard<std::mutex> guard(table_mutex);
+  if (epoch.load() != seen) {
+    return;  // the evidence changed while Python decided: this answer may be stale
+  }
+  if (run != nullptr) {
+    Py_INCREF(run);
+  }
+  auto [it, inserted] = table.emplace(std::move(key), Entry{code, run});
+  if (!inserted && run != nullptr) {
+    Py_DECREF(run);
+  }
+}
+
+class RoutingKernel final : public c10::OperatorKernel {
+ public:
+  explicit RoutingKernel(Overload* overload) : overload_(overload) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+    Overload& o = *overload_;
+    if (tls_frame == 0 || tls_busy) {
+      if (tls_frame == 0 && !tls_busy && traced(keyset)) {
+        return call_python(o, o.slow, true, op, keyset, stack);  // torch.compile records a trace outside use()
+      }
+      return o.native->callBoxed(op, keyset, stack);
+    }
+    if (traced(keyset)) {
+      return call_python(o, o.slow, true, op, keyset, stack);
+    }
+    const size_t count = o.arguments.size();
+    const c10::IValue* args = &(*stack)[stack->size() - count];
+    bool wrapped = false;
+    if (!build_key(o, args, count, &wrapped)) {
+      return call_python(o, o.slow, true, op, keyset, stack);
+    }
+    if (wrapped) {
+      return o.native->callBoxed(op, keyset, stack);
+    }
+    Entry entry{kMiss, nullptr};
+    uint64_t seen;
+    {
+      std::lock_guard<std::mutex> guard(table_mutex);
+      seen = epoch.load();
+      auto found = table.find(tls_key);
+      if (found != table.end()) {
+        entry = found->second;
+      }
+    }
+    if (entry.code == kPass) {
+      return o.native->callBoxed(op, keyset, stack);
+    }
+    if (entry.code == kNative) {
+      o.calls.fetch_add(1, std::memory_order_relaxed);
+      BusyGuard busy;
+      return o.native->callBoxed(op, keyset, stack);
+    }
+    decide_and_run(op, keyset, stack, entry, seen);
+  }
+
+ private:
+  void decide_and_run(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack,
+                      Entry entry, uint64_t seen) {
+    Overload& o = *overload_;
+    const size_t count = o.arguments.size();
+    int64_t code;
+    {
+      py::gil_scoped_acquire gil;
+      auto [args, kwargs] = python_arguments(o, &(*stack)[stack->size() - count]);
+      py::object run;
+      if (entry.code == kRun && epoch.load() == seen) {
+        run = py::reinterpret_borrow<py::object>(entry.run);  // still alive: clearing takes the GIL we hold
+        code = kRun;
+      } else {
+        std::vector<int64_t> key = tls_key;  // Python may route other calls, which reuse the scratch key
+        py::object decided = o.decide(*args, **kwargs);
+        if (PyLong_Check(decided.ptr())) {
+          code = decided.cast<int64_t>();
+          TORCH_CHECK(code == kPass || code == kNative, "multicomposite: a decision returned the code ", code);
+          store(std::move(key), code, nullptr, seen);
+        } else {
+          code = kRun;
+          run = decided;
+          store(std::move(key), code, run.ptr(), seen);
+        }
+      }
+      if (code == kRun) {
+        o.calls.fetch_add(1, std::memory_order_relaxed);
+        py::object out;
+        {
+          BusyGuard busy;
+          out = run(*args, **kwargs);
+        }
+        torch::jit::drop(*stack, count);
+        push_result(op, stack, out);
+        return;
+      }
+    }
+    if (code == kPass) {
+      return o.native->callBoxed(op, keyset, stack);
+    }
+    o.calls.fetch_add(1, std::memory_order_relaxed);
+    BusyGuard busy;
+    o.native->callBoxed(op, keyset, stack);
+  }
+
+  Overload* overload_;
+};
+
+Convert convert_of(const c10::TypePtr& type) {
+  c10::TypePtr inner = type;
+  if (auto optional = type->cast<c10::OptionalType>()) {
+    inner = optional->getElementType();
+  }
+  switch (inner->kind()) {
+    case c10::TypeKind::ScalarTypeType:
+      return kDtype;
+    case c10::TypeKind::LayoutType:
+      return kLayout;
+    case c10::TypeKind::MemoryFormatType:
+      return kMemoryFormat;
+    default:
+      return kGeneric;
+  }
+}
+
+c10::DispatchKey parse_key(const std::string& name) {
+  if (name == "FuncTorchDynamicLayerFrontMode") {
+    return c10::DispatchKey::FuncTorchDynamicLayerFrontMode;
+  }
+  if (name == "Autograd") {
+    return c10::DispatchKey::Autograd;
+  }
+  TORCH_CHECK(false, "multicomposite: routing kernels go at FuncTorchDynamicLayerFrontMode or Autograd, not ", name);
+}
+
+// The Library that holds every kernel: destroying it unregisters them (switching to the Python kernels).
+std::unique_ptr<torch::Library> library;
+
+// Drop a warning: "Overriding a previously registered kernel" is what registering here means.
+struct QuietHandler : public c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "multicomposite's routing kernels at FuncTorchDynamicLayerFrontMode";
+  m.def(
+      "register",
+      [](const std::string& name, const std::string& key_name, const std::string& native_key_name,
+         py::object decide, py::object slow) {
+        const auto dot = name.find('.');
+        const std::string packet = name.substr(0, dot);
+        const std::string overload_name = dot == std::string::npos ? "" : name.substr(dot + 1);
+        auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(("aten::" + packet).c_str(),
+                                                                     overload_name.c_str());
+        auto* o = new Overload();
+        o->id = static_cast<int64_t>(overloads.size()) + 1;
+        o->name = name;
+        o->key = parse_key(key_name);
+        o->native = handle.getComputedKernelForDispatchKey(c10::parseDispatchKey(native_key_name));
+        o->decide = std::move(decide);
+        o->slow = std::move(slow);
+        for (const auto& argument : handle.schema().arguments()) {
+          o->arguments.push_back(Argument{py::str(argument.name()), argument.kwarg_only(),
+                                          convert_of(argument.real_type()), argument.default_value()});
+        }
+        overloads.push_back(o);
+        if (!library) {
+          library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", std::nullopt, __FILE__,
+                                                     __LINE__);
+        }
+        QuietHandler quiet;
+        c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+        library->impl(name.c_str(), torch::dispatch(o->key, torch::CppFunction::makeFromBoxedFunctor(
+                                                               std::make_unique<RoutingKernel>(o))));
+      },
+      "Register the routing kernel of one aten overload (packet.overload) at a key, over PyTorch's kernel at "
+      "native_key");
+  m.def("unregister_all", []() { library.reset(); },
+        "Unregister every kernel (the Python kernels can then be registered in their place)");
+  m.def("set_frame", [](int64_t frame) { tls_frame = frame; }, "The innermost use() frame of this thread (0: none)");
+  m.def("frame", []() { return tls_frame; });
+  m.def("busy", []() { return tls_busy; }, "Whether this thread is inside a call a kernel decided");
+  m.def(
+      "clear",
+      []() {
+        std::vector<PyObject*> released;
+        {
+          std::lock_guard<std::mutex> guard(table_mutex);
+          epoch.fetch_add(1);
+          for (auto& [key, entry] : table) {
+            if (entry.run != nullptr) {
+              released.push_back(entry.run);
+            }
+          }
+          table.clear();
+        }
+        for (PyObject* run : released) {
+          Py_DECREF(run);  // the GIL is held: this is called from Python
+        }
+      },
+      "Forget every stored decision (the evidence changed)");
+  m.def("size", []() {
+    std::lock_guard<std::mutex> guard(table_mutex);
+    return table.size();
+  });
+  m.def(
+      "calls",
+      []() {
+        std::unordered_map<std::string, int64_t> counts;  // an overload registered again (a switch) adds up
+        for (const Overload* o : overloads) {
+          if (const int64_t calls = o->calls.load()) {
+            counts[o->name] += calls;
+          }
+        }
+        return counts;
+      },
+      "Decided calls per overload name since clear_calls()");
+  m.def("clear_calls", []() {
+    for (Overload* o : overloads) {
+      o->calls.store(0);
+    }
+  });
+}

@@ -1,0 +1,50 @@
+"""What the commands share about the store: opening it (one line when it cannot be), and its fresh evidence."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from service.cli_output import UsageError
+
+if TYPE_CHECKING:
+    from registry.store.db import MatrixEntry, ProfileEntry, Store
+
+
+def open_store() -> Store:
+    """The default store, checked; UsageError (one line) when it cannot be opened."""
+    from registry.store.db import Store, StoreUnavailableError
+
+    try:
+        store = Store()
+        store.check()
+    except StoreUnavailableError as error:
+        raise UsageError(str(error)) from None
+    except Exception as error:  # a driver error opening it: the same answer, in one line
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise UsageError(f"the store cannot be opened: {type(error).__name__}: {first}; check MULTICOMPOSITE_DB"
+                         ) from None
+    return store
+
+
+def fresh(store: Store, *, entries: bool = True,
+          profiles: bool = True) -> tuple[list[MatrixEntry], list[ProfileEntry]]:
+    """The matrix entries and profiles still valid for this torch and these composites' sources; a table not
+    asked for is not read (an empty list)."""
+    import torch
+
+    from registry.harness.verify import source_hashes
+
+    hashes = source_hashes()
+    return (store.fresh_entries(source_hashes=hashes, torch_version=torch.__version__) if entries else [],
+            store.fresh_profiles(source_hashes=hashes, torch_version=torch.__version__) if profiles else [])
+
+
+def entry_json(entry: Any) -> dict[str, Any]:
+    """A stored matrix entry or profile as JSON: its stack spelled vmap(grad), its time in ISO 8601 (UTC)."""
+    from registry.core.stacks import format_stack
+    from service.timestamps import iso_utc
+
+    row = {**vars(entry), "stack": format_stack(entry.stack)}
+    if "measured_at" in row:
+        row["measured_at"] = iso_utc(row["measured_at"])
+    return row

@@ -1,0 +1,400 @@
+"""The recurrent ops (``rnn_tanh``, ``rnn_relu``, ``gru``, ``lstm``, ``.input`` and ``.data``) under torch.func.
+
+The references never run under a transform: PyTorch's own aten op called outside any transform, once per sample
+(values with ``torch.autograd`` for gradients). Inside ``use()`` vmap, vmap(grad), jacrev and jacfwd must equal them
+with no fallback to vmap's per-sample loop; outside ``use()`` the tests pin down what PyTorch 2.13 itself does, so the
+rules that route around it stay honest.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+from torch.func import grad, jacfwd, jacrev, vmap
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import registry
+from composites import recurrent
+
+aten = torch.ops.aten
+SAMPLES, T, N, FEATURES, H = 3, 4, 2, 3, 5
+FALLBACK = "There is a performance drop"
+
+
+@dataclass(frozen=True)
+class Config:
+    op: str
+    num_layers: int = 1
+    bidirectional: bool = False
+    batch_first: bool = False
+    bias: bool = True
+    proj_size: int = 0
+
+    @property
+    def directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    @property
+    def out_size(self) -> int:
+        return self.proj_size or H
+
+    def __str__(self) -> str:
+        flags = [f"L{self.num_layers}", "bi" if self.bidirectional else "", "bf" if self.batch_first else "",
+                 "" if self.bias else "nobias", f"proj{self.proj_size}" if self.proj_size else ""]
+        return "-".join([self.op, *[f for f in flags if f]])
+
+
+CONFIGS = [
+    *(Config(op) for op in ("rnn_tanh", "rnn_relu", "gru", "lstm")),
+    *(Config(op, num_layers=2, bidirectional=True, batch_first=True) for op in ("rnn_tanh", "rnn_relu", "gru",
+                                                                                 "lstm")),
+    Config("gru", num_layers=3, bias=False),
+    Config("lstm", num_layers=2, bidirectional=True, proj_size=2),
+    Config("lstm", bias=False, batch_first=True),
+]
+
+
+def _params(config: Config, generator: torch.Generator, batch: int | None = None) -> list[torch.Tensor]:
+    """The flat parameter list PyTorch's modules pass (``_flat_weights``), random, optionally one set per sample."""
+    gates = {"rnn_tanh": 1, "rnn_relu": 1, "gru": 3, "lstm": 4}[config.op]
+    lead = () if batch is None else (batch,)
+    found = []
+    for layer in range(config.num_layers):
+        for _ in range(config.directions):
+            in_size = FEATURES if layer == 0 else config.out_size * config.directions
+            shapes = [(gates * H, in_size), (gates * H, config.out_size)]
+            if config.bias:
+                shapes += [(gates * H,), (gates * H,)]
+            if config.proj_size:
+                shapes.append((config.proj_size, H))
+            found += [torch.randn(*lead, *shape, generator=generator, dtype=torch.float64) * 0.5 for shape in shapes]
+    return found
+
+
+def _input(config: Config, generator: torch.Generator, batch: int | None = SAMPLES) -> torch.Tensor:
+    shape = (N, T, FEATURES) if config.batch_first else (T, N, FEATURES)
+    lead = () if batch is None else (batch,)
+    return torch.randn(*lead, *shape, generator=generator, dtype=torch.float64)
+
+
+def _hx(config: Config, generator: torch.Generator, zero: bool = False):
+    h_shape = (config.num_layers * config.directions, N, config.out_size)
+    make = (lambda shape: torch.zeros(shape, dtype=torch.float64)) if zero else (
+        lambda shape: torch.randn(shape, generator=generator, dtype=torch.float64))
+    if config.op == "lstm":
+        return [make(h_shape), make((config.num_layers * config.directions, N, H))]
+    return make(h_shape)
+
+
+def _call(config: Config, x: torch.Tensor, hx, params: list[torch.Tensor], dropout: float = 0.0,
+          train: bool = False) -> tuple[torch.Tensor, ...]:
+    """PyTorch's own aten op (routed when called under a transform inside use())."""
+    packet = getattr(aten, config.op)
+    return packet.input(x, hx, params, config.bias, config.num_layers, dropout, train, config.bidirectional,
+                        config.batch_first)
+
+
+def _loss(outputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    weights = [torch.linspace(-1.0, 1.5, o.numel(), dtype=o.dtype).reshape(o.shape) for o in outputs]
+    return sum(((o * w).sin()).sum() for o, w in zip(outputs, weights, strict=True))
+
+
+def _no_fallback(run: Callable[[], object]) -> object:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+        try:
+            result = run()
+        finally:
+            torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    fallbacks = [str(w.message) for w in caught if FALLBACK in str(w.message)]
+    assert fallbacks == []
+    return result
+
+
+# --- the composite itself equals PyTorch's op outside any transform ------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("zero_state", [False, True], ids=["given-state", "zero-state"])
+def test_unrolled_equals_native_values_and_gradients(config: Config, zero_state: bool) -> None:
+    generator = torch.Generator().manual_seed(0)
+    params = [p.requires_grad_() for p in _params(config, generator)]
+    x = _input(config, generator, batch=None).requires_grad_()
+    hx = _hx(config, generator, zero=zero_state)
+    hx_leaves = hx if isinstance(hx, list) else [hx]
+    for h in hx_leaves:
+        h.requires_grad_()
+    composite = registry.COMPOSITES[config.op]["unrolled"].fn
+    expected = _call(config, x, hx, params)
+    got = composite(x, hx, params, config.bias, config.num_layers, 0.0, False, config.bidirectional,
+                    config.batch_first)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+    inputs = [x, *hx_leaves, *params]
+    expected_grads = torch.autograd.grad(_loss(expected), inputs)
+    got_grads = torch.autograd.grad(_loss(got), inputs)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+# --- under transforms, inside use(), against a per-sample loop of PyTorch's op -------------------------------------
+
+
+def _per_sample(config: Config, x: torch.Tensor, hx, params: list[torch.Tensor], batched_params: bool):
+    """(outputs, gradients of the loss in every parameter) per sample, PyTorch's op outside any transform."""
+    outputs, grads = [], []
+    for b in range(x.shape[0]):
+        sample_params = [(p[b] if batched_params else p).detach().clone().requires_grad_() for p in params]
+        result = _call(config, x[b], hx, sample_params)
+        outputs.append(tuple(o.detach() for o in result))
+        grads.append(torch.autograd.grad(_loss(result), sample_params))
+    stack = lambda items: [torch.stack(column) for column in zip(*items, strict=True)]  # noqa: E731
+    return stack(outputs), stack(grads)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_vmap_inside_use_equals_the_loop(config: Config) -> None:
+    generator = torch.Generator().manual_seed(1)
+    params, x, hx = _params(config, generator), _input(config, generator), _hx(config, generator)
+    expected, _ = _per_sample(config, x, hx, params, batched_params=False)
+    with registry.use():
+        got = _no_fallback(lambda: vmap(lambda sample: _call(config, sample, hx, params))(x))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_per_sample_gradients_inside_use_equal_the_loop(config: Config) -> None:
+    generator = torch.Generator().manual_seed(2)
+    params, x, hx = _params(config, generator), _input(config, generator), _hx(config, generator)
+    _, expected = _per_sample(config, x, hx, params, batched_params=False)
+
+    def loss(weights: list[torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
+        return _loss(_call(config, sample, hx, weights))
+
+    with registry.use():
+        got = _no_fallback(lambda: vmap(grad(loss), in_dims=(None, 0))(params, x))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("config", [CONFIGS[2], CONFIGS[3], CONFIGS[7]], ids=str)
+def test_ensemble_of_weights_and_states_inside_use_equals_the_loop(config: Config) -> None:
+    """Parameters and initial state batched too (an ensemble, one model per sample)."""
+    generator = torch.Generator().manual_seed(3)
+    params, x = _params(config, generator, batch=SAMPLES), _input(config, generator)
+    states = [_hx(config, generator) for _ in range(SAMPLES)]
+    hx = [torch.stack([s[k] for s in states]) for k in range(2)] if config.op == "lstm" else torch.stack(states)
+    expected_out, expected_grads = [], []
+    for b in range(SAMPLES):
+        sample_params = [p[b].clone().requires_grad_() for p in params]
+        result = _call(config, x[b], [h[b] for h in hx] if config.op == "lstm" else hx[b], sample_params)
+        expected_out.append(result[0].detach())
+        expected_grads.append(torch.autograd.grad(_loss(result), sample_params))
+
+    def loss(weights: list[torch.Tensor], sample: torch.Tensor, state) -> torch.Tensor:
+        return _loss(_call(config, sample, state, weights))
+
+    with registry.use():
+        out = _no_fallback(lambda: vmap(lambda w, s, h: _call(config, s, h, w)[0])(params, x, hx))
+        grads = _no_fallback(lambda: vmap(grad(loss))(params, x, hx))
+    torch.testing.assert_close(out, torch.stack(expected_out))
+    for g, e in zip(grads, zip(*expected_grads, strict=True), strict=True):
+        torch.testing.assert_close(g, torch.stack(e))
+
+
+@pytest.mark.parametrize("config", [CONFIGS[2], CONFIGS[3], CONFIGS[6], CONFIGS[9]], ids=str)
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd"])
+def test_jacobians_inside_use_equal_autograd(config: Config, transform: str) -> None:
+    """The Jacobian of the output in the input, row by row from torch.autograd outside any transform."""
+    generator = torch.Generator().manual_seed(4)
+    params, hx = _params(config, generator), _hx(config, generator)
+    x = _input(config, generator, batch=None)
+
+    def output(sample: torch.Tensor) -> torch.Tensor:
+        return _call(config, sample, hx, params)[0]
+
+    leaf = x.clone().requires_grad_()
+    out = output(leaf)
+    rows = [torch.autograd.grad(out.reshape(-1)[k], leaf, retain_graph=True)[0] for k in range(out.numel())]
+    expected = torch.stack(rows).reshape(*out.shape, *x.shape)
+    with registry.use():
+        got = _no_fallback(lambda: (jacrev if transform == "jacrev" else jacfwd)(output)(x))
+    torch.testing.assert_close(got, expected)
+
+
+# --- what PyTorch itself does, which the rules route around --------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["rnn_tanh", "rnn_relu", "gru", "lstm"])
+def test_pytorch_raises_under_vmap_outside_use(op: str) -> None:
+    config = Config(op)
+    generator = torch.Generator().manual_seed(5)
+    params, x, hx = _params(config, generator), _input(config, generator), _hx(config, generator)
+    with pytest.raises(RuntimeError, match=f"Batching rule not implemented for aten::{op}.input"):
+        vmap(lambda sample: _call(config, sample, hx, params))(x)
+
+
+@pytest.mark.parametrize("op", ["rnn_tanh", "gru", "lstm"])
+def test_pytorch_under_vmap_grad_outside_use(op: str) -> None:
+    """The aten ops raise a shape error inside their own decomposition."""
+    config = Config(op)
+    generator = torch.Generator().manual_seed(6)
+    params, x, hx = _params(config, generator), _input(config, generator), _hx(config, generator)
+    loss = lambda weights, sample: _loss(_call(config, sample, hx, weights))  # noqa: E731
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        vmap(grad(loss), in_dims=(None, 0))(params, x)
+
+
+def test_pytorch_lstm_module_loops_under_vmap_grad_outside_use() -> None:
+    """nn.LSTM with its zero initial state takes the mkldnn path on CPU: vmap's per-sample loop."""
+    module = nn.LSTM(FEATURES, H)
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    loss = lambda weights, sample: torch.func.functional_call(module, weights, (sample,))[0].sum()  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+        try:
+            vmap(grad(loss), in_dims=(None, 0))(params, torch.randn(SAMPLES, T, FEATURES))
+        finally:
+            torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    assert any("aten::mkldnn_rnn_layer" in str(w.message) for w in caught)
+
+
+def test_auto_keeps_native_outside_vmap_and_routes_under_it() -> None:
+    for op in ("rnn_tanh", "rnn_relu", "gru", "lstm"):
+        assert registry.select(op, stack="grad", policy="rules").kind == "native"
+        assert registry.select(op, stack="jacrev", policy="rules").kind == "native"
+        for stack in ("vmap", "vmap,grad", "jacfwd"):
+            decision = registry.select(op, stack=stack, batched=["input"], policy="rules")
+            assert (decision.composite, decision.kind) == ("unrolled", "functional"), (op, stack)
+
+
+def test_grad_inside_use_runs_pytorchs_own_op() -> None:
+    config = Config("gru")
+    generator = torch.Generator().manual_seed(7)
+    params, x, hx = _params(config, generator), _input(config, generator, batch=None), _hx(config, generator)
+    calls = registry.core.routing.KERNEL_CALLS.get("gru.input", 0)
+    with registry.use():
+        got = grad(lambda w: _loss(_call(config, x, hx, w)))(params)
+    assert registry.core.routing.KERNEL_CALLS["gru.input"] == calls + 1  # reached, decided native
+    leaves = [p.clone().requires_grad_() for p in params]
+    for g, e in zip(got, torch.autograd.grad(_loss(_call(config, x, hx, leaves)), leaves), strict=True):
+        torch.testing.assert_close(g, e)
+
+
+# --- dropout between layers ----------------------------------------------------------------------------------------
+
+
+def test_dropout_draws_what_pytorch_draws_outside_vmap() -> None:
+    config = Config("gru", num_layers=3, bidirectional=True)
+    generator = torch.Generator().manual_seed(8)
+    params, x, hx = _params(config, generator), _input(config, generator, batch=None), _hx(config, generator)
+    torch.manual_seed(11)
+    expected = _call(config, x, hx, params, dropout=0.5, train=True)
+    torch.manual_seed(11)
+    got = recurrent.gru_unrolled(x, hx, params, True, 3, 0.5, True, True, False)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_dropout_under_vmap_follows_vmaps_randomness() -> None:
+    config = Config("lstm", num_layers=2)
+    generator = torch.Generator().manual_seed(9)
+    params, x, hx = _params(config, generator), _input(config, generator), _hx(config, generator)
+    run = lambda sample: _call(config, sample, hx, params, dropout=0.5, train=True)[0]  # noqa: E731
+    with registry.use():
+        with pytest.raises(RuntimeError, match="vmap: called random operation while in randomness error mode"):
+            vmap(run)(x)
+        torch.manual_seed(12)
+        same = vmap(run, randomness="same")(x)
+        different = _no_fallback(lambda: vmap(run, randomness="different")(x))
+    # randomness="same": one mask for every sample, what a loop reseeding before each sample draws.
+    expected = []
+    for b in range(SAMPLES):
+        torch.manual_seed(12)
+        expected.append(_call(config, x[b], hx, params, dropout=0.5, train=True)[0])
+    torch.testing.assert_close(same, torch.stack(expected))
+    assert different.shape == same.shape and not torch.allclose(different, same)
+
+
+# --- packed sequences (.data) --------------------------------------------------------------------------------------
+
+LENGTHS = torch.tensor([4, 3, 3, 1])
+
+
+def _packed_module(op: str, bidirectional: bool) -> nn.Module:
+    torch.manual_seed(13)
+    kind = {"rnn_tanh": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}[op]
+    return kind(FEATURES, H, num_layers=2, bidirectional=bidirectional).double()
+
+
+@pytest.mark.parametrize("op", ["rnn_tanh", "gru", "lstm"])
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["one-way", "bidirectional"])
+def test_packed_sequences_under_vmap_equal_the_loop(op: str, bidirectional: bool) -> None:
+    """Packed outside vmap, the packed data batched, batch_sizes shared: nn.RNN/GRU/LSTM reach the .data overload."""
+    module = _packed_module(op, bidirectional)
+    generator = torch.Generator().manual_seed(14)
+    padded = torch.randn(SAMPLES, 4, len(LENGTHS), FEATURES, generator=generator, dtype=torch.float64)
+    packs = [pack_padded_sequence(padded[b], LENGTHS) for b in range(SAMPLES)]
+    batch_sizes = packs[0].batch_sizes
+    data = torch.stack([p.data for p in packs])
+    params = {name: p.detach() for name, p in module.named_parameters()}
+
+    def run(weights: dict[str, torch.Tensor], sample: torch.Tensor):
+        packed = torch.nn.utils.rnn.PackedSequence(sample, batch_sizes)
+        out, state = torch.func.functional_call(module, weights, (packed,))
+        return out.data, state[0] if op == "lstm" else state
+
+    def loss(weights: dict[str, torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
+        return _loss(run(weights, sample))
+
+    expected_out, expected_grads = [], []
+    for b in range(SAMPLES):
+        leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
+        result = run(leaves, data[b])
+        expected_out.append(tuple(o.detach() for o in result))
+        expected_grads.append(torch.autograd.grad(_loss(result), list(leaves.values())))
+    with pytest.raises(RuntimeError, match=f"Batching rule not implemented for aten::{op}.data"):
+        vmap(run, in_dims=(None, 0))(params, data)
+    with registry.use():
+        out = _no_fallback(lambda: vmap(run, in_dims=(None, 0))(params, data))
+        grads = _no_fallback(lambda: vmap(grad(loss), in_dims=(None, 0))(params, data))
+    for g, e in zip(out, zip(*expected_out, strict=True), strict=True):
+        torch.testing.assert_close(g, torch.stack(e))
+    for name, e in zip(params, zip(*expected_grads, strict=True), strict=True):
+        torch.testing.assert_close(grads[name], torch.stack(e))
+
+
+def test_packed_composite_equals_native_outside_transforms() -> None:
+    config = Config("lstm", num_layers=2, bidirectional=True, proj_size=2)
+    generator = torch.Generator().manual_seed(15)
+    params = _params(config, generator)
+    hx = [torch.randn(4, len(LENGTHS), 2, generator=generator, dtype=torch.float64),
+          torch.randn(4, len(LENGTHS), H, generator=generator, dtype=torch.float64)]
+    padded = torch.randn(4, len(LENGTHS), FEATURES, generator=generator, dtype=torch.float64)
+    packed = pack_padded_sequence(padded, LENGTHS)
+    expected = aten.lstm.data(packed.data, packed.batch_sizes, hx, params, True, 2, 0.0, False, True)
+    got = recurrent.lstm_unrolled_packed(packed.data, packed.batch_sizes, hx, params, True, 2, 0.0, False, True)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+# --- bad input gets a clear error ----------------------------------------------------------------------------------
+
+
+def test_wrong_parameter_count_says_what_is_expected() -> None:
+    config = Config("gru", num_layers=2)
+    generator = torch.Generator().manual_seed(16)
+    params, x, hx = _params(config, generator)[:-1], _input(config, generator), _hx(config, generator)
+    with registry.use(), pytest.raises(ValueError) as raised:
+        vmap(lambda sample: _call(config, sample, hx, params))(x)
+    assert str(raised.value) == ("gru: got 7 parameter tensors for 2 layer(s), one direction, has_biases=True: "
+                                 "expected 8, as nn.RNN, nn.GRU and nn.LSTM pass their _flat_weights")
