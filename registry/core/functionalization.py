@@ -114,7 +114,9 @@ def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     return torch.get_rng_state(), cuda
 
 
-def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None] | None) -> None:
+    if state is None:  # nothing random could run
+        return
     cpu, cuda = state
     torch.set_rng_state(cpu)
     if cuda is not None:
@@ -183,23 +185,26 @@ def _mask_message(error: BaseException) -> str:
             f"PyTorch's refusal: {str(error).splitlines()[0]}")
 
 
-def _flat_vmap(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _flat_vmap(func: Callable[..., Any], batch_size: int, flat_in_dims: list[int | None], flat_args: list[Any],
+               args_spec: Any, out_dims: Any, randomness: str, **kwargs: Any) -> Any:
     """vmap's implementation, functionalizing the level where an in-place write into a fresh buffer needs it."""
+    args = (batch_size, flat_in_dims, flat_args, args_spec, out_dims, randomness)
     if torch.compiler.is_compiling() or not _active or not _active[0]():
         # Dynamo traces vmap's Python (it cannot trace a retry); outside use(): PyTorch's vmap.
         return _original_flat_vmap(func, *args, **kwargs)
-    key = function_key(func)
-    state = _rng_state()
-    remembered = key in FUNCTIONALIZED
+    # The key is computed only where something is remembered or a run failed (about 5 us); the random state is saved
+    # only where a random op can run: in randomness="error" mode vmap refuses every one (about 3 us).
+    remembered = bool(FUNCTIONALIZED) and function_key(func) in FUNCTIONALIZED
+    state = None if randomness == "error" else _rng_state()
     try:
         if remembered:
             return _original_flat_vmap(_functionalizing(func), *args, **kwargs)
         return _original_flat_vmap(func, *args, **kwargs)
     except RuntimeError as error:
         failure = error
-    if isinstance(failure, BooleanMaskError) or (not remembered and MASK_REFUSAL in str(failure)):
-        if isinstance(failure, BooleanMaskError):
-            raise failure
+    if isinstance(failure, BooleanMaskError):  # an inner level's, already saying where
+        raise failure
+    if MASK_REFUSAL in str(failure):
         raise BooleanMaskError(_mask_message(failure)) from failure
     if remembered:
         if OUTSIDE_REFUSAL in str(failure) or _is_write_refusal(failure):
@@ -220,7 +225,7 @@ def _flat_vmap(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not _functionalization_failed(retry) or (not _is_write_refusal(failure) and _may_be_write_refusal(retry)):
             raise  # an error of the function itself, which the first run did not reach
         raise OutsideWriteError(_outside_write_message(failure, retry)) from failure
-    FUNCTIONALIZED.add(key)
+    FUNCTIONALIZED.add(function_key(func))
     return result
 
 
