@@ -22,12 +22,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from registry.core.ratios import MIN_NOISE, ratio_text
+
 # A context whose rounds spread more than this (IQR over median, any composite) was disturbed: it is re-measured.
 SPREAD_LIMIT = 0.20
 # Native's median this many times above or below its earlier profile on the same key: re-measured too.
 NATIVE_DRIFT_LIMIT = 1.5
-# The least relative difference that counts as a difference when two timings are compared (the floor of "noise").
-MIN_NOISE = 0.05
 ROUNDS = 5
 # The leader of a ranking must be faster than the runner-up in at least this share of the rounds they share.
 WIN_SHARE = 0.75
@@ -154,11 +154,3 @@ def unstable(timings: Mapping[str, Timed]) -> list[str]:
 def noise(*timings: Timed) -> float:
     """The relative difference below which two of these timings are not told apart."""
     return max([MIN_NOISE, *(t.spread for t in timings)])
-
-
-def ratio_text(ratio: float, other: str) -> str:
-    """``time / other's time`` in words that never say "0.62x faster": "1.61x slower than X" or "1.61x faster
-    than X" (a ratio under 1 is faster)."""
-    if ratio <= 1:
-        return f"{1 / ratio:.2f}x faster than {other}"
-    return f"{ratio:.2f}x slower than {other}"

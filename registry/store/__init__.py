@@ -1,6 +1,4 @@
-"""Storage: the matrix and profile tables (SQLAlchemy) and the evidence the selector reads from them."""
-
-# The survey's and the conformance suite's tables are defined on the same metadata; importing them here means every
-# Store() creates them too.
-from registry.store import conformance as _conformance  # noqa: F401
-from registry.store import survey as _survey  # noqa: F401
+"""Storage: the matrix, profile and survey tables (SQLAlchemy), their migrations, and the evidence source the selector
+reads them through. Importing this package imports no SQLAlchemy: ``registry.store.evidence`` and
+``registry.store.connection`` load it only when a store is opened.
+"""

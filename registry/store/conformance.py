@@ -1,8 +1,8 @@
 """The conformance table: one row per covered op, op_db entry, check, dtype and torch version, with how many cases
 passed natively and inside ``registry.use()`` (``registry.harness.conformance``).
 
-Defined on ``registry.store.db``'s metadata like the survey's table, so ``Store()`` creates it with the others (this
-package's ``__init__`` imports this module); revision 0004 adds it to an existing store.
+Defined on ``registry.store.db``'s metadata like the survey's table, so ``Store()`` creates it with the others (the
+migrations' ``env.py`` imports this module); revision 0004 adds it to an existing store.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Any
 
 from sqlalchemy import Column, Integer, String, Table, Text, UniqueConstraint, select
 
-from registry.store.db import Store, _metadata, upsert
+from registry.store.db import METADATA, Store, upsert
 
 COUNTS = ("cases", "native_passed", "use_passed", "newly_passing", "newly_failing", "degenerate_cases")
 
 conformance_results = Table(
     "conformance_results",
-    _metadata,
+    METADATA,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("torch_version", String(100), nullable=False),
     Column("op", String(200), nullable=False, index=True),  # the covered op

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import registry
-from registry.harness.verify import source_hashes
+from registry.core.sources import source_hashes
 from registry.profiling import noise
 from registry.profiling.timing import profile
 from registry.store import evidence

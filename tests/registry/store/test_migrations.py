@@ -19,7 +19,8 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, make_url, text
 
 from registry.store import migrate
-from registry.store.db import ProfileEntry, SchemaError, Store, _metadata, safe_url
+from registry.store.connection import SchemaError
+from registry.store.db import METADATA, ProfileEntry, Store, safe_url
 from registry.store.migrate import MIGRATION_LOCK_KEY
 from service.cli import main
 from tests.registry.store.test_store import entry
@@ -142,7 +143,7 @@ def test_a_fresh_store_has_exactly_the_schema_of_the_models(empty_url: str) -> N
     engine = create_engine(empty_url)
     try:
         with engine.connect() as conn:
-            differences = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), _metadata)
+            differences = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), METADATA)
     finally:
         engine.dispose()
     if empty_url.startswith("sqlite"):
