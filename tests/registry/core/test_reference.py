@@ -13,7 +13,7 @@ import torch
 
 import registry
 from registry.core import reference, selector
-from registry.harness.verify import source_hashes
+from registry.core.sources import source_hashes
 from registry.store import evidence
 from registry.store.db import ProfileEntry
 
@@ -52,7 +52,8 @@ def test_the_reference_ranks_the_valid_composites_where_nothing_was_measured(
     assert decision.reason == (
         "primitive is the fastest valid composite under vmap(grad) with self, mask, source batched in the reference "
         "profiles shipped with the package (2.25x faster than functional; vmap(grad), batch 256 x 1000 elements, "
-        "measured on a test machine); no profile of this machine here: `multicomposite profile` measures one.")
+        "measured on a test machine); no profile of this machine here: `multicomposite profile` measures one "
+        "(unverified: no measurement yet, the reference profiles decide).")
 
 
 def test_an_invalid_composite_is_never_chosen_however_fast_its_reference(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,7 +83,13 @@ def test_matrix_catches_each_and_auto_avoids_them(bad_composites) -> None:
                         pins={"masked_fill": "test-wrong"})
 
 
-def test_auto_cites_measured_evidence() -> None:
+def test_auto_cites_measured_evidence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from registry.core import reference, selector
+
+    # The rules rank the valid composites here, not the shipped reference profiles (tests/registry/core/
+    # test_reference.py covers those).
+    monkeypatch.setattr(reference, "PATH", tmp_path / "no_reference_profiles.json")
+    selector.clear_cache()
     entry = verify(ops=["index_fill"], stacks=["vmap"], dtypes=(torch.float32,), composites=["native"])
     evidence.set_entries(entry)
     try:
