@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 import sqlite3
 import threading
@@ -40,15 +39,19 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Row, make_url
 from sqlalchemy.exc import OperationalError
 
+from registry.core.messages import first_line
 from registry.core.stacks import format_stack, split_stack
+from registry.core.status import STATUSES
+from registry.store.connection import (
+    StoreUnavailableError,
+    default_url,
+    sqlite_pragmas,
+)
 
-STATUSES: tuple[str, ...] = ("ok", "slow", "error", "mismatch", "unsupported")
 # cancelling: a running job asked to stop; its runner stops at the next case boundary and marks it cancelled.
 JOB_STATES: tuple[str, ...] = ("queued", "running", "cancelling", "done", "failed", "cancelled", "interrupted")
 ACTIVE_JOB_STATES: tuple[str, ...] = ("running", "cancelling")  # a runner has it
 FINISHED_JOB_STATES: tuple[str, ...] = ("done", "failed", "cancelled", "interrupted")
-ENV_VAR = "MULTICOMPOSITE_DB"
-BUSY_TIMEOUT_MS = 30_000
 CHECK_TIMEOUT_S = 5.0  # a readiness check waits this long for a lock, not a writer's 30 s
 
 
@@ -72,10 +75,10 @@ class MatrixEntry:
     measured_at: float | None = None  # when the harness judged it, epoch seconds (UTC); None in rows before 0003
 
 
-_metadata = MetaData()
+METADATA = MetaData()
 _matrix = Table(
     "matrix_entries",
-    _metadata,
+    METADATA,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("op", String(200), nullable=False, index=True),
     Column("composite", String(200), nullable=False),
@@ -122,7 +125,7 @@ class ProfileEntry:
 
 _profiles = Table(
     "profiles",
-    _metadata,
+    METADATA,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("op", String(200), nullable=False, index=True),
     Column("composite", String(200), nullable=False),
@@ -154,7 +157,7 @@ _PROFILE_KEY = ("op", "composite", "workload", "dtype", "device", "device_name",
 # value it last loaded at, one indexed read, instead of reloading the tables to see whether anything changed.
 _meta = Table(
     "store_meta",
-    _metadata,
+    METADATA,
     Column("key", String(100), primary_key=True),
     Column("value", BigInteger, nullable=False),
 )
@@ -164,7 +167,7 @@ GENERATION = "generation"
 
 _jobs = Table(
     "jobs",
-    _metadata,
+    METADATA,
     Column("id", String(64), primary_key=True),
     Column("kind", String(50), nullable=False),
     Column("params", Text, nullable=False),  # JSON
@@ -183,7 +186,7 @@ _jobs = Table(
 # Benchmarking runs (profile, verify), so that a profile can tell whether another process ran while it timed.
 _runs = Table(
     "bench_runs",
-    _metadata,
+    METADATA,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("kind", String(50), nullable=False),
     Column("host", String(300), nullable=False),
@@ -241,24 +244,12 @@ def process_alive(owner: str) -> bool:
     return True
 
 
-class StoreUnavailableError(RuntimeError):
-    """The store cannot be opened or read: a missing folder, a file that is not a database, a server down."""
-
-
-class SchemaError(StoreUnavailableError):
-    """The store's schema is not the one this code needs, and it was not (or cannot be) migrated on opening."""
-
-
 def safe_url(url: str) -> str:
     """``url`` with its password masked (``***``): what messages and logs may show of a server URL."""
     try:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # not a URL SQLAlchemy can parse: nothing in it to hide that we could find
         return url
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
 
 
 def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], key: tuple[str, ...]) -> None:
@@ -281,17 +272,6 @@ def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], key: tupl
     key_match = and_(*(table.c[name] == bindparam(f"k_{name}") for name in key))
     conn.execute(table.delete().where(key_match), [{f"k_{name}": row[name] for name in key} for row in rows])
     conn.execute(table.insert(), rows)
-
-
-def default_url() -> str:
-    """``$MULTICOMPOSITE_DB`` if set, else a SQLite file in the user data dir (created if missing)."""
-    url = os.environ.get(ENV_VAR)
-    if url:
-        return url
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    folder = Path(base) / "multicomposite"
-    folder.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{folder / 'multicomposite.db'}"
 
 
 def _encode_stack(stack: tuple[str, ...]) -> str:
@@ -379,29 +359,6 @@ def _profile_from_row(row: Row[Any]) -> ProfileEntry:
     return ProfileEntry(**{**values, "stack": _decode_stack(values["stack"]), "valid": bool(values["valid"])})
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        # WAL lets readers proceed while a writer commits and keeps the file consistent if a writer is killed.
-        # Switching a new file to WAL while another connection holds its lock fails at once (SQLite calls no busy
-        # handler there): two processes creating one store together. Retry until the other is done.
-        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
-        while True:
-            attempt = dbapi_connection.cursor()
-            try:
-                attempt.execute("PRAGMA journal_mode=WAL")
-                break
-            except sqlite3.OperationalError:
-                if time.monotonic() > deadline:
-                    raise
-            finally:
-                attempt.close()  # a failed statement left open keeps its shared lock: the other waiter would wait too
-            time.sleep(0.05 + random.random() * 0.05)
-    finally:
-        cursor.close()
-
-
 class Store:
     """The compatibility matrix in a SQL database (SQLite by default)."""
 
@@ -422,7 +379,7 @@ class Store:
         self.engine: Engine = create_engine(self.url, **options)
         self._sqlite = self.engine.dialect.name == "sqlite"
         if self._sqlite:
-            event.listen(self.engine, "connect", _sqlite_pragmas)
+            event.listen(self.engine, "connect", sqlite_pragmas)
         if create:
             from registry.store.migrate import ensure_current
 
@@ -445,7 +402,7 @@ class Store:
                 yield conn
         except OperationalError as error:
             raise StoreUnavailableError(f"the store at {self.display_url} cannot be read: {type(error).__name__}: "
-                                        f"{_first_line(error)}") from error
+                                        f"{first_line(error)}") from error
 
     @contextmanager
     def _writing(self) -> Iterator[Connection]:
@@ -459,7 +416,7 @@ class Store:
                 yield conn
                 stage = "commit"
         except OperationalError as error:
-            cause = f"{type(error).__name__}: {_first_line(error)}"
+            cause = f"{type(error).__name__}: {first_line(error)}"
             if stage == "commit":
                 raise StoreUnavailableError(f"the store at {self.display_url} failed while committing a write "
                                             f"({cause}); whether it was stored is unknown, read it back once the "
@@ -494,7 +451,7 @@ class Store:
             raise
         except Exception as error:  # any driver error is the answer
             raise StoreUnavailableError(f"the store at {self.display_url} cannot be read: {type(error).__name__}: "
-                                        f"{_first_line(error)}") from error
+                                        f"{first_line(error)}") from error
 
     def _sqlite_path(self) -> str | None:
         """The SQLite file's path, or None (a server store, an in-memory one, a ``file:`` URI)."""
@@ -541,7 +498,7 @@ class Store:
             if getattr(error, "sqlite_errorname", "") == "SQLITE_NOTADB":
                 raise StoreUnavailableError(f"the store file {path} is not a SQLite database (bad header)") from None
             raise StoreUnavailableError(f"the store at {self.display_url} cannot be read: {type(error).__name__}: "
-                                        f"{_first_line(error)}") from None
+                                        f"{first_line(error)}") from None
         finally:
             fresh.close()
 
