@@ -9,7 +9,7 @@ import torch
 from fastapi.testclient import TestClient
 
 import registry
-from registry.harness.verify import source_hashes
+from registry.core.sources import source_hashes
 from registry.store.db import MatrixEntry, ProfileEntry, Store
 
 # Each test that uses a store runs on SQLite and on PostgreSQL (tests/service/conftest.py).
