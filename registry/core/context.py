@@ -37,8 +37,8 @@ class Context:
     dtype: torch.dtype | None = None
     device: str | None = None
     numel: int | None = None
-    # False when, at some vmap level, another tensor argument is batched and ``self`` is not: writing that argument
-    # into a clone of ``self`` in place cannot work there.
+    # False when, at some vmap level, another tensor argument is batched and ``self`` is not (and no functionalize
+    # layer inside that level makes the write out of place): writing that argument into ``self`` cannot work there.
     self_covers_batching: bool = True
     tensors: tuple[str, ...] = ("self",)  # which arguments are tensors (``value`` may be a Python number)
 
@@ -121,7 +121,10 @@ def context_of(
         levels = {name: frozenset(vmap_levels(t)) for name, t in tensor_args.items()}
         batched = tuple(name for name, lv in levels.items() if innermost in lv)
         self_levels = levels.get("self", frozenset())
-        covers = all(lv <= self_levels for lv in levels.values())
+        # A functionalize layer inside a vmap level turns the in-place write into an out-of-place one before that
+        # level sees it: self need not be batched there.
+        functionalized = max((level for name, level in functorch if name == "functionalize"), default=-1)
+        covers = all(level < functionalized for lv in levels.values() for level in lv - self_levels)
     return Context(
         stack=stack,
         batched=batched,

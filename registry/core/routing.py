@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch._C._functorch import maybe_current_level
 
-from registry.core import dynamic
+from registry.core import control_flow, dynamic, functionalization
 from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
 from registry.core.model import KINDS, Op, Overload
 from registry.core.ops import OPS, ORIGINAL, aten_schema
@@ -327,6 +327,8 @@ def register_kernels() -> None:
         if not _libraries:
             library = torch.library.Library("aten", "IMPL")
             dynamic.register(library, _routing_on, _refusing)
+            control_flow.register(library, _routing_on)
+            functionalization.install(_routing_on)
             torch.Tensor.contiguous = _contiguous  # type: ignore[method-assign]
             _libraries.append(library)  # every Library object stays alive: dropping one unregisters its kernels
         else:
@@ -361,7 +363,8 @@ def _register_routing(ops: list[Op]) -> None:
     if _backend[0] == "cpp":
         from registry.core import routing_cpp
 
-        assert _cpp is not None
+        if _cpp is None:
+            raise RuntimeError("routing: the C++ backend is active but its kernels are not loaded; report this bug")
         routing_cpp.register(_cpp, ops)
         _set_frame = _cpp.set_frame
         return
@@ -416,8 +419,7 @@ def set_routing_backend(backend: str) -> None:
             _cpp = module
             if module.clear not in CACHE_LISTENERS:
                 CACHE_LISTENERS.append(module.clear)
-        else:
-            assert _cpp is not None
+        elif _cpp is not None:
             _cpp.unregister_all()
             _cpp.set_frame(0)
             _cpp.clear()

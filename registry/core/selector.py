@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from registry.core import evidence, rules
+from registry.core import evidence, reference, rules
 from registry.core.context import Context
 from registry.core.model import KINDS, Composite
 from registry.core.ops import OPS
@@ -213,6 +213,11 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
             return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
                             alternatives=_alternatives(judged, chosen), context=ctx, policy=policy,
                             speedup=speedup, runner_up_speedup=runner_up_speedup)
+        shipped = _reference_choice(op, ctx, policy, chosen, valid)
+        if shipped is not None:
+            chosen, reason = shipped
+            return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
+                            alternatives=_alternatives(judged, chosen), context=ctx, policy=policy)
         if chosen.kind == "native":
             reason = f"PyTorch's own {op} has no known problem under {where}"
         elif skipped:
@@ -231,6 +236,36 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
 
     return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
                     alternatives=_alternatives(judged, chosen), context=ctx, policy=policy)
+
+
+def _reference_choice(op: str, ctx: Context, policy: str, chosen: Composite, valid: Judged,
+                      ) -> tuple[Composite, str] | None:
+    """Where no local profile speaks: the fastest valid composite in the shipped reference profiles, when it is
+    faster than the rules' choice there by more than ``reference.MIN_GAP``; None keeps the rules' choice."""
+    if policy not in ("auto", "fastest"):
+        return None
+    found = reference.reference_times(op, ctx.stack, None if ctx.dtype is None
+                                      else str(ctx.dtype).removeprefix("torch."))
+    if found is None:
+        return None
+    ranked = sorted((found.times_us[c.name], c.name) for c, _ in valid if c.name in found.times_us)
+    if not ranked or ranked[0][1] == chosen.name:
+        return None
+    fastest_us, fastest = ranked[0]
+    rules_us = found.times_us.get(chosen.name)
+    if rules_us is not None and rules_us <= fastest_us * (1 + reference.MIN_GAP):
+        return None
+    versus = (f"{_ratio_text(fastest_us / rules_us, chosen.name)}" if rules_us is not None
+              else f"{chosen.name} was not timed there")
+    return COMPOSITES[op][fastest], (
+        f"{fastest} is the fastest valid composite under {_describe(ctx)} in the reference profiles shipped with "
+        f"the package ({versus}; {found.workload}, batch {found.batch} x {found.numel} elements, measured on "
+        f"{found.machine}); no profile of this machine here: `multicomposite profile` measures one")
+
+
+def _ratio_text(ratio: float, other: str) -> str:
+    """``time / other's time`` as "1.61x faster than X" or "1.61x slower than X"."""
+    return f"{1 / ratio:.2f}x faster than {other}" if ratio <= 1 else f"{ratio:.2f}x slower than {other}"
 
 
 def _alternatives(judged: Judged, chosen: Composite) -> tuple[Verdict, ...]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from torch import func
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from registry.core.dynamic import REFUSAL_PHRASE
 from registry.core.messages import described
@@ -194,6 +194,19 @@ def _vary(tensor: torch.Tensor, b: int, generator: torch.Generator) -> torch.Ten
     return flat[torch.randperm(flat.numel(), generator=generator)].reshape(tensor.shape).clone()
 
 
+# Integer keyword arguments whose validity is their order: embedding_bag's offsets must not decrease. Their per-sample
+# permutation is sorted again (the same values as OpInfo's: nothing varies, and the other leaves' draws stay put).
+ORDERED_ARGUMENTS = frozenset({"offsets"})
+
+
+def _ordered_leaves(sample: Any) -> frozenset[int]:
+    """Positions, among the flattened leaves of (input, args, kwargs), of the tensors passed as ORDERED_ARGUMENTS."""
+    leaves, _ = tree_flatten_with_path((sample.input, sample.args, sample.kwargs))
+    return frozenset(i for i, (path, leaf) in enumerate(leaves)
+                     if isinstance(leaf, torch.Tensor) and not leaf.dtype.is_floating_point and len(path) == 2
+                     and getattr(path[0], "idx", None) == 2 and getattr(path[1], "key", None) in ORDERED_ARGUMENTS)
+
+
 def _clone_leaf(value: Any) -> Any:
     # Ops such as batch_norm update a non-batched argument (running statistics) in place: every call gets copies.
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
@@ -221,8 +234,10 @@ class SurveyCase:
         self.layouts = {self.leaves[i].layout for i in tensors}
         generator = torch.Generator().manual_seed(seed)
         strided = self.layouts == {torch.strided}
+        ordered = _ordered_leaves(sample)
         self.per_sample: list[tuple[torch.Tensor, ...]] = [
-            tuple(_vary(self.leaves[i], b, generator) if strided else self.leaves[i] for i in self.batched)
+            tuple((_vary(self.leaves[i], b, generator).sort().values if i in ordered else
+                   _vary(self.leaves[i], b, generator)) if strided else self.leaves[i] for i in self.batched)
             for b in range(batch)
         ]
         self.tangents: list[tuple[torch.Tensor, ...]] = [
@@ -496,6 +511,8 @@ def compare(actual: Any, expected: Any, dtype: torch.dtype, where: str = "output
     if isinstance(expected, torch.Tensor):
         if not isinstance(actual, torch.Tensor):
             return Outcome("mismatch", f"{where}: expected a tensor, got {type(actual).__name__}")
+        # A sparse gradient (embedding_bag(sparse=True)'s reference) is compared by value: torch.func's are dense.
+        actual, expected = (t.to_dense() if t.layout != torch.strided else t for t in (actual, expected))
         if actual.shape != expected.shape:
             return Outcome("mismatch", f"{where}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
         if actual.dtype != expected.dtype:

@@ -268,12 +268,15 @@ def profile(
     reference is stored invalid, untimed.
 
     The valid composites of a context are timed in ``rounds`` interleaved rounds (``noise.interleaved``); the two
-    fastest get as many rounds again, side by side, before they are ranked. A context whose rounds spread more than
-    ``noise.SPREAD_LIMIT`` (IQR over median), or whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times off its
-    ``earlier`` profile (default: the store's), is re-measured up to ``retries`` times (its entries say so in
-    ``detail``); one still disturbed after that is not returned at all, so it is never stored, and ``refused`` (if
-    given, else a RuntimeWarning) gets a line saying why. ``spread_limit=math.inf`` keeps every timing (tests of
-    what is stored).
+    fastest get as many rounds again, side by side, before they are ranked. They are ranked by their per-round ratios
+    to the fastest (``noise.relative``: what is stored is the fastest one's median times each one's median ratio,
+    with the ratio's spread), so a load on the machine that every composite of a round shares moves no decision. A
+    context whose ranking is unstable (``noise.unstable``: the two fastest told apart by the median ratio, yet the
+    leader faster in fewer than ``noise.WIN_SHARE`` of their rounds) is re-measured up to ``retries`` times, and one
+    whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times off its ``earlier`` profile (default: the store's) once
+    (its entries say so in ``detail``); one still unstable after that is not returned at all, so it is never stored,
+    and ``refused`` (if given, else a RuntimeWarning) gets a line saying why and what to change.
+    ``spread_limit=math.inf`` keeps every timing (tests of what is stored).
     """
     load()
     op_names = list(ops) if ops is not None else list(COMPOSITES)
@@ -333,12 +336,11 @@ def profile(
         timed, notes = _measure(runners, native_name, earlier_us, rounds=rounds, retries=retries,
                                 min_run_time=min_run_time, clock=clock, device=device, spread_limit=spread_limit)
         if timed is None:
-            line = f"{label}: not stored, still disturbed after {retries} re-measurements ({'; '.join(notes[-1:])})"
+            line = f"{label}: not stored, still unstable after {retries} re-measurements ({'; '.join(notes[-1:])})"
             if refused is not None:
                 refused.append(line)
             else:  # nobody collects them: say so, or an empty profile run would look like success
-                warnings.warn(f"profile: {line}; re-run on a quieter machine or with a longer min_run_time",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(f"profile: {line}", RuntimeWarning, stacklevel=2)
             entries.extend(context)
             continue
         detail = f"re-measured {len(notes)}x: {'; '.join(notes)}" if notes else ""
@@ -380,12 +382,14 @@ def _measure(runners: dict[str, Callable[[], Any]], native: str | None, earlier_
         if len(top) == 2:
             noise.interleaved({t.name: runners[t.name] for t in top}, rounds=rounds, clock=clock,
                               min_run_time=min_run_time, timed={t.name: t for t in top})
-        reasons = noise.disturbed(timed, native=native, earlier_native_us=earlier_native_us,
-                                  spread_limit=spread_limit)
-        spread_reasons = [r for r in reasons if not r.startswith("native ")]
-        if not reasons or (attempt > 0 and not spread_reasons):
-            # Native far from its earlier profile, twice, with a quiet spread: the earlier profile was the odd one.
-            return timed, notes
+        # Ranked by per-round ratios (noise.relative): a load that every composite of a round shares moves none
+        # of them. Native far from its earlier profile is re-measured once (the earlier profile may be the odd
+        # one); only a ranking that stays unstable is refused.
+        ranking = noise.unstable(timed) if spread_limit != math.inf else []
+        drift = noise.disturbed(timed, native=native, earlier_native_us=earlier_native_us, spread_limit=math.inf)
+        reasons = ranking + drift
+        if not ranking and (not drift or attempt > 0):
+            return noise.relative(timed), notes
         if attempt == retries:
             notes.append("; ".join(reasons))
             return None, notes

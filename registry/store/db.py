@@ -48,7 +48,9 @@ from registry.store.connection import (
     sqlite_pragmas,
 )
 
-JOB_STATES: tuple[str, ...] = ("queued", "running", "done", "failed", "cancelled", "interrupted")
+# cancelling: a running job asked to stop; its runner stops at the next case boundary and marks it cancelled.
+JOB_STATES: tuple[str, ...] = ("queued", "running", "cancelling", "done", "failed", "cancelled", "interrupted")
+ACTIVE_JOB_STATES: tuple[str, ...] = ("running", "cancelling")  # a runner has it
 FINISHED_JOB_STATES: tuple[str, ...] = ("done", "failed", "cancelled", "interrupted")
 CHECK_TIMEOUT_S = 5.0  # a readiness check waits this long for a lock, not a writer's 30 s
 
@@ -615,19 +617,41 @@ class Store:
         with self._writing() as conn:
             conn.execute(_jobs.insert(), [_job_row(job)])
 
-    def update_job(self, job_id: str, **values: Any) -> None:
+    def update_job(self, job_id: str, *, if_state: Iterable[str] | None = None, **values: Any) -> bool:
+        """Write ``values`` into job ``job_id``'s row, only while its state is one of ``if_state`` when given;
+        whether a row was written."""
         if "result" in values and values["result"] is not None:
             values["result"] = json.dumps(values["result"])
         values["updated_at"] = time.time()
+        query = update(_jobs).where(_jobs.c.id == job_id)
+        if if_state is not None:
+            query = query.where(_jobs.c.state.in_(list(if_state)))
         with self._writing() as conn:
-            conn.execute(update(_jobs).where(_jobs.c.id == job_id).values(**values))
+            return bool(conn.execute(query.values(**values)).rowcount)
+
+    def start_job(self, job_id: str, owner: str) -> JobRecord | None:
+        """``queued`` -> ``running`` for ``owner``, in one statement (a cancel cannot slip in between the check and
+        the write); the job as started, or None if it was not queued (cancelled, deleted, taken). A job ``owner``
+        runs already counts as started: a retry after a commit whose outcome was unknown."""
+        now = time.time()
+        with self._writing() as conn:
+            mine = and_(_jobs.c.state == "running", _jobs.c.owner == owner)
+            conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "queued")
+                         .values(state="running", owner=owner, started_at=now, updated_at=now))
+            row = conn.execute(select(_jobs).where(_jobs.c.id == job_id, mine)).first()
+        return _job_from_row(row) if row is not None else None
 
     def cancel_job(self, job_id: str) -> JobRecord | None:
-        """Cancel ``job_id`` if it is still queued (one statement: a worker cannot start it in between)."""
+        """Cancel ``job_id``: a queued one at once (one statement: a runner cannot start it in between), a running
+        one is marked ``cancelling`` and its runner stops it at the next case boundary. Returns the job as it is
+        now (None if there is none); a finished one is unchanged."""
         now = time.time()
         with self._writing() as conn:
             conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "queued")
-                         .values(state="cancelled", finished_at=now, updated_at=now))
+                         .values(state="cancelled", error="cancelled before it started", finished_at=now,
+                                 updated_at=now))
+            conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "running")
+                         .values(state="cancelling", updated_at=now))
         return self.job(job_id)
 
     def job(self, job_id: str) -> JobRecord | None:
@@ -651,18 +675,23 @@ class Store:
                     conn.execute(select(_jobs.c.state, func.count()).group_by(_jobs.c.state))}
 
     def recover_jobs(self, owner: str) -> tuple[list[str], list[JobRecord]]:
-        """After a restart: jobs left ``running`` by a process that is gone become ``interrupted`` (with the reason);
-        ``queued`` jobs of a gone process pass to ``owner``. Returns (interrupted ids, queued jobs to run)."""
+        """After a restart: jobs left ``running`` by a process that is gone become ``interrupted`` (with the reason),
+        ``cancelling`` ones ``cancelled``; ``queued`` jobs of a gone process pass to ``owner``. Returns (interrupted
+        ids, queued jobs to run)."""
         now = time.time()
         interrupted, adopted = [], []
         with self._writing() as conn:
             # FOR UPDATE (PostgreSQL): two servers recovering at once do not both adopt a job.
-            pending = select(_jobs).where(_jobs.c.state.in_(("running", "queued"))).with_for_update()
+            pending = select(_jobs).where(_jobs.c.state.in_(("queued", *ACTIVE_JOB_STATES))).with_for_update()
             for row in conn.execute(pending).all():
                 job = _job_from_row(row)
                 if job.owner == owner or process_alive(job.owner):
                     continue
-                if job.state == "running":
+                if job.state == "cancelling":  # asked to stop, and it did: with its process
+                    conn.execute(update(_jobs).where(_jobs.c.id == job.id).values(
+                        state="cancelled", error=f"cancelled while running, at {job.done}/{job.total}",
+                        finished_at=now, updated_at=now))
+                elif job.state == "running":
                     reason = (f"interrupted: the server running it ({job.owner}) stopped before it finished, at "
                               f"{job.done}/{job.total}; submit it again")
                     conn.execute(update(_jobs).where(_jobs.c.id == job.id).values(

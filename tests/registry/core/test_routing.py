@@ -171,15 +171,17 @@ def test_inplace_variants_under_vmap_with_batched_self(name, inplace, fallback_w
     torch.testing.assert_close(batched, _loop(f, x, mask, source))
 
 
-def test_inplace_into_unbatched_self_raises_like_pytorch() -> None:
-    """Writing a batched value into an unbatched tensor in place cannot work: the same error inside use()."""
+def test_inplace_into_unbatched_fresh_buffer_runs_functionalized() -> None:
+    """Writing a batched value into an unbatched fresh buffer in place: PyTorch refuses; inside use() the level runs
+    functionalized (registry.core.functionalization) and equals the per-sample loop."""
     base, index = torch.zeros(5), torch.tensor([1])
+    values = torch.randn(3)
     with pytest.raises(RuntimeError) as native:
-        func.vmap(lambda v: base.clone().index_fill_(0, index, v))(torch.randn(3))
-    with registry.use(), pytest.raises(RuntimeError) as routed:
-        func.vmap(lambda v: base.clone().index_fill_(0, index, v))(torch.randn(3))
-    assert str(routed.value) == str(native.value)
+        func.vmap(lambda v: base.clone().index_fill_(0, index, v))(values)
     assert str(native.value).startswith("vmap: index_fill_(self, *extra_args) is not possible")
+    with registry.use():
+        routed = func.vmap(lambda v: base.clone().index_fill_(0, index, v))(values)
+    torch.testing.assert_close(routed, torch.stack([base.clone().index_fill_(0, index, v) for v in values]))
 
 
 def test_vmap_grad_masked_scatter_has_no_backward_fallback(fallback_warnings) -> None:

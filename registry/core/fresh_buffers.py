@@ -1,0 +1,141 @@
+"""Inside an automatically functionalized region: buffers made from outside tensors become functional too.
+
+``functionalize`` wraps the function's arguments and the tensors its factories make (``torch.zeros(5)``), but an op
+whose only tensor input lives outside the region (a closure, a parameter read from its module, a module buffer) returns
+a plain tensor: ``torch.empty_like(weight)``, ``weight.new_zeros(n)``, ``h0.clone()``. Writing a functional
+(per-sample) value into that fresh buffer then fails inside functionalization ("mutating a non-functional tensor with
+a functional tensor is not allowed"), though nothing outside the function is written. Here the buffer-making ops wrap
+such an input as functionalize wraps an argument (read-only, as the region never writes it back unless it is
+mutated), so the buffer they return is functional.
+
+Functionalization also turns ``copy_`` into ``aten::copy``, which has no batching rule (vmap's per-sample loop); in a
+region it is computed from ops that batch.
+
+The kernels are registered the first time a region opens (never, in a process that needs none) and do nothing
+outside a region of their own thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._C._functorch import _wrap_functional_tensor, get_interpreter_stack, maybe_current_level, maybe_get_level
+
+DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
+
+# Ops that make a new tensor from one input's shape, dtype or values (the input is ``self``, the first argument).
+BUFFER_MAKERS = ("empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",
+                 "new_full", "clone")
+
+
+@dataclass(frozen=True)
+class Region:
+    """An automatically functionalized region: its functionalize level and the vmap level it sits right inside."""
+
+    functionalize_level: int
+    vmap_level: int
+
+
+class _Local(threading.local):
+    regions: list[Region]
+    busy = False  # inside a region kernel's own call: pass through
+
+    def __init__(self) -> None:
+        self.regions = []
+
+
+_local = _Local()
+_register_lock = threading.Lock()
+_libraries: list[torch.library.Library] = []
+
+
+def current_region() -> Region:
+    """The region being entered: called first thing inside ``functionalize``, the vmap level right outside it."""
+    interpreters = get_interpreter_stack()
+    return Region(interpreters[-1].level(), interpreters[-2].level())
+
+
+def push(region: Region) -> None:
+    _local.regions.append(region)
+
+
+def pop() -> None:
+    _local.regions.pop()
+
+
+def _called_inside(region: Region) -> bool:
+    """Whether the call is the function's own, made inside the region (rather than one that functionalization, or a
+    layer below it, makes on the way down: while a layer processes a call, the layers above it are off the stack)."""
+    level = maybe_current_level()
+    return level is not None and level >= region.functionalize_level
+
+
+def _outside(tensor: Any, region: Region) -> bool:
+    """Whether ``tensor`` was made outside the vmap the region sits in (a plain tensor, or one wrapped only at outer
+    levels): levels grow inward, so every tensor made inside carries a level at least the vmap's."""
+    return isinstance(tensor, torch.Tensor) and maybe_get_level(tensor) < region.vmap_level
+
+
+def _make_buffer_maker(overload: torch._ops.OpOverload, native: Any) -> Any:
+    call_native = native.call_boxed
+    local = _local
+
+    def kernel(keyset: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+        regions = local.regions
+        if regions and not local.busy and _called_inside(regions[-1]) and _outside(self, regions[-1]):
+            functional = _wrap_functional_tensor(self, regions[-1].functionalize_level)
+            local.busy = True
+            try:
+                return overload(functional, *args, **kwargs)
+            finally:
+                local.busy = False
+        return call_native(keyset, self, *args, **kwargs)
+
+    kernel.__name__ = f"multicomposite_region_{overload.__name__.replace('.', '_')}"
+    return kernel
+
+
+def functional_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``aten::copy``: a new tensor of ``self``'s shape, dtype and device holding ``src`` broadcast to it."""
+    return src.to(device=self.device, dtype=self.dtype, non_blocking=non_blocking).expand(self.shape).clone()
+
+
+def _make_copy(native: Any) -> Any:
+    """``aten::copy`` below a region (where functionalization sends ``copy_``): ``functional_copy``."""
+    call_native = native.call_boxed
+    local = _local
+
+    def kernel(keyset: Any, self: Any, src: Any, non_blocking: bool = False) -> Any:
+        if local.regions and not local.busy and not _called_inside(local.regions[-1]):
+            local.busy = True
+            try:
+                return functional_copy(self, src, non_blocking)
+            finally:
+                local.busy = False
+        return call_native(keyset, self, src, non_blocking)
+
+    kernel.__name__ = "multicomposite_region_copy"
+    return kernel
+
+
+def register() -> None:
+    """Register the region kernels, once per process."""
+    if _libraries:
+        return
+    with _register_lock:
+        if _libraries:
+            return
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Warning only once for all operators")
+            for name in BUFFER_MAKERS:
+                overload = getattr(torch.ops.aten, name).default
+                native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
+                library.impl(name, _make_buffer_maker(overload, native), DISPATCH_KEY, with_keyset=True)
+            library.impl("copy", _make_copy(torch.library.get_kernel("aten::copy", DISPATCH_KEY)), DISPATCH_KEY,
+                         with_keyset=True)
+        _libraries.append(library)  # the Library stays alive: dropping it unregisters its kernels

@@ -1,0 +1,239 @@
+"""Automatic functionalization inside ``use()``: in-place writes of batched values into fresh, unbatched buffers.
+
+Model code writes per-sample results into buffers it has just made (``torch.empty_like(y).copy_(y)``,
+``src.new_zeros(n, f).scatter_add_(0, index, src)``, ``out.index_add_(0, index, msg)``, ``buf[idx] = v``). Under
+vmap the buffer is unbatched and the value batched, and vmap refuses: "vmap: index_add_(self, *extra_args) is not
+possible because there exists a Tensor `other` in extra_args that has more elements than `self`". Written as
+``vmap(functionalize(f))`` the same code runs: functionalization replaces each in-place write by its out-of-place
+form, so the buffer becomes a new (batched) tensor instead of being written into.
+
+Inside ``use()``, vmap's implementation (``torch._functorch.vmap._flat_vmap``, which every entry point reaches:
+``torch.vmap``, ``torch.func.vmap`` however imported, ``jacrev``, ``jacfwd``, ``hessian``) runs the function as it
+is; when that refusal comes out of it, the random number generators are set back to where they were and the same
+level runs again as ``functionalize(func)`` (vmap outside, everything the function does inside: ``vmap(grad(f))``
+runs as ``vmap(functionalize(grad(f)))``). The function is remembered by its code, so its later calls run
+functionalized from the start. Where the retry fails too, the write was into a tensor that lives outside the
+transform (a closure, a parameter, a module buffer, an argument vmap does not batch): per-sample values cannot go
+into one shared tensor, and the error names that tensor, the user's line, and what to write instead.
+
+Boolean-mask indexing of a batched tensor (``x[mask]``, ``x[mask] = v``) has a shape that depends on the values; its
+refusal gets the user's line and the fixed-shape alternatives.
+
+Outside ``use()`` (or with policy ``native``), vmap runs exactly as PyTorch's. See docs/functionalization.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._functorch.vmap as functorch_vmap
+from torch._functorch.eager_transforms import functionalize
+
+from registry.core import fresh_buffers, write_target
+from registry.core.frames import raising_user_frame
+
+# PyTorch's refusal of an in-place write of a batched value into an unbatched self (every in-place op's batching rule
+# and the routing kernels' in-place variants say it).
+INPLACE_REFUSAL = ("is not possible because there exists a Tensor `other` in extra_args that has more elements than "
+                   "`self`")
+# The same refusal from in-place arithmetic (``buffer.add_(batched)``): the broadcast shape includes the batch.
+BROADCAST_REFUSAL = "doesn't match the broadcast shape"
+# Functionalization's refusal of the same write where self lives outside the functionalized function.
+OUTSIDE_REFUSAL = "mutating a non-functional tensor with a functional tensor is not allowed"
+# grad's refusal of a write into a tensor captured from outside it (the write, functionalized, reaches grad as copy_).
+CAPTURED_REFUSAL = "that would mutate a captured Tensor"
+# vmap's refusal of boolean-mask indexing (index.Tensor, index_put_ with a batched bool mask).
+MASK_REFUSAL = "Attempting to batch over indexing with a boolean mask"
+
+
+class OutsideWriteError(RuntimeError):
+    """An in-place write of per-sample values into a tensor that lives outside the transformed function.
+
+    Its message keeps PyTorch's refusal text, so an enclosing vmap level (which may own the buffer) still recognizes
+    it and tries functionalizing there."""
+
+
+class BooleanMaskError(RuntimeError):
+    """Boolean-mask indexing of a batched tensor under vmap, with the user's line and the fixed-shape forms."""
+
+
+_original_flat_vmap = functorch_vmap._flat_vmap
+_install_lock = threading.Lock()
+_active: list[Callable[[], bool]] = []  # the predicate install() was given: whether this thread routes
+
+# Code of the functions (with the code of what they wrap) whose vmapped body needed functionalizing.
+FUNCTIONALIZED: set[tuple[object, ...]] = set()
+
+
+def function_key(func: Callable[..., Any]) -> tuple[object, ...]:
+    """What identifies a vmapped function across calls: its code and the code of the functions it wraps.
+
+    ``grad(f)`` and ``jacfwd``'s inner function are closures of torch.func shared by every user: the wrapped function
+    (``__wrapped__``, closure cells, ``functools.partial``) tells them apart. A module stands for its class.
+    """
+    found: list[object] = []
+    seen: set[int] = set()
+
+    def visit(obj: object, depth: int) -> None:
+        if depth > 4 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, functools.partial):
+            visit(obj.func, depth + 1)
+            return
+        if isinstance(obj, types.MethodType):
+            visit(obj.__func__, depth)
+            return
+        code = getattr(obj, "__code__", None)
+        if isinstance(code, types.CodeType):
+            found.append(code)
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    content = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if callable(content) and not isinstance(content, type):
+                    visit(content, depth + 1)
+        elif callable(obj) and not isinstance(obj, types.BuiltinFunctionType):
+            found.append(type(obj))
+        wrapped = getattr(obj, "__wrapped__", None)
+        if wrapped is not None:
+            visit(wrapped, depth + 1)
+
+    visit(func, 0)
+    return tuple(found)
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None] | None) -> None:
+    if state is None:  # nothing random could run
+        return
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _functionalizing(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``functionalize(func)``, with the region kept on this thread's stack while it runs (fresh_buffers reads it)."""
+
+    @functools.wraps(func)
+    def region(*args: Any, **kwargs: Any) -> Any:
+        fresh_buffers.push(fresh_buffers.current_region())
+        try:
+            return func(*args, **kwargs)
+        finally:
+            fresh_buffers.pop()
+
+    return functionalize(region)
+
+
+def _is_write_refusal(error: BaseException) -> bool:
+    return isinstance(error, OutsideWriteError) or (isinstance(error, RuntimeError) and INPLACE_REFUSAL in str(error))
+
+
+def _may_be_write_refusal(error: BaseException) -> bool:
+    """The refusal, or in-place arithmetic's shape error (which a true shape mismatch also raises: its retry fails
+    the same way and that error is raised unchanged)."""
+    return _is_write_refusal(error) or BROADCAST_REFUSAL in str(error)
+
+
+def _functionalization_failed(error: BaseException) -> bool:
+    """Whether ``error`` says that this write cannot be functionalized here (rather than that the function failed):
+    the write refusal again, functionalization's own refusal, or an internal limit of functionalize."""
+    text = str(error)
+    return _is_write_refusal(error) or OUTSIDE_REFUSAL in text or CAPTURED_REFUSAL in text or "unctionaliz" in text
+
+
+def _outside_write_message(failure: BaseException, retry: BaseException) -> str:
+    frame = raising_user_frame(failure.__traceback__) or raising_user_frame(retry.__traceback__)
+    target = write_target.describe(frame) if frame is not None else None
+    where = f" at {frame.describe()}" if frame is not None else ""
+    what = target or "a tensor made outside the vmapped function"
+    if isinstance(failure, OutsideWriteError):
+        return str(failure)
+    retry_line = str(retry).splitlines()[0] if str(retry) else type(retry).__name__
+    why = ("it lives outside the transformed function (a closure, a parameter, a module buffer, or an argument vmap "
+           "does not batch), so one tensor would have to hold a different value per sample"
+           if OUTSIDE_REFUSAL in str(retry) or CAPTURED_REFUSAL in str(retry) or _is_write_refusal(retry)
+           else f"running the function functionalized failed too ({retry_line})")
+    return (f"vmap: an in-place write{where} puts per-sample values into {what}, which is not batched; {why}. "
+            "Write the out-of-place form and use its result instead (buf = buf.index_add(0, idx, v), "
+            "buf = buf.scatter_add(0, idx, v), buf = buf.index_put((idx,), v), buf = torch.where(mask, v, buf), "
+            "buf = v.expand_as(buf).clone() for copy_), or make the buffer inside the function (torch.zeros(...), "
+            "v.new_zeros(...)) and return what must leave it. PyTorch's refusal: "
+            f"{str(failure).splitlines()[0]} ({INPLACE_REFUSAL})")
+
+
+def _mask_message(error: BaseException) -> str:
+    frame = raising_user_frame(error.__traceback__)
+    where = f" at {frame.describe()}" if frame is not None else ""
+    return (f"vmap: boolean-mask indexing{where} returns a shape that depends on the values of a batched mask, so it "
+            "cannot be batched (each sample would select a different number of elements). Keep the shape fixed: "
+            "torch.where(mask, x, fill) or x.masked_fill(~mask, fill) to read, torch.where(mask, v, x) or "
+            "x.masked_fill(mask, v) to write, (x * mask).sum() for a masked sum, or "
+            "torch.nonzero_static(mask, size=N) to gather a fixed number N of elements. "
+            f"PyTorch's refusal: {str(error).splitlines()[0]}")
+
+
+def _flat_vmap(func: Callable[..., Any], batch_size: int, flat_in_dims: list[int | None], flat_args: list[Any],
+               args_spec: Any, out_dims: Any, randomness: str, **kwargs: Any) -> Any:
+    """vmap's implementation, functionalizing the level where an in-place write into a fresh buffer needs it."""
+    args = (batch_size, flat_in_dims, flat_args, args_spec, out_dims, randomness)
+    if torch.compiler.is_compiling() or not _active or not _active[0]():
+        # Dynamo traces vmap's Python (it cannot trace a retry); outside use(): PyTorch's vmap.
+        return _original_flat_vmap(func, *args, **kwargs)
+    # The key is computed only where something is remembered or a run failed (about 5 us); the random state is saved
+    # only where a random op can run: in randomness="error" mode vmap refuses every one (about 3 us).
+    remembered = bool(FUNCTIONALIZED) and function_key(func) in FUNCTIONALIZED
+    state = None if randomness == "error" else _rng_state()
+    try:
+        if remembered:
+            return _original_flat_vmap(_functionalizing(func), *args, **kwargs)
+        return _original_flat_vmap(func, *args, **kwargs)
+    except RuntimeError as error:
+        failure = error
+    if isinstance(failure, BooleanMaskError):  # an inner level's, already saying where
+        raise failure
+    if MASK_REFUSAL in str(failure):
+        raise BooleanMaskError(_mask_message(failure)) from failure
+    if remembered:
+        if OUTSIDE_REFUSAL in str(failure) or _is_write_refusal(failure):
+            raise OutsideWriteError(_outside_write_message(failure, failure)) from failure
+        # Functionalized, this call failed where it may run as written (a torch.autograd.Function, which functionalize
+        # cannot run, on a path that writes nothing): run it as written, from the same random state.
+        _set_rng_state(state)
+        return _original_flat_vmap(func, *args, **kwargs)
+    if CAPTURED_REFUSAL in str(failure):  # grad refuses a write into a captured tensor before vmap sees it
+        raise OutsideWriteError(_outside_write_message(failure, failure)) from failure
+    if not _may_be_write_refusal(failure):
+        raise failure
+    _set_rng_state(state)
+    fresh_buffers.register()
+    try:
+        result = _original_flat_vmap(_functionalizing(func), *args, **kwargs)
+    except Exception as retry:
+        if not _functionalization_failed(retry) or (not _is_write_refusal(failure) and _may_be_write_refusal(retry)):
+            raise  # an error of the function itself, which the first run did not reach
+        raise OutsideWriteError(_outside_write_message(failure, retry)) from failure
+    FUNCTIONALIZED.add(function_key(func))
+    return result
+
+
+def install(active: Callable[[], bool]) -> None:
+    """Put the functionalizing vmap in place, once per process; ``active()``: whether this thread is inside
+    ``use()`` with a policy that routes. Threads outside ``use()`` run PyTorch's own implementation."""
+    with _install_lock:
+        if _active:
+            return
+        _active.append(active)
+        functorch_vmap._flat_vmap = _flat_vmap

@@ -1,0 +1,289 @@
+"""In-place writes of batched values into fresh, unbatched buffers: functionalized automatically inside use().
+
+Each function below writes per-sample values into a buffer it has just made, the way model code does. vmap refuses
+every one of them outside use(); inside use() each runs and equals a per-sample loop of torch.autograd outside any
+transform, under vmap, vmap(grad), vmap(jacrev), vmap(jacfwd) and vmap(hessian).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import func
+
+import registry
+from registry.core import functionalization
+from registry.core.functionalization import FUNCTIONALIZED, INPLACE_REFUSAL, OutsideWriteError, function_key
+
+FALLBACK = "There is a performance drop"
+WEIGHT = torch.tensor([0.5, -1.5, 2.0])
+INDEX = torch.tensor([0, 2, 0])  # repeated: index_add_ and scatter_add_ sum into row 0
+UNIQUE_INDEX = torch.tensor([3, 0, 2])  # index_put_ without accumulate: a repeated index has no defined winner
+MASK = torch.tensor([True, False, True])
+
+
+def empty_like_copy(x: torch.Tensor) -> torch.Tensor:
+    """The seed: a buffer shaped like a tensor from outside (a weight), then copy_ of a per-sample value."""
+    buffer = torch.empty_like(WEIGHT)
+    buffer.copy_(x * WEIGHT)
+    return buffer.sin().sum()
+
+
+def new_zeros_scatter_add(x: torch.Tensor) -> torch.Tensor:
+    """A graph library's scatter, ``src.new_zeros(size).scatter_add_(0, index, src)``, over a per-sample graph: the
+    messages are shared, the index (which node each goes to) differs per sample."""
+    src = WEIGHT.unsqueeze(1) * torch.arange(1.0, 5.0)
+    index = x.argsort().unsqueeze(1).expand(3, 4)
+    out = src.new_zeros(5, 4).scatter_add_(0, index, src)
+    return (out[:3].sum(1) * x).sin().sum()
+
+
+def index_add(x: torch.Tensor) -> torch.Tensor:
+    """``out.index_add_(0, index, msg)`` into zeros made from an outside tensor."""
+    return WEIGHT.new_zeros(5).index_add_(0, INDEX, x * WEIGHT).sin().sum()
+
+
+def index_put(x: torch.Tensor) -> torch.Tensor:
+    """``buf[idx] = v`` (index_put_)."""
+    buffer = torch.zeros(5)
+    buffer[UNIQUE_INDEX] = x.exp()
+    return buffer.sin().sum()
+
+
+def index_put_into_clone(x: torch.Tensor) -> torch.Tensor:
+    """``h = h0.clone(); h[idx] = v``: the buffer is a copy of an outside tensor."""
+    buffer = WEIGHT.clone()
+    buffer[UNIQUE_INDEX[1:]] = x[:2] * 2
+    return (buffer * x).sin().sum()
+
+
+def masked_fill(x: torch.Tensor) -> torch.Tensor:
+    """``buf.masked_fill_(mask, v)`` with a per-sample value."""
+    buffer = torch.ones(3)
+    buffer.masked_fill_(MASK, x.sum())
+    return (buffer * x).sin().sum()
+
+
+def masked_fill_batched_mask(x: torch.Tensor) -> torch.Tensor:
+    """``buf.masked_fill_(mask, v)`` with a per-sample mask."""
+    buffer = torch.ones(3)
+    buffer.masked_fill_(x > 0, 0.25)
+    return (buffer * x).sin().sum()
+
+
+FUNCTIONS = [empty_like_copy, new_zeros_scatter_add, index_add, index_put, index_put_into_clone, masked_fill,
+             masked_fill_batched_mask]
+
+
+def _per_sample(transform: str, f: Callable[[torch.Tensor], torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
+    """The reference: one sample, torch.autograd, no torch.func transform."""
+    if transform == "vmap":
+        return f(sample)
+    if transform == "vmap(grad)":
+        sample = sample.clone().requires_grad_()
+        return torch.autograd.grad(f(sample), sample)[0]
+    if transform in ("vmap(jacrev)", "vmap(jacfwd)"):
+        return torch.autograd.functional.jacobian(f, sample)
+    return torch.autograd.functional.hessian(f, sample)
+
+
+TRANSFORMS: dict[str, Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]] = {
+    "vmap": func.vmap,
+    "vmap(grad)": lambda f: func.vmap(func.grad(f)),
+    "vmap(jacrev)": lambda f: func.vmap(func.jacrev(f)),
+    "vmap(jacfwd)": lambda f: func.vmap(func.jacfwd(f)),
+    "vmap(hessian)": lambda f: func.vmap(func.hessian(f)),
+}
+
+X = torch.tensor([[0.3, -1.2, 0.8], [1.1, 0.4, -0.6], [-0.9, 0.2, 1.7], [0.05, -0.3, -1.4]])
+
+
+@pytest.fixture
+def fallback_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield caught
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+
+
+@pytest.fixture(autouse=True)
+def _forget_functionalized() -> Iterator[None]:
+    """Each test starts with no function remembered as needing functionalization."""
+    FUNCTIONALIZED.clear()
+    yield
+    FUNCTIONALIZED.clear()
+
+
+@pytest.mark.parametrize("f", FUNCTIONS, ids=[f.__name__ for f in FUNCTIONS])
+def test_pytorch_refuses_outside_use(f: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    with pytest.raises(RuntimeError, match="is not possible because there exists a Tensor `other` in extra_args"):
+        func.vmap(f)(X)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("f", FUNCTIONS, ids=[f.__name__ for f in FUNCTIONS])
+def test_inside_use_equals_the_per_sample_loop(f: Callable[[torch.Tensor], torch.Tensor], transform: str,
+                                               fallback_warnings: list[warnings.WarningMessage]) -> None:
+    expected = torch.stack([_per_sample(transform, f, sample) for sample in X])
+    with registry.use():
+        first = TRANSFORMS[transform](f)(X)  # refused, then run functionalized
+        again = TRANSFORMS[transform](f)(X)  # remembered: functionalized from the start
+    torch.testing.assert_close(first, expected)
+    torch.testing.assert_close(again, expected)
+    assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
+
+
+def test_a_remembered_function_runs_functionalized_from_the_start() -> None:
+    runs: list[int] = []
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        return index_add(x)
+
+    with registry.use():
+        func.vmap(counted)(X)
+        assert len(runs) == 2  # the refused run, then the functionalized one
+        assert function_key(counted) in FUNCTIONALIZED
+        func.vmap(counted)(X)
+        assert len(runs) == 3
+
+
+def test_grad_of_different_functions_is_remembered_apart() -> None:
+    """grad(f) is a torch.func closure shared by every f: what it wraps tells them apart."""
+    assert function_key(func.grad(index_add)) != function_key(func.grad(index_put))
+    assert function_key(func.grad(index_add)) == function_key(func.grad(index_add))
+    with registry.use():
+        func.vmap(func.grad(index_add))(X)
+    assert function_key(func.grad(index_add)) in FUNCTIONALIZED
+    assert function_key(func.grad(index_put)) not in FUNCTIONALIZED
+
+
+def test_the_retry_starts_from_the_same_random_state() -> None:
+    """A function that draws random numbers before the refused write: the retry sees the same numbers, so the result
+    equals a run functionalized from the start, and the generator ends where that run leaves it."""
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand(3)
+        return torch.zeros(5).index_add_(0, INDEX, x + noise)
+
+    torch.manual_seed(7)
+    expected = func.vmap(func.functionalize(noisy), randomness="different")(X)
+    expected_state = torch.get_rng_state()
+    torch.manual_seed(7)
+    with registry.use():
+        got = func.vmap(noisy, randomness="different")(X)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(torch.get_rng_state(), expected_state)
+
+
+def test_captured_vmap_and_the_transforms_reach_it() -> None:
+    """``from torch.func import vmap`` captured before use(), and torch.vmap: the same implementation underneath."""
+    captured = func.vmap
+    with registry.use():
+        torch.testing.assert_close(captured(index_add)(X), torch.stack([index_add(s) for s in X]))
+        torch.testing.assert_close(torch.vmap(index_put)(X), torch.stack([index_put(s) for s in X]))
+
+
+def test_policy_native_does_not_functionalize() -> None:
+    with registry.use(policy="native"), pytest.raises(RuntimeError, match="index_add_"):
+        func.vmap(index_add)(X)
+
+
+def test_unrelated_errors_pass_through_unchanged() -> None:
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        return x @ torch.ones(4)
+
+    with pytest.raises(RuntimeError) as native:
+        func.vmap(broken)(X)
+    with registry.use(), pytest.raises(RuntimeError) as routed:
+        func.vmap(broken)(X)
+    assert str(routed.value) == str(native.value)
+    assert not isinstance(routed.value, OutsideWriteError)
+
+
+def test_nothing_changes_outside_use() -> None:
+    """The vmap implementation is PyTorch's for a thread outside use(): the refusal is PyTorch's own error."""
+    with registry.use():
+        func.vmap(index_add)(X)
+    assert function_key(index_add) in FUNCTIONALIZED
+    with pytest.raises(RuntimeError) as raised:
+        func.vmap(index_add)(X)
+    assert not isinstance(raised.value, OutsideWriteError)
+    assert str(raised.value).startswith("vmap: index_add_(self, *extra_args) is not possible")
+
+
+# --- writes that cannot work: per-sample values into a tensor that lives outside the transform ---------------------
+
+TOTALS = torch.zeros(5)
+
+
+def test_write_into_a_global_names_it() -> None:
+    def accumulate(x: torch.Tensor) -> torch.Tensor:
+        TOTALS.index_add_(0, INDEX, x)
+        return x.sum()
+
+    with registry.use(), pytest.raises(OutsideWriteError) as raised:
+        func.vmap(accumulate)(X)
+    text = str(raised.value)
+    assert text.startswith(f"vmap: an in-place write at {__file__}:")
+    assert "(`TOTALS.index_add_(0, INDEX, x)`) puts per-sample values into `TOTALS` (a global, shape [5], float32)" \
+        in text
+    assert "it lives outside the transformed function" in text
+    assert "buf = buf.index_add(0, idx, v)" in text
+    assert INPLACE_REFUSAL in text  # an enclosing vmap still recognizes the refusal
+    assert torch.equal(TOTALS, torch.zeros(5))
+
+
+def test_write_into_a_closure_under_grad_names_it() -> None:
+    shared = torch.zeros(3)
+
+    def accumulate(x: torch.Tensor) -> torch.Tensor:
+        shared.copy_(x)
+        return (x * 2).sum()
+
+    with registry.use(), pytest.raises(OutsideWriteError) as raised:
+        func.vmap(func.grad(accumulate))(X)
+    assert "puts per-sample values into `shared` (a closure variable, shape [3], float32)" in str(raised.value)
+
+
+class _Running(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3))
+        self.register_buffer("total", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x)
+        return x * self.weight
+
+
+def test_write_into_a_module_buffer_names_it() -> None:
+    model = _Running()
+    with registry.use(), pytest.raises(OutsideWriteError) as raised:
+        func.vmap(model)(X)
+    assert "puts per-sample values into `self.total` (a buffer of _Running, shape [3], float32)" in str(raised.value)
+
+
+def test_write_into_a_parameter_names_it() -> None:
+    model = _Running()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        model.weight.data.mul_(x)
+        return x.sum()
+
+    with registry.use(), pytest.raises(OutsideWriteError) as raised:
+        func.vmap(step)(X)
+    assert "into `model.weight.data` (an attribute of Parameter, shape [3], float32)" in str(raised.value)
+
+
+def test_functionalization_module_patches_one_function() -> None:
+    registry.use()  # registers the kernels and installs the vmap implementation
+    import torch._functorch.vmap as functorch_vmap
+
+    assert functorch_vmap._flat_vmap is functionalization._flat_vmap
