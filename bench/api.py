@@ -131,7 +131,7 @@ def _fill_store(url: str, entries: int = 1200) -> None:
 
     from registry.core.ops import OPS
     from registry.core.registration import COMPOSITES, load
-    from registry.harness.verify import source_hashes
+    from registry.core.sources import source_hashes
     from registry.store.db import MatrixEntry, ProfileEntry, Store
 
     load()

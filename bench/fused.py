@@ -18,7 +18,7 @@ import torch
 from torch import func
 
 import registry
-from bench.kinds import _cases
+from bench.kinds import loss_cases
 from registry.profiling import noise
 from registry.profiling.timing import profile
 from registry.store import evidence
@@ -58,7 +58,7 @@ def compare(rounds: int = 7, min_run_time: float = 0.5, cpu_time: bool = False,
             ops: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """One dict per (op, stack): medians, spreads and ratios of native, the fused primitive and auto."""
     clock = _clock(cpu_time)
-    cases = _cases()
+    cases = loss_cases()
     rows = []
     for op in ops or (*sorted({op for op, _ in TARGETS}), *GOOD_NATIVE):
         loss, args = cases[op]

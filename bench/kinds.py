@@ -16,7 +16,7 @@ import registry
 KINDS = ("native", "functional", "primitive")
 
 
-def _cases() -> dict[str, tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]]:
+def loss_cases() -> dict[str, tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]]:
     g = torch.Generator().manual_seed(0)
     batch, size = 256, 1000
     x, source = torch.randn(batch, size, generator=g), torch.randn(batch, size, generator=g)
@@ -35,7 +35,7 @@ def _cases() -> dict[str, tuple[Callable[..., torch.Tensor], tuple[torch.Tensor,
 def compare_kinds(min_run_time: float = 0.3) -> list[tuple[str, str, dict[str, float]]]:
     """(op, stack, {kind: median ms}); NaN where a kind raised."""
     rows = []
-    for op, (loss, args) in _cases().items():
+    for op, (loss, args) in loss_cases().items():
         for stack, f in (("vmap", func.vmap(loss)), ("vmap(grad)", func.vmap(func.grad(loss)))):
             times = {}
             for kind in KINDS:

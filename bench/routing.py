@@ -82,8 +82,7 @@ def bench_outside_registered(rounds: int, min_run_time: float, backend: str) -> 
 
 
 def _unregister() -> None:
-    if routing._backend[0] == "cpp":
-        assert routing._cpp is not None
+    if routing._backend[0] == "cpp" and routing._cpp is not None:
         routing._cpp.unregister_all()
     else:
         for library in routing._python_library:

@@ -21,7 +21,7 @@ from registry.core import rules
 from registry.core.context import Context
 from registry.core.ops import ORIGINAL
 from registry.harness.samples import SAMPLES
-from registry.profiling.timing import WORKLOADS, _case, _runner, _seen_by_op, profile
+from registry.profiling.timing import WORKLOADS, profile, seen_by_op, workload_case, workload_runner
 from registry.store import evidence
 
 
@@ -41,13 +41,13 @@ def sweep(batch_sizes=(32, 256), min_run_time: float = 0.1) -> dict[str, float]:
         for workload in WORKLOADS:
             for batch in batch_sizes:
                 size = 16 if workload in ("jacrev", "jacfwd", "hessian") else 1024
-                native_case = _case(op, getattr(ORIGINAL.Tensor, op), size, batch, torch.float32, "cpu")
-                stack, _ = _seen_by_op(workload, native_case)
-                native_run = _runner(workload, native_case)
+                native_case = workload_case(op, getattr(ORIGINAL.Tensor, op), size, batch, torch.float32, "cpu")
+                stack, _ = seen_by_op(workload, native_case)
+                native_run = workload_runner(workload, native_case)
                 def routed(*args, op=op, **kwargs):  # looked up at call time: use() patches the method
                     return getattr(torch.Tensor, op)(*args, **kwargs)
 
-                routed_run = _runner(workload, _case(op, routed, size, batch, torch.float32, "cpu"))
+                routed_run = workload_runner(workload, workload_case(op, routed, size, batch, torch.float32, "cpu"))
                 # Three alternating rounds, best of each: on a shared machine noise only ever adds time.
                 native_times, routed_times = [], []
                 for _ in range(3):

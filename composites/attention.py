@@ -39,11 +39,13 @@ def _second_derivative(ctx: rules.Context) -> bool:
 
 
 def _fused_first(ctx: rules.Context) -> rules.Order | None:
-    """Under vmap without forward AD the fused primitive first (measured faster: docs/attention.md)."""
-    if rules.under_vmap(ctx) and "jvp" not in ctx.stack and "compile" not in ctx.stack:
+    """Under vmap the fused primitive before the functional composite: measured faster under vmap, vmap(grad) and
+    vmap(jvp) (``python -m bench.attention --cpu-time``, docs/attention.md); where the primitive is invalid
+    (second derivatives, functionalize, torch.compile) the functional composite is next."""
+    if rules.under_vmap(ctx):
         return rules.Order(("native", "primitive", "functional", "mutating"),
                            "PyTorch's fused kernel once over the folded batch measured faster than the math "
-                           "composite under vmap and vmap(grad)")
+                           "composite under vmap, vmap(grad) and vmap(jvp)")
     return None
 
 

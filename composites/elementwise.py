@@ -301,6 +301,10 @@ define_op("chalf", "", tensors=("self",), doc="self as complex32", opinfo=("chal
 @register("chalf", "functional")
 def chalf_functional(self, *, memory_format=None):
     """_to_copy to complex32, which batches (chalf is a CompositeExplicit wrapper of it without a batching rule)."""
+    if memory_format not in (None, torch.preserve_format, torch.contiguous_format):
+        # _to_copy's batching rule applies a channels_last format to the batched tensor (one dimension more):
+        # PyTorch's own chalf, which loops per sample, where the format fits each sample.
+        return aten.chalf(self, memory_format=memory_format)
     return aten._to_copy(self, dtype=torch.complex32, memory_format=memory_format)
 
 

@@ -36,6 +36,7 @@ import torch
 from torch._C._functorch import is_legacy_batchedtensor, maybe_get_level
 
 from composites import native_kernels
+from composites.shapes import broadcast_shape
 
 aten = torch.ops.aten
 
@@ -111,19 +112,6 @@ def _select_bits(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | N
         out = out.bitwise_and_(keep.neg_()) if _covers(out, keep) else torch.bitwise_and(out, keep.neg_())
         out = out.bitwise_xor_(b_bits) if _covers(out, b) else torch.bitwise_xor(out, b_bits)
     return out.view(dtype) if bits != dtype else out
-
-
-def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
-    """``torch.broadcast_shapes`` for plain sizes, without its per-call cost (about 40 us, more than a kernel here)."""
-    rank = max(len(shape) for shape in shapes)
-    out = [1] * rank
-    for shape in shapes:
-        for i, size in enumerate(shape, rank - len(shape)):
-            if size != 1:
-                if out[i] not in (1, size):
-                    raise RuntimeError(f"shapes {', '.join(str(tuple(s)) for s in shapes)} do not broadcast")
-                out[i] = size
-    return tuple(out)
 
 
 def _one_pass_ok(*tensors: torch.Tensor | None) -> bool:

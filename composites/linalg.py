@@ -217,8 +217,8 @@ def _norm_of(norm: str | None, where: str) -> str:
 @register("fft_ihfft2", "functional")
 def fft_ihfft2_functional(self, s=None, dim=(-2, -1), norm=None):
     """conj(rfft2) with the normalization on the other side (rfftn batches)."""
-    if len(dim) != 2:
-        raise RuntimeError(f"fft_ihfft2: expected 2 dims, got {len(dim)}")
+    if len(dim) != 2:  # PyTorch's own kernel: it accepts other counts where s says so, and raises its own error
+        return aten.fft_ihfft2(self, s, dim, norm)
     return conjugate(torch.fft.rfftn(self, s, dim, norm=_norm_of(norm, "fft_ihfft2")))
 
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from composites.shapes import broadcast_shape
+
 _TYPES = {1: "uint8_t", 2: "uint16_t", 4: "uint32_t", 8: "uint64_t"}
 
 _SOURCE_TEMPLATE = """
@@ -227,8 +229,6 @@ def _rows_operand(x: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype)
 def select(mask: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
     """``torch.where(mask, a, b)`` (None is zero) in one pass; the caller checked ``usable``."""
     like = a if a is not None else b
-    from composites.fused import broadcast_shape
-
     shape = torch.Size(broadcast_shape(mask.shape, *(t.shape for t in (a, b) if t is not None)))
     dtype, bits = like.dtype, like.element_size() * 8
     out = torch.empty(shape, dtype=dtype)

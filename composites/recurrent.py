@@ -41,16 +41,31 @@ _GATES = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3}
 
 
 def _native_rules(op: str) -> rules.Rule:
-    """Where PyTorch's own ``op`` fails (measured through nn.RNN, nn.GRU and nn.LSTM, torch 2.13.0 CPU)."""
+    """Where PyTorch's own ``op`` fails (measured on the aten ops and through nn.RNN, nn.GRU and nn.LSTM, torch 2.13.0
+    CPU). The flat parameter list is a Tensor[]: the router sees ``input`` and ``hx`` only (and for the LSTM, whose
+    ``hx`` is a Tensor[] too, ``input`` only)."""
     no_rule = rules.fails_when(
         rules.innermost_vmap, "error",
         f"Batching rule not implemented for aten::{op}.input (vmap raises: we could not generate a fallback)")
-    lstm = (" (nn.LSTM's own call, on CPU, runs aten::mkldnn_rnn_layer instead, which has no batching rule: vmap's "
-            "per-sample loop)") if op == "lstm" else ""
+    if op == "lstm":
+        return rules.first_of(no_rule, rules.fails_when(
+            rules.under_vmap, "error",
+            "under vmap(grad) aten::lstm.input raises a shape error inside its in-place cell updates, or (nn.LSTM "
+            "on CPU) loops over aten::mkldnn_rnn_layer, which has no batching rule; under vmap(jvp) and jacfwd "
+            "mkldnn_rnn_layer has no forward AD; the state pair hx, a Tensor[], is not visible to the router, so "
+            "every vmap takes the composite"))
+
+    def shape_error(ctx) -> bool:
+        if not rules.under_vmap(ctx):
+            return False
+        # Only the innermost level's batching is known: nested vmaps and compiled graphs are assumed batched.
+        return "compile" in ctx.stack or ctx.stack.count("vmap") > 1 or bool({"input", "hx"} & set(ctx.batched))
+
     return rules.first_of(no_rule, rules.fails_when(
-        rules.under_vmap, "error",
+        shape_error, "error",
         f"aten::{op}.input decomposes into in-place cell updates that raise a shape error under vmap(grad) and "
-        f"vmap(jvp) (output with shape [N, H] doesn't match the broadcast shape [B, N, H]){lstm}"))
+        "vmap(jvp) where input or hx is batched (output with shape [N, H] doesn't match the broadcast shape "
+        "[B, N, H]); with only the parameters batched, and under jacfwd, it works"))
 
 
 for _op, _doc in (
@@ -80,19 +95,21 @@ def _elman(activation: Callable[[torch.Tensor], torch.Tensor]) -> Cell:
 
 
 def _gru_cell(x_t, h, c, w_hh, b_hh, w_hr):
-    x_r, x_z, x_n = x_t.chunk(3, -1)
-    h_r, h_z, h_n = _linear(h, w_hh, b_hh).chunk(3, -1)
-    reset = torch.sigmoid(x_r + h_r)
-    update = torch.sigmoid(x_z + h_z)
-    new = torch.tanh(x_n + reset * h_n)
+    # r and z in one sigmoid over the first two gate blocks (PyTorch computes the same two sums separately).
+    gates = h.shape[-1] * 2
+    h_w = _linear(h, w_hh, b_hh)
+    reset, update = torch.sigmoid(x_t[..., :gates] + h_w[..., :gates]).chunk(2, -1)
+    new = torch.tanh(x_t[..., gates:] + reset * h_w[..., gates:])
     return (h - new) * update + new, None
 
 
 def _lstm_cell(x_t, h, c, w_hh, b_hh, w_hr):
+    # One sigmoid over all four gate blocks (g's is unused): fewer op calls per step, each batched.
+    hidden = c.shape[-1]
     gates = x_t + _linear(h, w_hh, b_hh)
-    i, f, g, o = gates.chunk(4, -1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    h = torch.sigmoid(o) * torch.tanh(c)
+    i, f, _, o = torch.sigmoid(gates).chunk(4, -1)
+    c = f * c + i * torch.tanh(gates[..., 2 * hidden:3 * hidden])
+    h = o * torch.tanh(c)
     if w_hr is not None:
         h = _linear(h, w_hr, None)
     return h, c
@@ -145,6 +162,17 @@ def _initial_states(op: str, hx: torch.Tensor | Sequence[torch.Tensor]) -> tuple
     return hx[0], hx[1]
 
 
+def _project(op: str, layer_input: torch.Tensor, w_ih: torch.Tensor, b_ih: torch.Tensor | None,
+             b_hh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The input projection of a whole sequence, and the hidden bias the cell still adds per step: one product for
+    every step, as PyTorch's CPU kernel does (pre_compute_input). Outside the GRU, whose new gate multiplies the
+    hidden bias by the reset gate, the hidden bias is added here once rather than at every step."""
+    projected = _linear(layer_input, w_ih, b_ih)
+    if op == "gru" or b_hh is None:
+        return projected, b_hh
+    return projected + b_hh, None
+
+
 # --- over time, layers and directions -------------------------------------------------------------------------------
 
 
@@ -176,10 +204,9 @@ def _unrolled(op: str, input: torch.Tensor, hx, params, has_biases: bool, num_la
         for direction in range(directions):
             index = layer * directions + direction
             w_ih, w_hh, b_ih, b_hh, w_hr = layers[index]
-            # One product for the whole sequence, as PyTorch's CPU kernel does (pre_compute_input).
-            projected = list(_linear(layer_input, w_ih, b_ih).unbind(0))
-            out, h, c = _run_direction(cell, projected, h0[index], None if c0 is None else c0[index], w_hh, b_hh,
-                                       w_hr, reverse=direction == 1)
+            projected, step_bias = _project(op, layer_input, w_ih, b_ih, b_hh)
+            out, h, c = _run_direction(cell, list(projected.unbind(0)), h0[index], None if c0 is None else c0[index],
+                                       w_hh, step_bias, w_hr, reverse=direction == 1)
             outputs.append(torch.stack(out))
             h_n.append(h)
             c_n.append(c)
@@ -254,9 +281,9 @@ def _unrolled_packed(op: str, data: torch.Tensor, batch_sizes: torch.Tensor, hx,
         for direction in range(directions):
             index = layer * directions + direction
             w_ih, w_hh, b_ih, b_hh, w_hr = layers[index]
-            out, h, c = _run_packed_direction(cell, _linear(layer_input, w_ih, b_ih), sizes, h0[index],
-                                              None if c0 is None else c0[index], w_hh, b_hh, w_hr,
-                                              reverse=direction == 1)
+            projected, step_bias = _project(op, layer_input, w_ih, b_ih, b_hh)
+            out, h, c = _run_packed_direction(cell, projected, sizes, h0[index], None if c0 is None else c0[index],
+                                              w_hh, step_bias, w_hr, reverse=direction == 1)
             outputs.append(out)
             h_n.append(h)
             c_n.append(c)

@@ -227,9 +227,9 @@ def _outer_edges(values: torch.Tensor, low_high: tuple[float, float] | None, dim
             low, high = low - 0.5, high + 0.5
         return (torch.scalar_tensor(low, dtype=dtype, device=device),
                 torch.scalar_tensor(high, dtype=dtype, device=device))
-    if values.numel() == 0:
-        return (torch.scalar_tensor(-0.5, dtype=dtype, device=device),
-                torch.scalar_tensor(0.5, dtype=dtype, device=device))
+    if values.numel() == 0:  # native's edges for no values: [0, 1] (measured, torch 2.13)
+        return (torch.scalar_tensor(0.0, dtype=dtype, device=device),
+                torch.scalar_tensor(1.0, dtype=dtype, device=device))
     # Native raises where the extrema are not finite: not checkable per sample under vmap.
     left, right = values.amin(), values.amax()
     same = left == right
@@ -299,6 +299,11 @@ def histogram_functional(self, bins=100, *, range=None, weight=None, density=Fal
     """Bin edges (given, or linspace over range or self's own extrema), each element's bin by division checked against
     its neighbouring edges (native's LINEAR_INTERPOLATION_WITH_LOCAL_SEARCH) or binary search (given edges), and one
     scatter_add: out-of-place ops that batch."""
+    if weight is not None:
+        if weight.shape != self.shape:  # PyTorch's own kernel raises its own error
+            return aten.histogram(self, bins, range=range, weight=weight, density=density) \
+                if not isinstance(bins, torch.Tensor) else aten.histogram(self, bins, weight=weight, density=density)
+        weight = weight.reshape(-1)  # native flattens weight with self (a 0-d self and weight included)
     hist, (edges,) = _histogramdd(self.reshape(-1, 1), [bins], [None if range is None else tuple(range)], weight,
                                   density, (*self.reshape(-1).shape, 1))
     return hist, edges.clone() if isinstance(bins, torch.Tensor) else edges

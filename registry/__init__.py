@@ -34,9 +34,19 @@ def composites(op: str) -> dict[str, Composite]:
     return dict(COMPOSITES[op])
 
 
-# The built-in composites modules define the ops (OPS) and their composites: import them now, so that every import
-# of the registry sees every op.
+# The built-in composites modules define the ops (OPS) and their composites: import them now, then the plugins'
+# (entry points), so that every import of the registry sees every op. The core never imports composites itself:
+# they build on it.
+import composites as _builtin_composites  # noqa: E402, F401
+
 load()
+
+# The store's evidence reaches the selector through the source the core reads (policy ``auto``): register it. Nothing
+# is read (and no SQLAlchemy imported) until a decision needs evidence and a store exists.
+from registry.core import evidence as _evidence  # noqa: E402
+from registry.store import evidence as _store_evidence  # noqa: E402
+
+_evidence.register_source(_store_evidence.SOURCE)
 
 __all__ = [
     "COMPOSITES",

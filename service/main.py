@@ -90,6 +90,17 @@ def _store_unavailable(error: Exception) -> JSONResponse:
         headers={"Retry-After": "5"})
 
 
+def _validation_part(error: dict[str, Any]) -> str:
+    """One error of a request's validation: where, then what is wrong (a body that is not JSON says where it
+    breaks, not a path into it)."""
+    if error["type"] == "json_invalid":
+        position = error["loc"][-1] if len(error["loc"]) > 1 else "?"
+        cause = shorten(str(error.get("ctx", {}).get("error", "")), 80)
+        return f"body: not valid JSON at character {position}: {cause}; send a JSON document"
+    where = ".".join(shorten(part, 24) for part in error["loc"])
+    return f"{where}: {shorten(error['msg'].removeprefix('Value error, '), 200)}"
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     registry.load()
@@ -128,8 +139,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
         # One readable string, like every other error of this API: where, and what is wrong; never the input itself
         # beyond a short prefix.
-        parts = [f"{'.'.join(shorten(p, 24) for p in e['loc'])}: {shorten(e['msg'].removeprefix('Value error, '), 200)}"
-                 for e in error.errors()]
+        parts = [_validation_part(e) for e in error.errors()]
         return JSONResponse(status_code=422, content={"detail": "; ".join(parts[:5])})
 
     @app.exception_handler(InputError)

@@ -179,7 +179,8 @@ def public_params(params: dict[str, Any]) -> dict[str, Any]:
 class JobPublic(BaseModel):
     id: str = Field(description="the job's id: GET /jobs/{id} follows it")
     kind: str = Field(description="verify or profile")
-    state: str = Field(description="queued, running, done, failed, cancelled or interrupted")
+    state: str = Field(description="queued, running, cancelling (asked to stop: it stops at its next case "
+                       "boundary), done, failed, cancelled or interrupted")
     done: int = Field(description="work items finished so far")
     total: int = Field(description="work items in all (0 until the job starts)")
     params: dict = Field(description="what the job runs, as checked and completed from the request: ops, stacks "

@@ -46,7 +46,7 @@ def _listing(items: list[Any], key: Callable[[Any], tuple]) -> Listing:
 
 def fresh_matrix(state: StoreState) -> Listing:
     """The store's entries fresh for this torch and these composites' sources (one read per generation)."""
-    from registry.harness.verify import source_hashes
+    from registry.core.sources import source_hashes
 
     store = state.require()
     return state.listings.get(state.generation, "matrix", lambda: _listing(
@@ -54,7 +54,7 @@ def fresh_matrix(state: StoreState) -> Listing:
 
 
 def fresh_profiles(state: StoreState) -> Listing:
-    from registry.harness.verify import source_hashes
+    from registry.core.sources import source_hashes
 
     store = state.require()
     return state.listings.get(state.generation, "profiles", lambda: _listing(

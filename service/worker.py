@@ -41,8 +41,26 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Column, Engine, Float, Integer, MetaData, String, Table, Text, delete, func, select, text, update
 from sqlalchemy.engine import make_url
 
-from registry.store.db import FINISHED_JOB_STATES, JobRecord, Store, StoreUnavailableError, _job_from_row, _jobs
-from service.jobs import PROGRESS_EVERY_S, PRUNE_EVERY_S, JobTimeoutError, QueueFullError
+from registry.store.db import (
+    ACTIVE_JOB_STATES,
+    FINISHED_JOB_STATES,
+    JobRecord,
+    Store,
+    StoreUnavailableError,
+    _job_from_row,
+    _jobs,
+)
+from service.jobs import (
+    PROGRESS_EVERY_S,
+    PRUNE_EVERY_S,
+    RETRY_FIRST_S,
+    RETRY_MAX_S,
+    JobCancelledError,
+    JobTimeoutError,
+    QueueFullError,
+    _reason,
+    _store_error,
+)
 
 if TYPE_CHECKING:
     import procrastinate
@@ -321,6 +339,7 @@ class Worker:
         self._running: set[str] = set()
         self._running_lock = threading.Lock()
         self._app: procrastinate.App | None = None
+        self._reachable_since: float | None = None  # monotonic time of the first beat after the last failed one
 
     # Registration and heartbeats (sync: called through asyncio.to_thread) --------------------------------------
 
@@ -367,24 +386,41 @@ class Worker:
                                        done=0, total=0).returning(*_jobs.c)).first()
         return _job_from_row(row) if row is not None else None
 
-    def _update_owned(self, job_id: str, **values: Any) -> bool:
-        """Write the job's row only while this worker runs it; False if it was taken away."""
+    def _update_owned(self, job_id: str, states: tuple[str, ...] = ACTIVE_JOB_STATES, **values: Any) -> bool:
+        """Write the job's row only while this worker runs it (in one of ``states``); False if it was taken away."""
         import json
 
         if values.get("result") is not None:
             values["result"] = json.dumps(values["result"])
         values["updated_at"] = time.time()
         with self.store.engine.begin() as conn:
-            return bool(conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "running",
+            return bool(conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state.in_(states),
                                                          _jobs.c.owner == self.id).values(**values)).rowcount)
+
+    def _until_stored(self, write: Callable[[], Any], what: str, job_id: str) -> Any:
+        """``write()``, retried while the store is away (a server restarting, a network cut) until it is taken:
+        the end of a job is never lost to an outage. Until then the job stays ``running`` and this worker beats
+        (once the store answers), so no reaper takes it; a worker killed while it waits leaves it to the reaper.
+        Any error but the store's is raised."""
+        delay = RETRY_FIRST_S
+        while True:
+            try:
+                return write()
+            except Exception as error:
+                if not _store_error(error):
+                    raise
+                log.warning("job %s: the store refused %s (%s); retrying in %g s", job_id, what, _reason(error),
+                            delay)
+            time.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
 
     def run_job(self, job_id: str) -> str:
         """Run store job ``job_id`` if it is still queued; returns what became of it (for the log)."""
-        job = self.claim(job_id)
+        job = self._until_stored(lambda: self.claim(job_id), "the job's claim", job_id)
         if job is None:
-            current = self.store.job(job_id)
+            current = self._until_stored(lambda: self.store.job(job_id), "a read of the job", job_id)
             return f"skipped: {current.state if current is not None else 'deleted'}"
-        self._set_running(job_id, True)
+        self._until_stored(lambda: self._set_running(job_id, True), "the worker's current job", job_id)
         retried_after = job.error  # the reaper's reason, when this is a retry
         started = time.monotonic()
         last_write = 0.0
@@ -394,40 +430,71 @@ class Worker:
             job.done, job.total = done, total
             now = time.monotonic()
             if now - last_write >= PROGRESS_EVERY_S or done == total:
-                if not self._update_owned(job_id, done=done, total=total):
-                    raise JobLostError(f"job {job_id} was taken from worker {self.id}")
                 last_write = now
+                try:
+                    running = self._update_owned(job_id, ("running",), done=done, total=total)
+                except Exception as error:
+                    if not _store_error(error):
+                        raise
+                    # Progress is for watchers: the job goes on, the next report or the end writes it.
+                    log.warning("job %s: progress %d/%d not written: %s", job_id, done, total, _reason(error))
+                else:
+                    if not running:
+                        current = self.store.job(job_id)
+                        if current is not None and current.state == "cancelling" and current.owner == self.id:
+                            raise JobCancelledError
+                        raise JobLostError(f"job {job_id} was taken from worker {self.id}")
             if now - started > self.options.timeout_s:
                 raise JobTimeoutError(f"job ran past its limit of {self.options.timeout_s:.0f} s")
 
+        end: dict[str, Any]
         try:
             result = self._execute(job, progress)
+            result = {**result, "worker": self.id, "device_kind": job.params.get("device_kind", DEFAULT_KIND)}
+            if retried_after:
+                result["retried_after"] = retried_after
+            end = {"state": "done", "result": result, "error": None}
         except JobLostError:
             return "lost: reaped while running"
+        except JobCancelledError:
+            end = {"state": "cancelled", "error": f"cancelled while running, at {job.done}/{job.total}"}
         except Exception as error:  # a failed job records why; the worker goes on
-            self._update_owned(job_id, state="failed", error=f"{type(error).__name__}: {error}", done=job.done,
-                               total=job.total, finished_at=time.time())
-            return "failed"
+            end = {"state": "failed", "error": _reason(error) if _store_error(error) else
+                   f"{type(error).__name__}: {error}"}
         finally:
-            self._set_running(job_id, False)
-        result = {**result, "worker": self.id, "device_kind": job.params.get("device_kind", DEFAULT_KIND)}
-        if retried_after:
-            result["retried_after"] = retried_after
-        if not self._update_owned(job_id, state="done", result=result, error=None, done=job.done, total=job.total,
-                                  finished_at=time.time()):
-            return "lost: reaped before it was marked done"
-        return "done"
+            try:
+                self._set_running(job_id, False)
+            except Exception as error:  # the next beat writes the current job again
+                if not _store_error(error):
+                    raise
+        end.update(done=job.done, total=job.total, finished_at=time.time())
+        if not self._until_stored(lambda: self._update_owned(job_id, **end), f"the job's end ({end['state']})",
+                                  job_id):
+            return f"lost: reaped before it was marked {end['state']}"
+        return str(end["state"])
 
     # Reaping stale workers' jobs -------------------------------------------------------------------------------
 
     def requeue_or_fail(self, job_id: str, attempts: int) -> str:
         """The store side of one stalled procrastinate job: 'retry' (row back to queued with the reason), 'fail'
-        (row failed with the reason), or 'finish' (the row is final already, or gone)."""
+        (row failed with the reason), 'finish' (the row is final already, or gone), or 'alive' (its worker is this
+        one, or beat within ``stale_after_s`` in the workers table: procrastinate's heartbeat lagged, as it does
+        on a loaded machine, and the job is left to run)."""
         job = self.store.job(job_id)
         if job is None or job.state in FINISHED_JOB_STATES:
             return "finish"
         if job.state == "queued":
             return "retry"  # fetched but never claimed: nothing ran
+        if job.owner == self.id or self._beat_recently(job.owner):
+            return "alive"
+        if job.state == "cancelling":  # asked to stop, and its worker did: with its process
+            with self.store.engine.begin() as conn:
+                conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "cancelling",
+                                                 _jobs.c.owner == job.owner)
+                             .values(state="cancelled", finished_at=time.time(), updated_at=time.time(),
+                                     error=f"cancelled while running, at {job.done}/{job.total} (its worker "
+                                           f"{job.owner} stopped)"))
+            return "finish"
         runs = attempts + 1
         last = self._last_heartbeat(job.owner)
         why = (f"worker {job.owner} stopped sending heartbeats while running this job (at {job.done}/{job.total}); "
@@ -447,6 +514,14 @@ class Worker:
                                    .values(updated_at=now, **values)).rowcount
         return outcome if changed else "finish"
 
+    def _beat_recently(self, owner: str) -> bool:
+        """Whether worker ``owner`` beat within ``stale_after_s`` (database clock) in the workers table."""
+        cutoff = func.extract("epoch", func.now()) - self.options.stale_after_s
+        with self.store.engine.connect() as conn:
+            return conn.execute(select(workers_table.c.id).where(workers_table.c.id == owner,
+                                                                 workers_table.c.heartbeat >= cutoff)).first() \
+                is not None
+
     def _last_heartbeat(self, owner: str) -> str:
         with self.store.engine.connect() as conn:
             beat = conn.execute(select(workers_table.c.heartbeat).where(workers_table.c.id == owner)).scalar()
@@ -459,18 +534,37 @@ class Worker:
         they ran is left ``running``: until the reaper has taken their jobs, the row keeps their last heartbeat for
         the reason it writes (procrastinate's heartbeat, which decides when a job is stalled, may lag this one)."""
         cutoff = func.extract("epoch", func.now()) - self.options.stale_after_s
-        still_running = select(_jobs.c.owner).where(_jobs.c.state == "running")
+        still_running = select(_jobs.c.owner).where(_jobs.c.state.in_(ACTIVE_JOB_STATES))
         with self.store.engine.begin() as conn:
             return list(conn.execute(delete(workers_table).where(workers_table.c.heartbeat < cutoff,
                                                                  workers_table.c.id != self.id,
                                                                  workers_table.c.id.not_in(still_running))
                                      .returning(workers_table.c.id)).scalars())
 
+    def orphaned_jobs(self) -> list[tuple[str, str]]:
+        """Store jobs ``queued`` for over ``stale_after_s`` with no procrastinate job to run them: the server that
+        accepted one was killed between writing its row and queueing it. (id, device kind) of each, to queue
+        again; one queued twice is still run once (a worker's claim is conditional on ``queued``)."""
+        import json
+
+        cutoff = time.time() - max(self.options.stale_after_s, 2 * self.options.heartbeat_s)
+        query = text("SELECT id, params FROM jobs WHERE state = 'queued' AND created_at < :cutoff AND NOT EXISTS "
+                     "(SELECT 1 FROM procrastinate_jobs p WHERE p.args->>'job_id' = jobs.id "
+                     "AND p.status IN ('todo', 'doing'))")
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(query, {"cutoff": cutoff}).all()
+        return [(row.id, json.loads(row.params).get("device_kind", DEFAULT_KIND)) for row in rows]
+
     async def reap(self) -> list[tuple[str, str]]:
-        """One pass, unless another worker is reaping: returns (store job id, outcome) for each stalled job."""
+        """One pass, unless another worker is reaping: returns (store job id, outcome) for each stalled job.
+
+        Not while this worker has reached the store for less than ``stale_after_s`` since its last failed beat:
+        when the store was away, no worker could beat, and their silence was the store's, not theirs."""
         from procrastinate.jobs import Status
 
         assert self._app is not None
+        if self._reachable_since is None or time.monotonic() - self._reachable_since < self.options.stale_after_s:
+            return []
         conn = await asyncio.to_thread(self.store.engine.connect)
         outcomes: list[tuple[str, str]] = []
         try:
@@ -484,6 +578,8 @@ class Worker:
                 for stalled_job in stalled:
                     job_id = str(stalled_job.task_kwargs.get("job_id", ""))
                     outcome = await asyncio.to_thread(self.requeue_or_fail, job_id, stalled_job.attempts)
+                    if outcome == "alive":
+                        continue
                     if outcome == "retry":
                         await self._app.job_manager.retry_job(stalled_job)
                     else:
@@ -491,6 +587,10 @@ class Worker:
                         await self._app.job_manager.finish_job(stalled_job, status=status, delete_job=False)
                     outcomes.append((job_id, outcome))
                     log.warning("job %s of a stalled worker: %s", job_id, outcome)
+                for job_id, kind in await asyncio.to_thread(self.orphaned_jobs):
+                    await self._app.configure_task(name=TASK_NAME, queue=queue_for(kind)).defer_async(job_id=job_id)
+                    outcomes.append((job_id, "queued again"))
+                    log.warning("job %s was never queued (its server stopped first): queued again", job_id)
                 await asyncio.to_thread(self.prune_stale_workers)
             finally:
                 await asyncio.to_thread(
@@ -505,9 +605,16 @@ class Worker:
         while True:
             try:
                 await asyncio.to_thread(self.beat)
+                if self._reachable_since is None:
+                    self._reachable_since = time.monotonic()
                 await self.reap()
-            except Exception:  # the store is briefly unreachable: beat again at the next tick
-                log.exception("heartbeat or reap failed; trying again in %s s", self.options.heartbeat_s)
+            except Exception as error:  # the store is briefly unreachable: beat again at the next tick
+                if _store_error(error):
+                    self._reachable_since = None
+                    log.warning("heartbeat or reap failed (%s); trying again in %s s", _reason(error),
+                                self.options.heartbeat_s)
+                else:
+                    log.exception("heartbeat or reap failed; trying again in %s s", self.options.heartbeat_s)
             await asyncio.sleep(self.options.heartbeat_s)
 
     async def run_async(self) -> None:

@@ -136,21 +136,6 @@ def context_of(
     )
 
 
-def parse_stack(text: str | Iterable[str]) -> tuple[str, ...]:
-    """``"vmap,grad"`` or ``["vmap", "grad"]`` to a validated stack tuple (aliases like ``jacrev`` expand)."""
-    parts = [p.strip() for p in (text.split(",") if isinstance(text, str) else text)]
-    parts = [p for p in parts if p]
-    stack: list[str] = []
-    for part in parts:
-        expanded = STACK_ALIASES.get(part, (part,))
-        for name in expanded:
-            if name not in TRANSFORMS:
-                valid = ", ".join((*TRANSFORMS, *STACK_ALIASES))
-                raise ValueError(f"unknown transform {part!r} in stack {','.join(parts)!r}; valid: {valid}")
-            stack.append(name)
-    return tuple(stack)
-
-
 # What an op's forward sees under each: jacrev is vjp (grad), then a vmap over the backward only; jacfwd is vmap over
 # jvp; hessian is jacfwd(jacrev).
 STACK_ALIASES: dict[str, tuple[str, ...]] = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import threading
 from collections.abc import Callable, Mapping
@@ -272,14 +271,14 @@ def unregister(op: str, name: str) -> Composite:
 
 
 def load() -> None:
-    """Import the built-in composites and every ``multicomposite.composites`` entry point, once."""
+    """Import every ``multicomposite.composites`` entry point, once (``import registry`` has imported the built-in
+    composites package just before)."""
     global _loaded
     if _loaded:
         return
     with _load_lock:
         if _loaded:
             return
-        importlib.import_module("composites")
         load_plugins()
         _loaded = True
 

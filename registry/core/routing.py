@@ -25,7 +25,6 @@ the kernel routes it.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import threading
 import warnings
@@ -320,9 +319,6 @@ def register_kernels() -> None:
         load()
         if _libraries and len(_routed_ops) == len(OPS):
             return
-        # The first decision reads the store's evidence, whose staleness check imports the harness: import it here,
-        # outside any transform, rather than inside the first routed call (import-time code would run under vmap).
-        importlib.import_module("registry.harness.verify")
         if not _backend:
             _backend.append(_choose_backend())
         new = [op for op in OPS.values() if op.name not in _routed_ops]
@@ -367,7 +363,8 @@ def _register_routing(ops: list[Op]) -> None:
     if _backend[0] == "cpp":
         from registry.core import routing_cpp
 
-        assert _cpp is not None
+        if _cpp is None:
+            raise RuntimeError("routing: the C++ backend is active but its kernels are not loaded; report this bug")
         routing_cpp.register(_cpp, ops)
         _set_frame = _cpp.set_frame
         return
@@ -422,8 +419,7 @@ def set_routing_backend(backend: str) -> None:
             _cpp = module
             if module.clear not in CACHE_LISTENERS:
                 CACHE_LISTENERS.append(module.clear)
-        else:
-            assert _cpp is not None
+        elif _cpp is not None:
             _cpp.unregister_all()
             _cpp.set_frame(0)
             _cpp.clear()

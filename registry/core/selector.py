@@ -10,14 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from registry.core import rules
+from registry.core import evidence, reference, rules
 from registry.core.context import Context
 from registry.core.model import KINDS, Composite
 from registry.core.ops import OPS
+from registry.core.ratios import MIN_NOISE, ratio_text
 from registry.core.registration import COMPOSITES, ON_CHANGE, load
 from registry.core.stacks import format_stack, parse_stack, shorten
-from registry.profiling import noise
-from registry.store import evidence
 
 POLICIES = ("auto", "fastest", "rules", "native")
 
@@ -68,6 +67,7 @@ def clear_cache() -> None:
 
 CACHE_LISTENERS: list = []  # the router's eager cache registers here
 ON_CHANGE.append(clear_cache)
+evidence.ON_SOURCE_CHANGE.append(clear_cache)
 
 
 def unknown_op_message(op: str) -> str:
@@ -101,7 +101,7 @@ def _verdicts(op: str, ctx: Context, policy: str) -> tuple[Judged, dict[str, int
     for composite in COMPOSITES[op].values():
         problem = rules.problem(op, composite.kind, ctx)
         if policy in ("auto", "fastest"):
-            measured, count = evidence.evidence(op, composite.name, ctx, OPS[op].tensor_args)
+            measured, count = evidence.source().evidence(op, composite.name, ctx, OPS[op].tensor_args)
             verified[composite.name] = count
             if problem is None and measured is not None:
                 problem = rules.Problem(measured.status, f"measured: {measured.text}")
@@ -173,7 +173,8 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
             )
         chosen = min(valid, key=lambda item: (order.index(item[0].kind), list(COMPOSITES[op]).index(item[0].name)))[0]
         skipped = [(c, p) for c, p in judged if p is not None and order.index(c.kind) < order.index(chosen.kind)]
-        measured = evidence.timings(op, ctx, [c.name for c, _ in judged]) if policy in ("auto", "fastest") else {}
+        measured = (evidence.source().timings(op, ctx, [c.name for c, _ in judged])
+                    if policy in ("auto", "fastest") else {})
         timed_valid = sorted((measured[c.name].score_us, c.name) for c, _ in valid if c.name in measured)
         if timed_valid:
             fastest = measured[timed_valid[0][1]]
@@ -182,7 +183,7 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
             if rules_choice is not None and rules_choice.composite != fastest.composite:
                 # A profile only says the fastest is faster if it is by more than the noise of both timings: below
                 # that, the rules' choice stays, so a noisy profile cannot flip a decision.
-                band = max(noise.MIN_NOISE, fastest.spread, rules_choice.spread)
+                band = max(MIN_NOISE, fastest.spread, rules_choice.spread)
                 within_noise = rules_choice.score_us <= fastest.score_us * (1 + band)
             if not within_noise:
                 chosen = COMPOSITES[op][fastest.composite]
@@ -194,9 +195,9 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
             runner_up_speedup = runner_up[0] / best.score_us if runner_up else None
             parts = []
             if speedup is not None and chosen.kind != "native":
-                parts.append(noise.ratio_text(best.score_us / measured[native].score_us, "native"))
+                parts.append(ratio_text(best.score_us / measured[native].score_us, "native"))
             if runner_up is not None and not (runner_up[1] == native and parts):  # native said once, not twice
-                parts.append(noise.ratio_text(best.score_us / runner_up[0], runner_up[1]))
+                parts.append(ratio_text(best.score_us / runner_up[0], runner_up[1]))
             batches = ",".join(str(b) for b in best.batch_sizes)
             if within_noise:
                 reason = (f"{chosen.name} is the rules' choice under {where}, and the profiles do not tell it from "
@@ -212,6 +213,11 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
             return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
                             alternatives=_alternatives(judged, chosen), context=ctx, policy=policy,
                             speedup=speedup, runner_up_speedup=runner_up_speedup)
+        shipped = _reference_choice(op, ctx, policy, chosen, valid)
+        if shipped is not None:
+            chosen, reason = shipped
+            return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
+                            alternatives=_alternatives(judged, chosen), context=ctx, policy=policy)
         if chosen.kind == "native":
             reason = f"PyTorch's own {op} has no known problem under {where}"
         elif skipped:
@@ -230,6 +236,36 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
 
     return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
                     alternatives=_alternatives(judged, chosen), context=ctx, policy=policy)
+
+
+def _reference_choice(op: str, ctx: Context, policy: str, chosen: Composite, valid: Judged,
+                      ) -> tuple[Composite, str] | None:
+    """Where no local profile speaks: the fastest valid composite in the shipped reference profiles, when it is
+    faster than the rules' choice there by more than ``reference.MIN_GAP``; None keeps the rules' choice."""
+    if policy not in ("auto", "fastest"):
+        return None
+    found = reference.reference_times(op, ctx.stack, None if ctx.dtype is None
+                                      else str(ctx.dtype).removeprefix("torch."))
+    if found is None:
+        return None
+    ranked = sorted((found.times_us[c.name], c.name) for c, _ in valid if c.name in found.times_us)
+    if not ranked or ranked[0][1] == chosen.name:
+        return None
+    fastest_us, fastest = ranked[0]
+    rules_us = found.times_us.get(chosen.name)
+    if rules_us is not None and rules_us <= fastest_us * (1 + reference.MIN_GAP):
+        return None
+    versus = (f"{_ratio_text(fastest_us / rules_us, chosen.name)}" if rules_us is not None
+              else f"{chosen.name} was not timed there")
+    return COMPOSITES[op][fastest], (
+        f"{fastest} is the fastest valid composite under {_describe(ctx)} in the reference profiles shipped with "
+        f"the package ({versus}; {found.workload}, batch {found.batch} x {found.numel} elements, measured on "
+        f"{found.machine}); no profile of this machine here: `multicomposite profile` measures one")
+
+
+def _ratio_text(ratio: float, other: str) -> str:
+    """``time / other's time`` as "1.61x faster than X" or "1.61x slower than X"."""
+    return f"{1 / ratio:.2f}x faster than {other}" if ratio <= 1 else f"{ratio:.2f}x slower than {other}"
 
 
 def _alternatives(judged: Judged, chosen: Composite) -> tuple[Verdict, ...]:

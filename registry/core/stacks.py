@@ -1,7 +1,7 @@
 """One spelling of a transform stack: ``vmap(grad)`` in every output; ``vmap(grad)`` and ``vmap,grad`` on input.
 
-``context.parse_stack`` validates transform names and expands aliases (``jacrev``); this module turns either
-spelling into the names it takes, and names back into the one spelling every output uses.
+The one parser of stacks: either spelling (or a sequence of names) to validated transform names, aliases such as
+``jacrev`` expanded; and names back into the one spelling every output uses.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from registry.core.context import STACK_ALIASES, TRANSFORMS
-from registry.core.context import parse_stack as _parse_names
 
 # The deepest stack the verified matrix covers (hessian = vmap, jvp, grad): deeper stacks have no evidence, and a
 # bound here keeps a query from growing a cache key without limit.
@@ -47,13 +46,15 @@ def split_stack(text: str) -> list[str]:
 
 def parse_stack(text: str | Iterable[str]) -> tuple[str, ...]:
     """Either spelling (or a sequence of names) to a validated stack tuple; aliases such as ``jacrev`` expand."""
-    names = split_stack(text) if isinstance(text, str) else [name.strip() for name in text]
+    names = split_stack(text) if isinstance(text, str) else [name.strip() for name in text if name.strip()]
+    stack: list[str] = []
     for name in names:
         if name not in TRANSFORMS and name not in STACK_ALIASES:
             valid = ", ".join((*TRANSFORMS, *STACK_ALIASES))
             raise ValueError(f"unknown transform {shorten(name)!r} in stack {shorten(format_stack(names))!r}; "
                              f"valid: {valid}")
-    return _parse_names(names)
+        stack.extend(STACK_ALIASES.get(name, (name,)))
+    return tuple(stack)
 
 
 def parse_bounded_stack(text: str) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from registry.core.messages import described
 from registry.harness import survey
 
 # check -> the interpreter's stack
@@ -161,9 +162,9 @@ def _cases(entry: Any, sample: Any, check: str, random: bool) -> list[tuple[str,
                 case: survey.SurveyCase | survey.Outcome = survey.SurveyCase(entry, sample, "input", BATCH,
                                                                              leaves=subset, last_dim=last)
                 case.random = random
-                case.dynamic = survey._is_dynamic(entry, sample, case.batched)
+                case.dynamic = survey.is_dynamic(entry, sample, case.batched)
             except Exception as error:
-                case = survey.Outcome("unsupported", f"cannot build per-sample arguments: {survey._first_line(error)}")
+                case = survey.Outcome("unsupported", f"cannot build per-sample arguments: {described(error)}")
             made.append((how, case))
         return made
     return [(batching, survey.prepare_case(entry, sample, batching, BATCH, random)) for batching in survey.BATCHINGS]
@@ -190,8 +191,8 @@ def check_entry(entry: Any, dtype_name: str, config: ConformanceConfig) -> tuple
                     if isinstance(case, survey.Outcome):
                         verdicts.append(Verdict(check, index, how, case, case))
                         continue
-                    reference = survey._Reference(case)
-                    outcomes = [survey._dynamic(case, stack, survey.check_case(
+                    reference = survey.Reference(case)
+                    outcomes = [survey.dynamic_outcome(case, stack, survey.check_case(
                         stack, case, reference, dtype, inside_use=inside, timeout_s=config.case_timeout_s))
                         for inside in (False, True)]
                     verdicts.append(Verdict(check, index, how, outcomes[0], outcomes[1]))
@@ -282,7 +283,7 @@ def run_conformance(jobs: Sequence[tuple[str, Any]], dtypes: Sequence[str], conf
         for index, dtype_name in work:
             finished(conform_entry(jobs[index], dtype_name, config))
     else:
-        survey._run_forked(jobs, work, config, workers, job_timeout_s, finished, work=conform_entry,
+        survey.run_forked(jobs, work, config, workers, job_timeout_s, finished, work=conform_entry,
                            crash=_crash_rows)
     result.seconds = time.perf_counter() - start
     order = {(op, survey.entry_id(entry)): i for i, (op, entry) in enumerate(jobs)}

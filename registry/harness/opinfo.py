@@ -111,12 +111,12 @@ def check_all(op: str, composites: Sequence[str], dtype: torch.dtype,
                 if reached or not judged_here:
                     checked += 1
                     for key, outcome in found.items():
-                        worst[key] = survey._worse(worst[key], outcome)
+                        worst[key] = survey.worse_outcome(worst[key], outcome)
                 elif unreached is None:
                     unreached = found
             if checked == 0 and unreached is not None:
                 for key, outcome in unreached.items():
-                    worst[key] = survey._worse(worst[key], outcome)
+                    worst[key] = survey.worse_outcome(worst[key], outcome)
     nothing = survey.Outcome("unsupported", f"no OpInfo sample of {op} in {str(dtype).removeprefix('torch.')}")
     return {key: outcome or nothing for key, outcome in worst.items()}
 
@@ -135,9 +135,9 @@ def _sample_outcomes(op: str, composites: Sequence[str], cells: Sequence[tuple[t
         case = survey.prepare_case(entry, sample, batching, survey.DEFAULT_BATCH, random)
         if isinstance(case, survey.Outcome):  # OpInfo's sample cannot be varied per sample: nothing to check
             for key in [(c, s, p) for c in composites for s, p in wanted]:
-                found[key] = survey._worse(found.get(key), case)
+                found[key] = survey.worse_outcome(found.get(key), case)
             continue
-        reference = survey._Reference(case)
+        reference = survey.Reference(case)
         for stack, pattern in wanted:
             for survey_stack in STACKS[stack]:
                 for composite in composites:
@@ -147,7 +147,7 @@ def _sample_outcomes(op: str, composites: Sequence[str], cells: Sequence[tuple[t
                         outcome = survey.Outcome(outcome.status, f"{name} #{index} {batching} {survey_stack}: "
                                                  f"{outcome.detail}", outcome.max_abs_error, outcome.max_rel_error)
                     key = (composite, stack, pattern)
-                    found[key] = survey._worse(found.get(key), outcome)
+                    found[key] = survey.worse_outcome(found.get(key), outcome)
     return found, reached
 
 
@@ -157,7 +157,7 @@ def _one(op: str, composite: str, case: survey.SurveyCase, reference: Any, surve
     the routing kernel of ``op`` ran."""
     native = COMPOSITES[op][composite].kind == "native"
     before = _routed_calls(op)
-    outcome = survey._dynamic(case, survey_stack, survey.check_case(
+    outcome = survey.dynamic_outcome(case, survey_stack, survey.check_case(
         survey_stack, case, reference, dtype, inside_use=not native, timeout_s=timeout_s, pins={op: composite}))
     ran = _routed_calls(op) != before
     if not native and outcome.status in ("ok", "slow") and not ran:

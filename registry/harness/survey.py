@@ -30,9 +30,13 @@ from typing import Any
 
 import torch
 from torch import func
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from registry.core.dynamic import REFUSAL_PHRASE
+from registry.core.messages import described
+from registry.core.stacks import canonical_workload
+from registry.core.status import FAILING, RANK
+from registry.harness.checks import FALLBACK_WARNING
 
 SURVEY_STACKS: tuple[str, ...] = ("vmap", "grad", "vmap(grad)", "jacrev", "jacfwd", "vmap(jvp)")
 # The interpreter runs these too (the conformance suite's checks): jvp alone, the vjp of a vmapped function and
@@ -41,11 +45,8 @@ MORE_STACKS: tuple[str, ...] = ("jvp", "grad(vmap)", "jvp(grad)")
 INTERPRETER_STACKS: tuple[str, ...] = SURVEY_STACKS + MORE_STACKS
 BATCHINGS: tuple[str, ...] = ("input", "others")
 DTYPES: tuple[str, ...] = ("float32", "float64")
-# Over the samples of one row the worst status wins; "unsupported" is the mildest, so one sample that cannot be
-# checked does not hide another that can.
-RANK: tuple[str, ...] = ("unsupported", "ok", "slow", "mismatch", "error")
-MISBEHAVING: frozenset[str] = frozenset({"slow", "mismatch", "error"})
-FALLBACK_WARNING = "There is a performance drop"
+# Over the samples of one row the worst status wins (RANK, registry.core.status: "unsupported" mildest).
+MISBEHAVING: frozenset[str] = frozenset(FAILING)
 
 DEFAULT_LIMIT_SAMPLES = 2
 DEFAULT_BATCH = 3
@@ -60,7 +61,6 @@ _VARIATION = 0.05  # per-sample float arguments: sample b is OpInfo's value scal
 _REVERSE = frozenset({"grad", "vmap(grad)", "jacrev", "grad(vmap)", "jvp(grad)"})
 _FORWARD = frozenset({"jacfwd", "vmap(jvp)", "jvp", "jvp(grad)"})
 _BATCHED = frozenset({"vmap", "vmap(grad)", "vmap(jvp)", "grad(vmap)"})
-_STACK_SPELLINGS = {"vmap,grad": "vmap(grad)", "vmap,jvp": "vmap(jvp)"}
 
 # vmap's own words for what it cannot do by design rather than by a missing rule: not a coverage gap.
 RANDOM_UNDER_VMAP = "random operation while in randomness error mode"  # vmap's refusal of a random op
@@ -136,7 +136,10 @@ def op_db() -> list[Any]:
 
 def normalize_stack(text: str) -> str:
     """``vmap(grad)`` or ``vmap,grad`` to the survey's spelling; raises SurveyError naming the valid stacks."""
-    stack = _STACK_SPELLINGS.get(text.replace(" ", ""), text.replace(" ", ""))
+    try:
+        stack = canonical_workload(text)  # the one spelling, aliases kept as written (jacrev is a survey stack)
+    except ValueError:
+        stack = text
     if stack not in SURVEY_STACKS:
         raise SurveyError(f"unknown survey stack {text!r}; valid: {', '.join(SURVEY_STACKS)}")
     return stack
@@ -191,6 +194,19 @@ def _vary(tensor: torch.Tensor, b: int, generator: torch.Generator) -> torch.Ten
     return flat[torch.randperm(flat.numel(), generator=generator)].reshape(tensor.shape).clone()
 
 
+# Integer keyword arguments whose validity is their order: embedding_bag's offsets must not decrease. Their per-sample
+# permutation is sorted again (the same values as OpInfo's: nothing varies, and the other leaves' draws stay put).
+ORDERED_ARGUMENTS = frozenset({"offsets"})
+
+
+def _ordered_leaves(sample: Any) -> frozenset[int]:
+    """Positions, among the flattened leaves of (input, args, kwargs), of the tensors passed as ORDERED_ARGUMENTS."""
+    leaves, _ = tree_flatten_with_path((sample.input, sample.args, sample.kwargs))
+    return frozenset(i for i, (path, leaf) in enumerate(leaves)
+                     if isinstance(leaf, torch.Tensor) and not leaf.dtype.is_floating_point and len(path) == 2
+                     and getattr(path[0], "idx", None) == 2 and getattr(path[1], "key", None) in ORDERED_ARGUMENTS)
+
+
 def _clone_leaf(value: Any) -> Any:
     # Ops such as batch_norm update a non-batched argument (running statistics) in place: every call gets copies.
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
@@ -218,8 +234,10 @@ class SurveyCase:
         self.layouts = {self.leaves[i].layout for i in tensors}
         generator = torch.Generator().manual_seed(seed)
         strided = self.layouts == {torch.strided}
+        ordered = _ordered_leaves(sample)
         self.per_sample: list[tuple[torch.Tensor, ...]] = [
-            tuple(_vary(self.leaves[i], b, generator) if strided else self.leaves[i] for i in self.batched)
+            tuple((_vary(self.leaves[i], b, generator).sort().values if i in ordered else
+                   _vary(self.leaves[i], b, generator)) if strided else self.leaves[i] for i in self.batched)
             for b in range(batch)
         ]
         self.tangents: list[tuple[torch.Tensor, ...]] = [
@@ -346,7 +364,7 @@ def run_stack(stack: str, case: SurveyCase) -> Any:
     raise SurveyError(f"unknown survey stack {stack!r}; valid: {', '.join(INTERPRETER_STACKS)}")
 
 
-class _Reference:
+class Reference:
     """Native PyTorch outside any transform, per sample; computed once per case, shared by all stacks and modes."""
 
     def __init__(self, case: SurveyCase) -> None:
@@ -429,7 +447,7 @@ class _Unsupported(Exception):  # noqa: N818 -- an outcome, not a failure
     """The case cannot be checked (no reference, no differentiable argument, ...)."""
 
 
-def reference(stack: str, ref: _Reference) -> Any:
+def reference(stack: str, ref: Reference) -> Any:
     """What ``run_stack(stack, case)`` must return, computed by native PyTorch outside any transform."""
     count = len(ref.case.per_sample)
     if stack == "vmap":
@@ -493,6 +511,8 @@ def compare(actual: Any, expected: Any, dtype: torch.dtype, where: str = "output
     if isinstance(expected, torch.Tensor):
         if not isinstance(actual, torch.Tensor):
             return Outcome("mismatch", f"{where}: expected a tensor, got {type(actual).__name__}")
+        # A sparse gradient (embedding_bag(sparse=True)'s reference) is compared by value: torch.func's are dense.
+        actual, expected = (t.to_dense() if t.layout != torch.strided else t for t in (actual, expected))
         if actual.shape != expected.shape:
             return Outcome("mismatch", f"{where}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
         if actual.dtype != expected.dtype:
@@ -525,11 +545,6 @@ def compare(actual: Any, expected: Any, dtype: torch.dtype, where: str = "output
     if actual != expected:
         return Outcome("mismatch", f"{where}: {actual!r} != {expected!r}")
     return None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {(text.splitlines() or [''])[0][:300]}"
 
 
 def _unsupported_reason(error: BaseException) -> str | None:
@@ -593,7 +608,7 @@ def _unspecified_reason(case: SurveyCase, stack: str) -> str | None:
     return None
 
 
-def _static_reason(case: SurveyCase, stack: str, dtype: torch.dtype) -> str | None:
+def static_reason(case: SurveyCase, stack: str, dtype: torch.dtype) -> str | None:
     """Why ``stack`` cannot be checked on ``case`` at all, before running anything."""
     opinfo = case.opinfo
     if opinfo.name in UNINITIALIZED:
@@ -618,16 +633,16 @@ def _static_reason(case: SurveyCase, stack: str, dtype: torch.dtype) -> str | No
     return None
 
 
-def check_case(stack: str, case: SurveyCase, ref: _Reference, dtype: torch.dtype, *, inside_use: bool,
+def check_case(stack: str, case: SurveyCase, ref: Reference, dtype: torch.dtype, *, inside_use: bool,
                timeout_s: float, pins: Mapping[str, str] | None = None) -> Outcome:
     """Run ``stack`` on ``case`` (inside ``registry.use(pins=pins)`` when asked) and classify it against the
     reference."""
-    if (reason := _static_reason(case, stack, dtype)) is not None:
+    if (reason := static_reason(case, stack, dtype)) is not None:
         return Outcome("unsupported", reason)
     try:
         base_output = case.call(case.per_sample[0])
     except Exception as error:  # native itself fails outside any transform on these arguments
-        return Outcome("unsupported", f"reference (native, no transform) fails: {_first_line(error)}")
+        return Outcome("unsupported", f"reference (native, no transform) fails: {described(error)}")
     layouts = {t.layout for t in tree_flatten(base_output)[0] if isinstance(t, torch.Tensor)} - {torch.strided}
     if layouts:
         return Outcome("unsupported", f"{', '.join(sorted(map(str, layouts)))} output: torch.func handles strided "
@@ -640,7 +655,7 @@ def check_case(stack: str, case: SurveyCase, ref: _Reference, dtype: torch.dtype
     except _Unsupported as reason:
         return Outcome("unsupported", str(reason))
     except Exception as error:  # native itself fails outside any transform on these arguments
-        return Outcome("unsupported", f"reference (native, no transform) fails: {_first_line(error)}")
+        return Outcome("unsupported", f"reference (native, no transform) fails: {described(error)}")
     torch._C._functorch._set_vmap_fallback_warning_enabled(True)
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -652,8 +667,8 @@ def check_case(stack: str, case: SurveyCase, ref: _Reference, dtype: torch.dtype
                 return Outcome("error", str(error))
             except Exception as error:  # an op failing under a transform is data here, not a crash
                 if (reason := _unsupported_reason(error)) is not None:
-                    return Outcome("unsupported", f"{reason}: {_first_line(error)}")
-                return Outcome("error", _first_line(error))
+                    return Outcome("unsupported", f"{reason}: {described(error)}")
+                return Outcome("error", described(error))
     finally:
         torch._C._functorch._set_vmap_fallback_warning_enabled(False)
     if stack in ("jacrev", "jacfwd"):
@@ -712,9 +727,9 @@ def prepare_case(opinfo: Any, sample: Any, batching: str, batch: int, random: bo
     try:
         case = SurveyCase(opinfo, sample, batching, batch)
     except Exception as error:
-        return Outcome("unsupported", f"cannot build per-sample arguments: {_first_line(error)}")
+        return Outcome("unsupported", f"cannot build per-sample arguments: {described(error)}")
     case.random = random
-    case.dynamic = _is_dynamic(opinfo, sample, case.batched)
+    case.dynamic = is_dynamic(opinfo, sample, case.batched)
     return case
 
 
@@ -742,7 +757,7 @@ def _output_shapes(opinfo: Any, sample: Any, fill: Callable[[torch.Tensor], torc
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _is_dynamic(opinfo: Any, sample: Any, filled: tuple[int, ...]) -> bool:
+def is_dynamic(opinfo: Any, sample: Any, filled: tuple[int, ...]) -> bool:
     """The output's shape depends on the values of the ``filled`` leaves (nonzero's input, masked_select's mask):
     all zeros and all ones there (floats and masks; indices kept) give different output shapes. Such an op cannot be
     batched over those arguments, only padded."""
@@ -755,14 +770,15 @@ def _is_dynamic(opinfo: Any, sample: Any, filled: tuple[int, ...]) -> bool:
     return len(shapes) > 1
 
 
-def _dynamic(case: SurveyCase, stack: str, outcome: Outcome) -> Outcome:
+def dynamic_outcome(case: SurveyCase, stack: str, outcome: Outcome) -> Outcome:
     """A dynamic-shape op that vmap cannot batch is out of scope (it needs a padded form), not a coverage gap."""
     if case.dynamic and stack in _BATCHED and outcome.status in MISBEHAVING:
         return Outcome("unsupported", f"dynamic shape op, {outcome.status}: {outcome.detail}")
     return outcome
 
 
-def _worse(a: Outcome | None, b: Outcome) -> Outcome:
+def worse_outcome(a: Outcome | None, b: Outcome) -> Outcome:
+    """The worse of two outcomes (RANK); ``b`` when there is no ``a`` yet."""
     return b if a is None or RANK.index(b.status) > RANK.index(a.status) else a
 
 
@@ -796,7 +812,7 @@ def _survey_entry(opinfo: Any, dtype_name: str, config: SurveyConfig) -> list[Su
         with _deadline(config.case_timeout_s):
             samples = pick_samples(opinfo, dtype, config.limit_samples)
     except Exception as error:  # OpInfo's own generator failing is reported, not raised
-        return every_row(Outcome("unsupported", f"OpInfo's sample_inputs fails: {_first_line(error)}"))
+        return every_row(Outcome("unsupported", f"OpInfo's sample_inputs fails: {described(error)}"))
     if not samples:
         return every_row(Outcome("unsupported", "OpInfo has no sample input"))
     randomness = {index: sample_is_random(opinfo, sample) for index, sample in enumerate(samples)}
@@ -808,18 +824,19 @@ def _survey_entry(opinfo: Any, dtype_name: str, config: SurveyConfig) -> list[Su
             if isinstance(case, Outcome):
                 for stack in config.stacks:
                     native, used, count = worst[stack]
-                    worst[stack] = (_worse(native, case), _worse(used, case), count)
+                    worst[stack] = (worse_outcome(native, case), worse_outcome(used, case), count)
                 continue
-            ref = _Reference(case)
+            ref = Reference(case)
             for stack in config.stacks:
-                native_outcome = _dynamic(case, stack, check_case(stack, case, ref, dtype, inside_use=False,
+                native_outcome = dynamic_outcome(case, stack, check_case(stack, case, ref, dtype, inside_use=False,
                                                                   timeout_s=config.case_timeout_s))
-                used_outcome = (_dynamic(case, stack, check_case(stack, case, ref, dtype, inside_use=True,
+                used_outcome = (dynamic_outcome(case, stack, check_case(stack, case, ref, dtype, inside_use=True,
                                                                  timeout_s=config.case_timeout_s))
                                 if config.inside_use else Outcome("unsupported", "not run inside use()"))
                 native, used, count = worst[stack]
                 checked = native_outcome.status != "unsupported"
-                worst[stack] = (_worse(native, native_outcome), _worse(used, used_outcome), count + checked)
+                worst[stack] = (worse_outcome(native, native_outcome), worse_outcome(used, used_outcome),
+                                count + checked)
         for stack in config.stacks:
             native, used, count = worst[stack]
             rows.append(row(stack, batching, native or Outcome("unsupported"), used or Outcome("unsupported"), count))
@@ -874,7 +891,7 @@ def run_survey(entries: Sequence[Any], dtypes: Sequence[str], config: SurveyConf
         for index, dtype_name in jobs:
             finished(survey_entry(entries[index], dtype_name, config))
     else:
-        _run_forked(entries, jobs, config, workers, job_timeout_s, finished)
+        run_forked(entries, jobs, config, workers, job_timeout_s, finished)
     result.seconds = time.perf_counter() - start
     # Workers finish in any order; rows come back in op_db's order, then dtype, batching and stack order.
     position = {entry_id(e): i for i, e in enumerate(entries)}
@@ -895,11 +912,11 @@ def _worker_main(connection: Any, entries: Sequence[Any], config: Any, work: Cal
             rows = work(entries[index], dtype_name, config)
         except Exception as error:  # sent back as error rows
             rows = crash(entries[index], dtype_name, config,
-                               f"survey worker: {_first_line(error)} ({traceback.format_exc(limit=1).strip()[-200:]})")
+                         f"survey worker: {described(error)} ({traceback.format_exc(limit=1).strip()[-200:]})")
         connection.send(rows)
 
 
-def _run_forked(entries: Sequence[Any], jobs: list[tuple[int, str]], config: Any, workers: int,
+def run_forked(entries: Sequence[Any], jobs: list[tuple[int, str]], config: Any, workers: int,
                 job_timeout_s: float, finished: Callable[[list[Any]], None],
                 work: Callable[..., list[Any]] = survey_entry, crash: Callable[..., list[Any]] = _crash_rows) -> None:
     """Run ``work(entry, dtype, config)`` for each (entry index, dtype) job in ``workers`` forked processes; a job

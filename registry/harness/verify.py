@@ -20,8 +20,6 @@ per sample (``check_rejections``).
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 import itertools
 import multiprocessing
 import os
@@ -36,10 +34,13 @@ import torch
 from torch import func
 from torch.autograd import forward_ad
 
+from registry.core.messages import described
 from registry.core.model import Composite
 from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES, RegistrationError, load
+from registry.core.sources import source_hash
 from registry.core.stacks import format_stack, parse_stack
+from registry.core.status import RANK  # an entry aggregates its samples worst last: "unsupported" only when none ran
 from registry.harness import opinfo
 from registry.harness.audit import audit
 from registry.harness.checks import FALLBACK_WARNING, entry_call, native_call
@@ -51,30 +52,12 @@ OUTER_TRANSFORMS = ("functionalize", "compile")
 PATTERNS = ("all", "self", "others", "in_dims1")
 NO_PATTERN = "-"  # stacks without vmap batch nothing
 OPINFO_ITEM = "opinfo"  # the pattern slot of a work item that is an OpInfo op's whole block for one dtype
-# How an entry aggregates its samples, worst last: "unsupported" only when no sample could run at all.
-BAD_ORDER = ("unsupported", "ok", "slow", "mismatch", "error")
 
 
 def default_stacks() -> list[tuple[str, ...]]:
     nested = [s for depth in (1, 2, 3) for s in itertools.product(BASE_TRANSFORMS, repeat=depth)]
     outer = [(o, *s) for o in OUTER_TRANSFORMS for s in nested if len(s) <= 2]
     return nested + outer
-
-
-@functools.cache
-def source_hash(composite: Composite) -> str:
-    """What makes a stored entry stale: the source of the composite's module (its helpers and Functions too)."""
-    module = inspect.getmodule(composite.fn)
-    try:
-        source = inspect.getsource(module) if module is not None else composite.source
-    except (OSError, TypeError):
-        source = composite.source
-    return hashlib.sha256(f"{composite.name}\n{source}".encode()).hexdigest()[:16]
-
-
-def source_hashes() -> dict[tuple[str, str], str]:
-    load()
-    return {(op, name): source_hash(c) for op, composites in COMPOSITES.items() for name, c in composites.items()}
 
 
 # --- the layers --------------------------------------------------------------------------------------------------
@@ -280,7 +263,7 @@ def check_stack(sample: Sample, stack: tuple[str, ...], pattern: str, call: Call
     try:
         expected = _reference(stack, with_tensors(native_call(sample.op, sample)), layout)(*tensors)
     except Exception as error:  # the reference itself cannot be computed: nothing to judge against
-        return "unsupported", f"reference: {type(error).__name__}: {_first_line(error)}", None, None
+        return "unsupported", f"reference: {described(error, 200)}", None, None
     expected = expected.detach()
     torch._C._functorch._set_vmap_fallback_warning_enabled(True)
     try:
@@ -289,7 +272,7 @@ def check_stack(sample: Sample, stack: tuple[str, ...], pattern: str, call: Call
             try:
                 actual = _transformed(stack, with_tensors(call), layout)(*tensors)
             except Exception as error:  # a transform's failure is this check's result
-                return "error", f"{type(error).__name__}: {_first_line(error)}", None, None
+                return "error", described(error, 200), None, None
     finally:
         torch._C._functorch._set_vmap_fallback_warning_enabled(False)
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
@@ -369,12 +352,8 @@ def check_rejections(composite: Composite, dtype: str, stack: tuple[str, ...],
             continue
         if rejection(sample, stack, pattern, _composite_call(composite, sample)) is None:
             return "mismatch", (f"{fault_name(sample)}: accepts what native rejects "
-                                f"({type(expected).__name__}: {_first_line(expected)})")[:500]
+                                f"({described(expected, 200)})")[:500]
     return None
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
 def _composite_call(composite: Composite, sample: Sample) -> Callable[[Args], Any]:
@@ -527,11 +506,11 @@ def _run_seed_item(label: tuple[str, str, str, tuple[str, ...], str, tuple[int, 
         outcome = check_stack(sample, stack, pattern, _composite_call(composite, sample))
         if outcome[0] != "ok":
             outcome = (outcome[0], f"{sample.name}: {outcome[1]}", outcome[2], outcome[3])
-        if BAD_ORDER.index(outcome[0]) > BAD_ORDER.index(worst[0]):
+        if RANK.index(outcome[0]) > RANK.index(worst[0]):
             worst = outcome
         elif worst[2] is None:
             worst = (worst[0], worst[1], outcome[2], outcome[3])
-    if failed_audit is None and BAD_ORDER.index(worst[0]) < BAD_ORDER.index("mismatch"):
+    if failed_audit is None and RANK.index(worst[0]) < RANK.index("mismatch"):
         accepted = check_rejections(composite, dtype, stack, pattern)
         if accepted is not None:
             worst = (accepted[0], accepted[1], worst[2], worst[3])

@@ -5,23 +5,32 @@ On a shared machine noise only ever adds time, and it comes in bursts (another p
 request): timing native for a second, then each composite for a second, lets a burst land on one of them and flip a
 decision. Interleaved rounds (native, a, b, native, a, b, ... with the order rotated each round) spread a burst over
 every composite, and the spread across rounds (IQR over median) says whether one came at all.
+
+On a machine kept busy by another process, absolute times swing from round to round, but within one round every
+composite runs under the same load: the ratio of two composites' times in the same round holds where their medians
+do not. So composites are ranked by their per-round ratios to the fastest one (``relative``), and a context is
+refused only when that ranking itself is unstable (``unstable``): the two fastest are told apart by their median
+ratio, yet the leader is not faster in most of the rounds they share.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from registry.core.ratios import MIN_NOISE, ratio_text
+
 # A context whose rounds spread more than this (IQR over median, any composite) was disturbed: it is re-measured.
 SPREAD_LIMIT = 0.20
 # Native's median this many times above or below its earlier profile on the same key: re-measured too.
 NATIVE_DRIFT_LIMIT = 1.5
-# The least relative difference that counts as a difference when two timings are compared (the floor of "noise").
-MIN_NOISE = 0.05
 ROUNDS = 5
+# The leader of a ranking must be faster than the runner-up in at least this share of the rounds they share.
+WIN_SHARE = 0.75
 
 
 @dataclass
@@ -96,14 +105,52 @@ def disturbed(timings: Mapping[str, Timed], *, native: str | None = None, earlie
     return reasons
 
 
+def _shared_ratios(t: Timed, leader: Timed) -> list[float]:
+    shared = min(len(t.rounds_us), len(leader.rounds_us))
+    return [t.rounds_us[k] / leader.rounds_us[k] for k in range(shared) if leader.rounds_us[k] > 0]
+
+
+def leader_of(timings: Mapping[str, Timed]) -> Timed:
+    """The composite the others are measured against: the lowest median time."""
+    return min(timings.values(), key=lambda t: t.median_us)
+
+
+def relative(timings: Mapping[str, Timed]) -> dict[str, Timed]:
+    """Each composite's rounds as the leader's median times its ratio to the leader in that round: the medians keep
+    the scale of one machine's times, and their order and spread are those of the per-round ratios, which a load
+    shared by every composite of a round does not move."""
+    if len(timings) < 2:
+        return dict(timings)
+    leader = leader_of(timings)
+    scale = leader.median_us
+    return {name: Timed(name, [scale * r for r in _shared_ratios(t, leader)] or list(t.rounds_us), t.calls,
+                        t.first_call_us)
+            for name, t in timings.items()}
+
+
+def unstable(timings: Mapping[str, Timed]) -> list[str]:
+    """Why the ranking of the two fastest is not settled (empty when it is): their median per-round ratio says one
+    is faster by more than MIN_NOISE, yet it is faster in fewer than WIN_SHARE of the rounds they share. Two that
+    are not told apart are a settled tie: the selector keeps the rules' choice between them."""
+    if len(timings) < 2:
+        return []
+    leader = leader_of(timings)
+    runner = min((t for t in timings.values() if t is not leader), key=lambda t: statistics.median(
+        _shared_ratios(t, leader) or [math.inf]))
+    ratios = _shared_ratios(runner, leader)
+    if not ratios:
+        return []
+    median = statistics.median(ratios)
+    if median <= 1 + MIN_NOISE:
+        return []
+    wins = sum(r > 1 for r in ratios)
+    if wins >= WIN_SHARE * len(ratios):
+        return []
+    return [f"the ranking of {leader.name} and {runner.name} is unstable ({leader.name} {median:.2f}x faster by the "
+            f"median ratio, yet faster in only {wins} of {len(ratios)} rounds): re-run with a longer --min-run-time "
+            "(more calls per round), or where fewer processes compete for the cores"]
+
+
 def noise(*timings: Timed) -> float:
     """The relative difference below which two of these timings are not told apart."""
     return max([MIN_NOISE, *(t.spread for t in timings)])
-
-
-def ratio_text(ratio: float, other: str) -> str:
-    """``time / other's time`` in words that never say "0.62x faster": "1.61x slower than X" or "1.61x faster
-    than X" (a ratio under 1 is faster)."""
-    if ratio <= 1:
-        return f"{1 / ratio:.2f}x faster than {other}"
-    return f"{ratio:.2f}x slower than {other}"

@@ -23,13 +23,14 @@ import torch
 from torch import func
 
 from registry.core import context
+from registry.core.messages import described
 from registry.core.model import Composite
 from registry.core.ops import ORIGINAL
 from registry.core.registration import COMPOSITES, load
 from registry.core.routing import use
+from registry.core.sources import source_hash
 from registry.core.stacks import parse_stack
 from registry.harness.samples import SAMPLES
-from registry.harness.verify import source_hash
 from registry.profiling import noise
 from registry.store.db import ProfileEntry
 
@@ -43,13 +44,15 @@ def bucket(numel: int | None) -> int:
 
 
 @dataclass(frozen=True)
-class _Case:
+class WorkloadCase:
+    """One profiling workload's op and inputs: ``fn`` maps over dim 0 of ``tensors``."""
+
     fn: Callable[..., torch.Tensor]  # the op on the batchable tensors, per sample
     tensors: tuple[torch.Tensor, ...]  # batched along dim 0
 
 
-def _case(op: str, call: Callable[..., torch.Tensor], numel: int, batch: int, dtype: torch.dtype,
-          device: str) -> _Case:
+def workload_case(op: str, call: Callable[..., torch.Tensor], numel: int, batch: int, dtype: torch.dtype,
+                  device: str) -> WorkloadCase:
     """The op as ``call`` (a composite, or PyTorch's own) on ``batch`` samples of ``numel`` elements."""
     g = torch.Generator().manual_seed(0)
 
@@ -62,19 +65,20 @@ def _case(op: str, call: Callable[..., torch.Tensor], numel: int, batch: int, dt
     k = max(numel // 8, 1)
     index = torch.randperm(numel, generator=g)[:k].to(device)
     if op in ("index_add", "index_copy"):
-        return _Case(lambda s, src: call(s, 0, index, src), (rand(batch, numel), rand(batch, k)))
+        return WorkloadCase(lambda s, src: call(s, 0, index, src), (rand(batch, numel), rand(batch, k)))
     if op == "index_fill":
-        return _Case(lambda s, v: call(s, 0, index, v), (rand(batch, numel), rand(batch)))
+        return WorkloadCase(lambda s, v: call(s, 0, index, v), (rand(batch, numel), rand(batch)))
     if op == "masked_fill":
-        return _Case(lambda s, m, v: call(s, m, v), (rand(batch, numel), mask(batch, numel), rand(batch)))
+        return WorkloadCase(lambda s, m, v: call(s, m, v), (rand(batch, numel), mask(batch, numel), rand(batch)))
     if op == "masked_scatter":
-        return _Case(lambda s, m, src: call(s, m, src), (rand(batch, numel), mask(batch, numel), rand(batch, numel)))
+        return WorkloadCase(lambda s, m, src: call(s, m, src),
+                            (rand(batch, numel), mask(batch, numel), rand(batch, numel)))
     if op == "contiguous":
         width = max(math.isqrt(numel), 1)
-        return _Case(lambda s: call(s.mT), (rand(batch, numel // width, width),))
+        return WorkloadCase(lambda s: call(s.mT), (rand(batch, numel // width, width),))
     if op == "to":
         other = torch.float64 if dtype != torch.float64 else torch.float32
-        return _Case(lambda s: call(s, dtype=other), (rand(batch, numel),))
+        return WorkloadCase(lambda s: call(s, dtype=other), (rand(batch, numel),))
     raise ValueError(f"profile: no workload for op {op!r}")
 
 
@@ -82,7 +86,7 @@ def _loss(y: torch.Tensor) -> torch.Tensor:
     return (y * y).sum()
 
 
-def _runner(workload: str, case: _Case) -> Callable[[], Any]:
+def workload_runner(workload: str, case: WorkloadCase) -> Callable[[], Any]:
     fn, tensors = case.fn, case.tensors
     if workload == "vmap":
         return lambda: func.vmap(fn)(*tensors)
@@ -99,7 +103,7 @@ def _runner(workload: str, case: _Case) -> Callable[[], Any]:
     raise ValueError(f"unknown workload {workload!r}; workloads are {', '.join(WORKLOADS)}")
 
 
-def _seen_by_op(workload: str, case: _Case) -> tuple[tuple[str, ...], int]:
+def seen_by_op(workload: str, case: WorkloadCase) -> tuple[tuple[str, ...], int]:
     """The stack and element count the op sees in ``workload``, captured by running it once."""
     seen: list[tuple[tuple[str, ...], int]] = []
 
@@ -108,7 +112,7 @@ def _seen_by_op(workload: str, case: _Case) -> tuple[tuple[str, ...], int]:
             seen.append((context.current_stack(*tensors), tensors[0].numel()))
         return case.fn(*tensors)
 
-    _runner(workload, _Case(spy, case.tensors))()
+    workload_runner(workload, WorkloadCase(spy, case.tensors))()
     return seen[0]
 
 
@@ -168,13 +172,13 @@ def _seed_context(op: str, workload: str, numel: int, batch: int, dtype: torch.d
     size = JACOBIAN_NUMEL if workload in ("jacrev", "jacfwd", "hessian") else numel
     functional = COMPOSITES[op]["functional"].fn
     # The reference is the functional composite, which the verified matrix shows ok in every stack.
-    reference_case = _case(op, functional, size, batch, dtype, device)
-    stack, seen_numel = _seen_by_op(workload, reference_case)
-    reference = _runner(workload, reference_case)()
+    reference_case = workload_case(op, functional, size, batch, dtype, device)
+    stack, seen_numel = seen_by_op(workload, reference_case)
+    reference = workload_runner(workload, reference_case)()
 
     def calls(composite: Composite) -> Callable[[], Any]:
         call = getattr(ORIGINAL.Tensor, op) if composite.kind == "native" else composite.fn
-        return _runner(workload, _case(op, call, size, batch, dtype, device))
+        return workload_runner(workload, workload_case(op, call, size, batch, dtype, device))
 
     return stack, seen_numel, calls, reference
 
@@ -216,15 +220,15 @@ def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype,
     case = survey.SurveyCase(entry, sample, "input", batch)
     if workload == "vmap(grad)" and not case.diff:
         raise _NoCase("nothing to differentiate in its first sample")
-    why_not = survey._static_reason(case, workload, dtype)  # no float output, random under vmap, ...
+    why_not = survey.static_reason(case, workload, dtype)  # no float output, random under vmap, ...
     if why_not is not None:
         raise _NoCase(f"the survey cannot check it: {why_not}")
     if workload == "vmap(grad)" and not case.differentiable_outputs(case.call(case.per_sample[0])):
         raise _NoCase("no real floating output to differentiate (complex or integer outputs only)")
     try:
-        reference = survey.reference(workload, survey._Reference(case))
+        reference = survey.reference(workload, survey.Reference(case))
     except Exception as error:  # e.g. an integer output (hash_tensor) has no gradient to compare under vmap(grad)
-        raise _NoCase(f"no reference outside the transform ({survey._first_line(error)})") from None
+        raise _NoCase(f"no reference outside the transform ({described(error)})") from None
 
     def calls(composite: Composite) -> Callable[[], Any]:
         if composite.kind == "native":
@@ -264,12 +268,15 @@ def profile(
     reference is stored invalid, untimed.
 
     The valid composites of a context are timed in ``rounds`` interleaved rounds (``noise.interleaved``); the two
-    fastest get as many rounds again, side by side, before they are ranked. A context whose rounds spread more than
-    ``noise.SPREAD_LIMIT`` (IQR over median), or whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times off its
-    ``earlier`` profile (default: the store's), is re-measured up to ``retries`` times (its entries say so in
-    ``detail``); one still disturbed after that is not returned at all, so it is never stored, and ``refused`` (if
-    given, else a RuntimeWarning) gets a line saying why. ``spread_limit=math.inf`` keeps every timing (tests of
-    what is stored).
+    fastest get as many rounds again, side by side, before they are ranked. They are ranked by their per-round ratios
+    to the fastest (``noise.relative``: what is stored is the fastest one's median times each one's median ratio,
+    with the ratio's spread), so a load on the machine that every composite of a round shares moves no decision. A
+    context whose ranking is unstable (``noise.unstable``: the two fastest told apart by the median ratio, yet the
+    leader faster in fewer than ``noise.WIN_SHARE`` of their rounds) is re-measured up to ``retries`` times, and one
+    whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times off its ``earlier`` profile (default: the store's) once
+    (its entries say so in ``detail``); one still unstable after that is not returned at all, so it is never stored,
+    and ``refused`` (if given, else a RuntimeWarning) gets a line saying why and what to change.
+    ``spread_limit=math.inf`` keeps every timing (tests of what is stored).
     """
     load()
     op_names = list(ops) if ops is not None else list(COMPOSITES)
@@ -330,12 +337,11 @@ def profile(
         timed, notes = _measure(runners, native_name, earlier_us, rounds=rounds, retries=retries,
                                 min_run_time=min_run_time, clock=clock, device=device, spread_limit=spread_limit)
         if timed is None:
-            line = f"{label}: not stored, still disturbed after {retries} re-measurements ({'; '.join(notes[-1:])})"
+            line = f"{label}: not stored, still unstable after {retries} re-measurements ({'; '.join(notes[-1:])})"
             if refused is not None:
                 refused.append(line)
             else:  # nobody collects them: say so, or an empty profile run would look like success
-                warnings.warn(f"profile: {line}; re-run on a quieter machine or with a longer min_run_time",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(f"profile: {line}", RuntimeWarning, stacklevel=2)
             entries.extend(context)
             continue
         detail = f"re-measured {len(notes)}x: {'; '.join(notes)}" if notes else ""
@@ -377,12 +383,14 @@ def _measure(runners: dict[str, Callable[[], Any]], native: str | None, earlier_
         if len(top) == 2:
             noise.interleaved({t.name: runners[t.name] for t in top}, rounds=rounds, clock=clock,
                               min_run_time=min_run_time, timed={t.name: t for t in top})
-        reasons = noise.disturbed(timed, native=native, earlier_native_us=earlier_native_us,
-                                  spread_limit=spread_limit)
-        spread_reasons = [r for r in reasons if not r.startswith("native ")]
-        if not reasons or (attempt > 0 and not spread_reasons):
-            # Native far from its earlier profile, twice, with a quiet spread: the earlier profile was the odd one.
-            return timed, notes
+        # Ranked by per-round ratios (noise.relative): a load that every composite of a round shares moves none
+        # of them. Native far from its earlier profile is re-measured once (the earlier profile may be the odd
+        # one); only a ranking that stays unstable is refused.
+        ranking = noise.unstable(timed) if spread_limit != math.inf else []
+        drift = noise.disturbed(timed, native=native, earlier_native_us=earlier_native_us, spread_limit=math.inf)
+        reasons = ranking + drift
+        if not ranking and (not drift or attempt > 0):
+            return noise.relative(timed), notes
         if attempt == retries:
             notes.append("; ".join(reasons))
             return None, notes

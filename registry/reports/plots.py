@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from registry.core.status import FAILING, worst
 from registry.store.db import MatrixEntry
-from registry.store.evidence import FAILING
 
-# Worst last: a cell shows the worst status over its patterns and dtypes.
-SEVERITY: tuple[str, ...] = ("ok", "unsupported", "slow", "mismatch", "error")
+# Worst last: a cell shows the worst status over its patterns and dtypes. Unlike an aggregate over samples, a cell
+# ranks "unsupported" above "ok": a pattern that could not be checked shows, rather than hiding behind one that was.
+SEVERITY: tuple[str, ...] = ("ok", "unsupported", *FAILING)
 COLOURS: dict[str, str] = {
     "not run": "#e6e6e6",
     "ok": "#2ca02c",
@@ -91,8 +92,8 @@ def render_matrix_png(
 
 # --- the speedup report ----------------------------------------------------------------------------------------------
 
-# Statuses that make a composite invalid in a context: the selector never chooses it there (registry.store.evidence).
-INVALID_STATUSES: tuple[str, ...] = FAILING  # the statuses that make a composite invalid where they were measured
+# Statuses that make a composite invalid where they were measured: the selector never chooses it there.
+INVALID_STATUSES: tuple[str, ...] = FAILING
 # An invalid composite's bar spans 1/INVALID_SPAN .. INVALID_SPAN around 1x: a marker, not a speed.
 INVALID_SPAN = 1.25
 INVALID_COLOUR = "#bdbdbd"
@@ -162,8 +163,9 @@ def matrix_problem(index: Mapping[tuple[str, str, tuple[str, ...], str], Sequenc
                if e.status in INVALID_STATUSES and e.pattern in patterns]
     if not failing:
         return None
-    worst = max(failing, key=lambda e: INVALID_STATUSES.index(e.status))
-    return f"{worst.status} in the verified matrix under {stack_label(stack)}, pattern {worst.pattern}"
+    status = worst(e.status for e in failing)
+    chosen = next(e for e in failing if e.status == status)
+    return f"{status} in the verified matrix under {stack_label(stack)}, pattern {chosen.pattern}"
 
 
 def speedup_bars(profiles: Sequence[Any], matrix: Iterable[MatrixEntry] = ()) -> list[SpeedupBar]:

@@ -1,4 +1,4 @@
-"""Storage: the matrix and profile tables (SQLAlchemy) and the evidence the selector reads from them."""
-
-# The survey's table is defined on the same metadata; importing it here means every Store() creates it too.
-from registry.store import survey as _survey  # noqa: F401
+"""Storage: the matrix, profile and survey tables (SQLAlchemy), their migrations, and the evidence source the selector
+reads them through. Importing this package imports no SQLAlchemy: ``registry.store.evidence`` and
+``registry.store.connection`` load it only when a store is opened.
+"""

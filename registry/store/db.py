@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 import sqlite3
 import threading
@@ -40,13 +39,19 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Row, make_url
 from sqlalchemy.exc import OperationalError
 
+from registry.core.messages import first_line
 from registry.core.stacks import format_stack, split_stack
+from registry.core.status import STATUSES
+from registry.store.connection import (
+    StoreUnavailableError,
+    default_url,
+    sqlite_pragmas,
+)
 
-STATUSES: tuple[str, ...] = ("ok", "slow", "error", "mismatch", "unsupported")
-JOB_STATES: tuple[str, ...] = ("queued", "running", "done", "failed", "cancelled", "interrupted")
+# cancelling: a running job asked to stop; its runner stops at the next case boundary and marks it cancelled.
+JOB_STATES: tuple[str, ...] = ("queued", "running", "cancelling", "done", "failed", "cancelled", "interrupted")
+ACTIVE_JOB_STATES: tuple[str, ...] = ("running", "cancelling")  # a runner has it
 FINISHED_JOB_STATES: tuple[str, ...] = ("done", "failed", "cancelled", "interrupted")
-ENV_VAR = "MULTICOMPOSITE_DB"
-BUSY_TIMEOUT_MS = 30_000
 CHECK_TIMEOUT_S = 5.0  # a readiness check waits this long for a lock, not a writer's 30 s
 
 
@@ -70,10 +75,10 @@ class MatrixEntry:
     measured_at: float | None = None  # when the harness judged it, epoch seconds (UTC); None in rows before 0003
 
 
-_metadata = MetaData()
+METADATA = MetaData()
 _matrix = Table(
     "matrix_entries",
-    _metadata,
+    METADATA,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("op", String(200), nullable=False, index=True),
     Column("composite", String(200), nullable=False),
@@ -120,7 +125,7 @@ class ProfileEntry:
 
 _profiles = Table(
     "profiles",
-    _metadata,
+    METADATA,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("op", String(200), nullable=False, index=True),
     Column("composite", String(200), nullable=False),
@@ -152,7 +157,7 @@ _PROFILE_KEY = ("op", "composite", "workload", "dtype", "device", "device_name",
 # value it last loaded at, one indexed read, instead of reloading the tables to see whether anything changed.
 _meta = Table(
     "store_meta",
-    _metadata,
+    METADATA,
     Column("key", String(100), primary_key=True),
     Column("value", BigInteger, nullable=False),
 )
@@ -162,7 +167,7 @@ GENERATION = "generation"
 
 _jobs = Table(
     "jobs",
-    _metadata,
+    METADATA,
     Column("id", String(64), primary_key=True),
     Column("kind", String(50), nullable=False),
     Column("params", Text, nullable=False),  # JSON
@@ -181,7 +186,7 @@ _jobs = Table(
 # Benchmarking runs (profile, verify), so that a profile can tell whether another process ran while it timed.
 _runs = Table(
     "bench_runs",
-    _metadata,
+    METADATA,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("kind", String(50), nullable=False),
     Column("host", String(300), nullable=False),
@@ -239,24 +244,12 @@ def process_alive(owner: str) -> bool:
     return True
 
 
-class StoreUnavailableError(RuntimeError):
-    """The store cannot be opened or read: a missing folder, a file that is not a database, a server down."""
-
-
-class SchemaError(StoreUnavailableError):
-    """The store's schema is not the one this code needs, and it was not (or cannot be) migrated on opening."""
-
-
 def safe_url(url: str) -> str:
     """``url`` with its password masked (``***``): what messages and logs may show of a server URL."""
     try:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # not a URL SQLAlchemy can parse: nothing in it to hide that we could find
         return url
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
 
 
 def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], key: tuple[str, ...]) -> None:
@@ -279,17 +272,6 @@ def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], key: tupl
     key_match = and_(*(table.c[name] == bindparam(f"k_{name}") for name in key))
     conn.execute(table.delete().where(key_match), [{f"k_{name}": row[name] for name in key} for row in rows])
     conn.execute(table.insert(), rows)
-
-
-def default_url() -> str:
-    """``$MULTICOMPOSITE_DB`` if set, else a SQLite file in the user data dir (created if missing)."""
-    url = os.environ.get(ENV_VAR)
-    if url:
-        return url
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    folder = Path(base) / "multicomposite"
-    folder.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{folder / 'multicomposite.db'}"
 
 
 def _encode_stack(stack: tuple[str, ...]) -> str:
@@ -377,29 +359,6 @@ def _profile_from_row(row: Row[Any]) -> ProfileEntry:
     return ProfileEntry(**{**values, "stack": _decode_stack(values["stack"]), "valid": bool(values["valid"])})
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        # WAL lets readers proceed while a writer commits and keeps the file consistent if a writer is killed.
-        # Switching a new file to WAL while another connection holds its lock fails at once (SQLite calls no busy
-        # handler there): two processes creating one store together. Retry until the other is done.
-        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
-        while True:
-            attempt = dbapi_connection.cursor()
-            try:
-                attempt.execute("PRAGMA journal_mode=WAL")
-                break
-            except sqlite3.OperationalError:
-                if time.monotonic() > deadline:
-                    raise
-            finally:
-                attempt.close()  # a failed statement left open keeps its shared lock: the other waiter would wait too
-            time.sleep(0.05 + random.random() * 0.05)
-    finally:
-        cursor.close()
-
-
 class Store:
     """The compatibility matrix in a SQL database (SQLite by default)."""
 
@@ -420,7 +379,7 @@ class Store:
         self.engine: Engine = create_engine(self.url, **options)
         self._sqlite = self.engine.dialect.name == "sqlite"
         if self._sqlite:
-            event.listen(self.engine, "connect", _sqlite_pragmas)
+            event.listen(self.engine, "connect", sqlite_pragmas)
         if create:
             from registry.store.migrate import ensure_current
 
@@ -443,7 +402,7 @@ class Store:
                 yield conn
         except OperationalError as error:
             raise StoreUnavailableError(f"the store at {self.display_url} cannot be read: {type(error).__name__}: "
-                                        f"{_first_line(error)}") from error
+                                        f"{first_line(error)}") from error
 
     @contextmanager
     def _writing(self) -> Iterator[Connection]:
@@ -457,7 +416,7 @@ class Store:
                 yield conn
                 stage = "commit"
         except OperationalError as error:
-            cause = f"{type(error).__name__}: {_first_line(error)}"
+            cause = f"{type(error).__name__}: {first_line(error)}"
             if stage == "commit":
                 raise StoreUnavailableError(f"the store at {self.display_url} failed while committing a write "
                                             f"({cause}); whether it was stored is unknown, read it back once the "
@@ -492,7 +451,7 @@ class Store:
             raise
         except Exception as error:  # any driver error is the answer
             raise StoreUnavailableError(f"the store at {self.display_url} cannot be read: {type(error).__name__}: "
-                                        f"{_first_line(error)}") from error
+                                        f"{first_line(error)}") from error
 
     def _sqlite_path(self) -> str | None:
         """The SQLite file's path, or None (a server store, an in-memory one, a ``file:`` URI)."""
@@ -539,7 +498,7 @@ class Store:
             if getattr(error, "sqlite_errorname", "") == "SQLITE_NOTADB":
                 raise StoreUnavailableError(f"the store file {path} is not a SQLite database (bad header)") from None
             raise StoreUnavailableError(f"the store at {self.display_url} cannot be read: {type(error).__name__}: "
-                                        f"{_first_line(error)}") from None
+                                        f"{first_line(error)}") from None
         finally:
             fresh.close()
 
@@ -658,19 +617,41 @@ class Store:
         with self._writing() as conn:
             conn.execute(_jobs.insert(), [_job_row(job)])
 
-    def update_job(self, job_id: str, **values: Any) -> None:
+    def update_job(self, job_id: str, *, if_state: Iterable[str] | None = None, **values: Any) -> bool:
+        """Write ``values`` into job ``job_id``'s row, only while its state is one of ``if_state`` when given;
+        whether a row was written."""
         if "result" in values and values["result"] is not None:
             values["result"] = json.dumps(values["result"])
         values["updated_at"] = time.time()
+        query = update(_jobs).where(_jobs.c.id == job_id)
+        if if_state is not None:
+            query = query.where(_jobs.c.state.in_(list(if_state)))
         with self._writing() as conn:
-            conn.execute(update(_jobs).where(_jobs.c.id == job_id).values(**values))
+            return bool(conn.execute(query.values(**values)).rowcount)
+
+    def start_job(self, job_id: str, owner: str) -> JobRecord | None:
+        """``queued`` -> ``running`` for ``owner``, in one statement (a cancel cannot slip in between the check and
+        the write); the job as started, or None if it was not queued (cancelled, deleted, taken). A job ``owner``
+        runs already counts as started: a retry after a commit whose outcome was unknown."""
+        now = time.time()
+        with self._writing() as conn:
+            mine = and_(_jobs.c.state == "running", _jobs.c.owner == owner)
+            conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "queued")
+                         .values(state="running", owner=owner, started_at=now, updated_at=now))
+            row = conn.execute(select(_jobs).where(_jobs.c.id == job_id, mine)).first()
+        return _job_from_row(row) if row is not None else None
 
     def cancel_job(self, job_id: str) -> JobRecord | None:
-        """Cancel ``job_id`` if it is still queued (one statement: a worker cannot start it in between)."""
+        """Cancel ``job_id``: a queued one at once (one statement: a runner cannot start it in between), a running
+        one is marked ``cancelling`` and its runner stops it at the next case boundary. Returns the job as it is
+        now (None if there is none); a finished one is unchanged."""
         now = time.time()
         with self._writing() as conn:
             conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "queued")
-                         .values(state="cancelled", finished_at=now, updated_at=now))
+                         .values(state="cancelled", error="cancelled before it started", finished_at=now,
+                                 updated_at=now))
+            conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "running")
+                         .values(state="cancelling", updated_at=now))
         return self.job(job_id)
 
     def job(self, job_id: str) -> JobRecord | None:
@@ -694,18 +675,23 @@ class Store:
                     conn.execute(select(_jobs.c.state, func.count()).group_by(_jobs.c.state))}
 
     def recover_jobs(self, owner: str) -> tuple[list[str], list[JobRecord]]:
-        """After a restart: jobs left ``running`` by a process that is gone become ``interrupted`` (with the reason);
-        ``queued`` jobs of a gone process pass to ``owner``. Returns (interrupted ids, queued jobs to run)."""
+        """After a restart: jobs left ``running`` by a process that is gone become ``interrupted`` (with the reason),
+        ``cancelling`` ones ``cancelled``; ``queued`` jobs of a gone process pass to ``owner``. Returns (interrupted
+        ids, queued jobs to run)."""
         now = time.time()
         interrupted, adopted = [], []
         with self._writing() as conn:
             # FOR UPDATE (PostgreSQL): two servers recovering at once do not both adopt a job.
-            pending = select(_jobs).where(_jobs.c.state.in_(("running", "queued"))).with_for_update()
+            pending = select(_jobs).where(_jobs.c.state.in_(("queued", *ACTIVE_JOB_STATES))).with_for_update()
             for row in conn.execute(pending).all():
                 job = _job_from_row(row)
                 if job.owner == owner or process_alive(job.owner):
                     continue
-                if job.state == "running":
+                if job.state == "cancelling":  # asked to stop, and it did: with its process
+                    conn.execute(update(_jobs).where(_jobs.c.id == job.id).values(
+                        state="cancelled", error=f"cancelled while running, at {job.done}/{job.total}",
+                        finished_at=now, updated_at=now))
+                elif job.state == "running":
                     reason = (f"interrupted: the server running it ({job.owner}) stopped before it finished, at "
                               f"{job.done}/{job.total}; submit it again")
                     conn.execute(update(_jobs).where(_jobs.c.id == job.id).values(

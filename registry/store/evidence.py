@@ -1,4 +1,8 @@
-"""Measured evidence for the selector: the verified matrix, indexed by context.
+"""The store's evidence source for the selector: the verified matrix and the profiles, indexed by context.
+
+``registry/__init__`` registers ``SOURCE`` with ``registry.core.evidence``; the selector asks it for the worst failing
+entry and the timings of a context. The entries come from ``use_loader``/``set_entries`` or, by default, from the
+default store, read at the first decision that needs them (and only if a store exists: nothing is created).
 
 Policy ``auto`` treats a failing entry (``slow``, ``error``, ``mismatch``) for the current context as a problem of
 that composite, on top of the rules; ``ok`` entries make a decision "verified" but never overrule a rule, because
@@ -9,14 +13,21 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from registry.core.context import Context
+from registry.core.evidence import Evidence, Timing
+from registry.core.selector import clear_cache
+from registry.core.sources import source_hashes
 from registry.core.stacks import format_stack
+from registry.core.status import FAILING, worst
+from registry.store.connection import default_store_exists, default_url
 
-FAILING = ("slow", "error", "mismatch")
+__all__ = ["FAILING", "SOURCE", "Evidence", "StoreEvidence", "Timing", "clear", "evidence", "set_entries",
+           "set_profiles", "stored_entries", "stored_profiles", "timings", "use_loader", "use_profile_loader",
+           "use_store"]
 
 
 class EntryLike(Protocol):
@@ -28,12 +39,6 @@ class EntryLike(Protocol):
     status: str
     detail: str
     max_abs_error: float | None
-
-
-@dataclass(frozen=True)
-class Evidence:
-    status: str
-    text: str  # "native: mismatch 2.0 under vmap, pattern others, float32"
 
 
 _lock = threading.Lock()
@@ -85,15 +90,6 @@ def stored_profiles() -> list[Any]:
     return _read_default_store("fresh_profiles")
 
 
-@dataclass(frozen=True)
-class Timing:
-    composite: str
-    score_us: float  # geometric mean of the medians over the batch sizes every timed candidate shares
-    bucket: int
-    batch_sizes: tuple[int, ...]
-    spread: float = 0.0  # the largest IQR/median among those medians: how far the score can be trusted
-
-
 def timings(op: str, ctx: Context, candidates: Iterable[str]) -> dict[str, Timing]:
     """Measured scores of ``candidates`` at the profiled size nearest to ``ctx.numel`` (same dtype and device)."""
     global _profiles
@@ -135,27 +131,27 @@ def use_loader(loader: Any) -> None:
 
 
 def _changed() -> None:
-    from registry.core.selector import clear_cache
-
     clear_cache()
 
 
 def _read_default_store(read: str) -> list[Any]:
     """``Store.<read>`` of the entries fresh for this torch and these composites' sources, from the default store.
 
-    Nothing is created: without a store (no ``MULTICOMPOSITE_DB`` and no SQLite file yet) there is no evidence.
+    Nothing is created: without a store (no ``MULTICOMPOSITE_DB`` and no SQLite file yet) there is no evidence, and
+    SQLAlchemy is not imported. With a store but without SQLAlchemy (the library installed without its ``service``
+    extra) the rules decide, and a warning says how to read the store.
     """
-    import os
-
     import torch
 
-    from registry.harness.verify import source_hashes
-    from registry.store.db import ENV_VAR, Store, default_url
-
-    url = default_url()
-    if ENV_VAR not in os.environ and url.startswith("sqlite:///") and not os.path.exists(url.removeprefix("sqlite:///")):
+    if not default_store_exists():
         return []
-    store = Store(url)
+    try:
+        from registry.store.db import Store
+    except ModuleNotFoundError as error:
+        warnings.warn(f"the store at {default_url()} is not read: {error.name} is not installed, so the rules alone "
+                      "decide; pip install 'multicomposite[service]' to use its evidence", stacklevel=2)
+        return []
+    store = Store(default_url())
     try:
         return getattr(store, read)(source_hashes=source_hashes(), torch_version=torch.__version__)
     finally:
@@ -165,8 +161,6 @@ def _read_default_store(read: str) -> list[Any]:
 def use_store(store: Any) -> None:
     """Read evidence from ``store`` (an open Store) from now on: reloaded lazily at the next decision."""
     import torch
-
-    from registry.harness.verify import source_hashes
 
     use_loader(lambda: store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__))
     use_profile_loader(lambda: store.fresh_profiles(source_hashes=source_hashes(), torch_version=torch.__version__))
@@ -214,8 +208,23 @@ def evidence(op: str, composite: str, ctx: Context, tensor_args: tuple[str, ...]
     failing = [e for e in applicable if e.status in FAILING]
     if not failing:
         return None, len(applicable)
-    worst = max(failing, key=lambda e: FAILING.index(e.status))
-    amount = f" {worst.max_abs_error:.3g}" if worst.status == "mismatch" and worst.max_abs_error is not None else ""
+    status = worst(e.status for e in failing)
+    chosen = next(e for e in failing if e.status == status)
+    amount = f" {chosen.max_abs_error:.3g}" if status == "mismatch" and chosen.max_abs_error is not None else ""
     where = format_stack(stack) or "no transform"
-    text = f"{composite}: {worst.status}{amount} under {where}, pattern {worst.pattern}, {worst.dtype}"
-    return Evidence(worst.status, text), len(applicable)
+    text = f"{composite}: {status}{amount} under {where}, pattern {chosen.pattern}, {chosen.dtype}"
+    return Evidence(status, text), len(applicable)
+
+
+class StoreEvidence:
+    """The evidence source this module is: what ``registry.core.evidence`` asks, answered from the index above."""
+
+    def evidence(self, op: str, composite: str, ctx: Context,
+                 tensor_args: tuple[str, ...]) -> tuple[Evidence | None, int]:
+        return evidence(op, composite, ctx, tensor_args)
+
+    def timings(self, op: str, ctx: Context, candidates: Iterable[str]) -> dict[str, Timing]:
+        return timings(op, ctx, candidates)
+
+
+SOURCE = StoreEvidence()

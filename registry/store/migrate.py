@@ -23,7 +23,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.pool import NullPool
 
-from registry.store.db import SchemaError, _sqlite_pragmas
+from registry.store.connection import SchemaError, sqlite_pragmas
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 # Alembic keeps the running migration in module globals (``alembic.context``, ``alembic.op``): two threads of one
@@ -66,7 +66,7 @@ def _sqlite_transactions(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _connect(dbapi_connection: Any, record: Any) -> None:
         dbapi_connection.isolation_level = None  # the driver sends no BEGIN / COMMIT of its own
-        _sqlite_pragmas(dbapi_connection, record)
+        sqlite_pragmas(dbapi_connection, record)
 
     @event.listens_for(engine, "begin")
     def _begin(connection: Connection) -> None:

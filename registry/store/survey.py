@@ -1,8 +1,8 @@
 """The survey table: one row per op_db entry, stack, batching variant, dtype and torch version, with native's status
 and the status inside ``registry.use()``.
 
-The table is defined on ``registry.store.db``'s metadata, so ``Store()`` creates it with the others (this package's
-``__init__`` imports this module).
+The table is defined on ``registry.store.db``'s metadata beside the others (the migrations' ``env.py`` imports this
+module so that Alembic compares it too); the schema itself is made by the migrations.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from typing import Any
 
 from sqlalchemy import Column, Float, Integer, String, Table, Text, UniqueConstraint, select
 
-from registry.store.db import STATUSES, Store, _metadata, upsert
+from registry.core.status import STATUSES
+from registry.store.db import METADATA, Store, upsert
 
 survey_results = Table(
     "survey_results",
-    _metadata,
+    METADATA,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("torch_version", String(100), nullable=False),
     Column("op", String(200), nullable=False, index=True),  # op_db entry: name, or name.variant

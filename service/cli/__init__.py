@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from service.cli import (
     build_kernels,
+    conformance,
     jobs,
     matrix,
     ops,
@@ -83,6 +84,8 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("survey", "run OpInfo's op_db under the stacks, natively and inside use(); fill the store",
                survey.configure),
     Subcommand("survey-results", "show the stored survey rows", survey_results.configure, reads=True),
+    Subcommand("conformance", "run functorch's OpInfo checks on every covered op, natively and inside use(); fill "
+               "the store", conformance.configure),
     Subcommand("jobs", "show the verify and profile jobs the service has run or queued", jobs.configure,
                reads=True),
     Subcommand("db", "the store's schema: show its revision (db current), or upgrade it (db upgrade)",

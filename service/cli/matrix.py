@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from registry.store.db import STATUSES  # the help lists them: `matrix --help` loads the registry
+    from registry.core.status import STATUSES  # the help lists them
 
     parser.add_argument("--op", action="append", type=arguments.op, help="only this op (repeatable; default: all)")
     parser.add_argument("--stack", action="append", type=arguments.stack, help="only this stack, vmap(grad) or "

@@ -36,13 +36,9 @@ class VersionAction(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:
-        from importlib.metadata import version
-
         import torch
 
         import registry
 
-        # registry.__version__ is the package's metadata; a tree that predates it reads the metadata here.
-        ours = getattr(registry, "__version__", None) or version("multicomposite")
-        print(f"multicomposite {ours} (torch {torch.__version__})")
+        print(f"multicomposite {registry.__version__} (torch {torch.__version__})")
         parser.exit(0)

@@ -32,7 +32,7 @@ def fresh(store: Store, *, entries: bool = True,
     asked for is not read (an empty list)."""
     import torch
 
-    from registry.harness.verify import source_hashes
+    from registry.core.sources import source_hashes
 
     hashes = source_hashes()
     return (store.fresh_entries(source_hashes=hashes, torch_version=torch.__version__) if entries else [],

@@ -162,13 +162,18 @@ def get_job(job_id: JobId, runner: RunnerDep) -> JobPublic:
     return _public(job)
 
 
-@router.delete("/jobs/{job_id}", dependencies=[Authorized])
-def delete_job(job_id: JobId, runner: RunnerDep) -> JobPublic:
-    """Cancel a job (needs the token when the server sets one)."""
+@router.delete("/jobs/{job_id}", dependencies=[Authorized],
+               responses={202: {"model": JobPublic, "description": "running: it stops at its next case boundary"}})
+def delete_job(job_id: JobId, runner: RunnerDep, response: Response) -> JobPublic:
+    """Cancel a job (needs the token when the server sets one): a queued one at once (200, cancelled), a running
+    one at its next case boundary (202, cancelling; GET /jobs/{id} says cancelled once it stopped). A finished job
+    cannot be cancelled (409)."""
     job = runner.cancel(job_id)
     if job is None:
         raise HTTPException(status_code=404, detail=f"no job {shorten(job_id)!r}")
-    if job.state != "cancelled":
-        raise HTTPException(status_code=409, detail=f"job {job_id} is {job.state}; only a queued job can be "
-                                                    "cancelled")
+    if job.state == "cancelling":
+        response.status_code = 202
+    elif job.state != "cancelled":
+        raise HTTPException(status_code=409, detail=f"job {shorten(job_id)} is {job.state} already; only a queued or "
+                                                    "running job can be cancelled")
     return _public(job)

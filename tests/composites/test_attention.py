@@ -219,7 +219,7 @@ def test_hessian_takes_the_functional_composite_where_native_raises() -> None:
 
 @pytest.mark.parametrize(("stack", "kind"), [
     ("", "native"), ("grad", "native"), ("vmap", "primitive"), ("vmap(grad)", "primitive"),
-    ("vmap(jvp)", "functional"), ("jvp", "functional"), ("grad(grad)", "functional"),
+    ("vmap(jvp)", "primitive"), ("jvp", "functional"), ("grad(grad)", "functional"),
     ("vmap(jvp(grad))", "functional"), ("functionalize", "native"), ("vmap(functionalize)", "functional"),
 ])
 def test_auto_picks_per_stack(stack: str, kind: str) -> None:

@@ -134,7 +134,7 @@ def test_max_unpool2d_values_are_not_compared_where_indices_repeat() -> None:
                                                           "output_size": (3, 6)})
     case = survey.prepare_case(entry, sample, "input", 3, False)
     assert isinstance(case, survey.SurveyCase)
-    reference = survey._Reference(case)
+    reference = survey.Reference(case)
     outcomes = {stack: survey.check_case(stack, case, reference, torch.float64, inside_use=True, timeout_s=20)
                 for stack in ("vmap", "vmap(jvp)", "vmap(grad)")}
     assert outcomes["vmap"].status == outcomes["vmap(jvp)"].status == "unsupported"

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from torch.func import grad, jacrev, vmap
+from torch.func import grad, jacfwd, jacrev, vmap
 
 import registry
 
@@ -164,3 +164,21 @@ def test_bad_input_says_what_to_fix() -> None:
     weight = _weight()
     with registry.use(), pytest.raises(TypeError, match="embedding_renorm_: indices must be int32 or int64"):
         vmap(lambda i: torch.embedding_renorm_(weight, i, 1.0, 2.0))(torch.zeros(SAMPLES, 2))
+
+
+def test_forward_mode_per_sample_jacobians_equal_the_loop() -> None:
+    """vmap over jacfwd in the weight, the indices batched: natively refused, inside use() the loop's Jacobians."""
+    weight, indices = _weight(7), _indices(7)
+    looped = weight.clone()
+    expected = []
+    for b in range(SAMPLES):
+        _embed(indices[b], looped)  # the renorm happens before the lookup, outside autograd, as in the loop
+        expected.append(torch.autograd.functional.jacobian(lambda w, b=b: _embed(indices[b], w), looped.clone()))
+    run = lambda: vmap(lambda i: jacfwd(lambda w: _embed(i, w))(weight))(indices)  # noqa: E731
+    with pytest.raises(RuntimeError, match="is not possible"):
+        run()
+    weight = _weight(7)
+    with registry.use():
+        got = _no_fallback(run)
+    torch.testing.assert_close(got, torch.stack(expected))
+    torch.testing.assert_close(weight, looped, rtol=0, atol=1e-15)

@@ -268,13 +268,53 @@ def test_pytorch_lstm_module_loops_under_vmap_grad_outside_use() -> None:
     assert any("aten::mkldnn_rnn_layer" in str(w.message) for w in caught)
 
 
-def test_auto_keeps_native_outside_vmap_and_routes_under_it() -> None:
+def test_auto_keeps_native_where_it_works_and_routes_where_it_fails() -> None:
     for op in ("rnn_tanh", "rnn_relu", "gru", "lstm"):
         assert registry.select(op, stack="grad", policy="rules").kind == "native"
         assert registry.select(op, stack="jacrev", policy="rules").kind == "native"
-        for stack in ("vmap", "vmap,grad", "jacfwd"):
+        for stack in ("vmap", "vmap,grad", "vmap,jvp", "jacfwd"):
             decision = registry.select(op, stack=stack, batched=["input"], policy="rules")
             assert (decision.composite, decision.kind) == ("unrolled", "functional"), (op, stack)
+        # Under vmap alone every batching raises (the parameters batched too, which the router cannot see).
+        assert registry.select(op, stack="vmap", policy="rules").composite == "unrolled"
+    for op in ("rnn_tanh", "rnn_relu", "gru"):
+        # jacfwd (nothing the op sees is batched) and ensembles under vmap(grad) work natively.
+        assert registry.select(op, stack="jacfwd", policy="rules").kind == "native"
+        assert registry.select(op, stack="vmap,grad", policy="rules").kind == "native"
+        assert registry.select(op, stack="vmap,grad", batched=["hx"], policy="rules").composite == "unrolled"
+    # The LSTM's state is a Tensor[] the router cannot see, and its forward AD is missing: every vmap routes.
+    assert registry.select("lstm", stack="jacfwd", policy="rules").composite == "unrolled"
+    assert registry.select("lstm", stack="vmap,grad", policy="rules").composite == "unrolled"
+
+
+@pytest.mark.parametrize("op", ["rnn_tanh", "gru", "lstm"])
+def test_pytorch_where_the_rules_keep_it(op: str) -> None:
+    """Natively: jacfwd works for the RNN and the GRU (not the float32 LSTM: no forward AD for mkldnn_rnn_layer), and
+    per-model gradients of an ensemble over a shared input work for all three; inside use() too, and the ensemble's
+    forward alone (which natively raises) equals the loop."""
+    config = Config(op)
+    generator = torch.Generator().manual_seed(17)
+    params, hx = _params(config, generator, batch=SAMPLES), _hx(config, generator)
+    x = _input(config, generator, batch=None)
+    per_model = grad(lambda weights: _loss(_call(config, x, hx, weights)))
+    ensemble = vmap(per_model)(params)
+    with registry.use():  # the same inside use(): native for the RNN and GRU, the composite for the LSTM
+        routed = _no_fallback(lambda: vmap(per_model)(params))
+        forward = _no_fallback(lambda: vmap(lambda weights: _call(config, x, hx, weights)[0])(params))
+    for b in range(SAMPLES):
+        leaves = [p[b].clone().requires_grad_() for p in params]
+        result = _call(config, x, hx, leaves)
+        torch.testing.assert_close(forward[b], result[0].detach())
+        for g, r, e in zip(ensemble, routed, torch.autograd.grad(_loss(result), leaves), strict=True):
+            torch.testing.assert_close(g[b], e)
+            torch.testing.assert_close(r[b], e)
+    shared = [p[0] for p in params]
+    if op == "lstm":  # float32 on CPU: the mkldnn path (float64 takes the decomposition, whose jacfwd works)
+        shared, hx32 = [p.float() for p in shared], [h.float() for h in hx]
+        with pytest.raises(NotImplementedError, match="mkldnn_rnn_layer"):
+            jacfwd(lambda sample: _call(config, sample, hx32, shared)[0])(x.float())
+    else:
+        jacfwd(lambda sample: _call(config, sample, hx, shared)[0])(x)
 
 
 def test_grad_inside_use_runs_pytorchs_own_op() -> None:

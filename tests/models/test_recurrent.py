@@ -112,12 +112,15 @@ def _data(batch_first: bool, sequences: int | None, seed: int = 1) -> tuple[torc
     return x, y
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("sequences", [None, 2], ids=["one-sequence", "two-sequences"])
+# Per sample one unbatched sequence, or a batch of two (the models with a given state build it for one sequence).
+CASES = [(name, sequences) for name in MODELS for sequences in (None, 2)
+         if sequences is None or not MODELS[name][1].get("with_state")]
+
+
+@pytest.mark.parametrize(("name", "sequences"), CASES,
+                         ids=[f"{name}-{'one' if s is None else 'two'}-sequence" for name, s in CASES])
 def test_per_sample_gradients_of_recurrent_models_equal_the_loop(name: str, sequences: int | None) -> None:
     kind, options = MODELS[name]
-    if sequences is not None and options.get("with_state"):
-        pytest.skip("the model's given state is built for an unbatched sequence")
     model, batch_first = _model(kind, **dict(options))
     x, y = _data(batch_first, sequences)
     expected = _loop(model, x, y)
@@ -179,3 +182,19 @@ def test_embedding_max_norm_model_per_sample_gradients_equal_the_loop() -> None:
     torch.testing.assert_close(model.embedding.weight, looped.embedding.weight, rtol=0, atol=1e-15)
     changed = (model.embedding.weight != before).any(-1)
     assert changed.any() and set(changed.nonzero().flatten().tolist()) <= set(tokens.flatten().tolist())
+
+
+@pytest.mark.parametrize("name", ["gru-2layer-bi-batchfirst", "lstm-2layer-bi-batchfirst"])
+def test_float32_models_equal_the_loop(name: str) -> None:
+    """float32 on CPU: nn.LSTM's own call takes the mkldnn path there (natively vmap's per-sample loop)."""
+    kind, options = MODELS[name]
+    model, batch_first = _model(kind, **dict(options))
+    model = model.float()
+    x, y = _data(batch_first, 2)
+    x = x.float()
+    expected = _loop(model, x, y)
+    with registry.use():
+        got, fallbacks = _fallbacks(lambda: _step(model)(x, y))
+    assert fallbacks == []
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, msg=lambda m, key=key: f"{key}: {m}")

@@ -121,3 +121,165 @@ def test_matrix_and_profiles_read_the_store(client: TestClient, db_url: str) -> 
     response = client.get("/profiles", params={"stack": "vmap,bad"})
     assert response.status_code == 422
     assert response.json()["detail"].startswith("unknown transform 'bad'")
+
+
+# --- issue 20, part 3: requests ---------------------------------------------------------------------------------------
+
+
+def test_unknown_body_fields_are_refused_naming_the_field(client: TestClient) -> None:
+    # {"opz": [...]} on POST /verify started a job over every op; batch_sizes misspelled was ignored.
+    cases = [
+        ("/verify", {"opz": ["index_fill"]}, "body: unknown field 'opz'; the fields are ops, stacks, dtypes"),
+        ("/profiles", {"ops": ["index_fill"], "batch_size": [4]},
+         "body: unknown field 'batch_size'; the fields are ops, workloads, batch_sizes, numels, dtypes, device, "
+         "device_kind, min_run_time"),
+        ("/select", [{"op": "index_fill"}, {"op": "index_fill", "stak": "vmap"}],
+         "body.1: unknown field 'stak'; the fields are op, stack, batched, dtype, device, numel, policy, pin"),
+    ]
+    for path, body, detail in cases:
+        response = client.post(path, json=body)
+        assert (response.status_code, response.json()) == (422, {"detail": detail}), path
+    assert client.get("/metrics").text.count('multicomposite_jobs{state="queued"} 0.0') == 1  # no job started
+
+
+def test_an_empty_list_is_refused_and_omitting_it_means_every(client: TestClient) -> None:
+    for path, field, every in (("/verify", "ops", "every covered op"), ("/verify", "stacks",
+                                                                         "every stack of the matrix"),
+                               ("/profiles", "workloads", "every workload"), ("/profiles", "dtypes", "float32")):
+        response = client.post(path, json={field: []})
+        assert (response.status_code, response.json()["detail"]) == (
+            422, f"body.{field}: an empty list names nothing to run; leave {field} out (or null) for {every}"), field
+
+
+def test_head_and_options_answer_with_allow(client: TestClient) -> None:
+    get = client.get("/select", params={"op": "index_fill"})
+    head = client.head("/select", params={"op": "index_fill"})
+    assert (head.status_code, head.content) == (200, b"")
+    assert head.headers["content-length"] == get.headers["content-length"] and head.headers["etag"] == \
+        get.headers["etag"]
+    assert client.head("/healthz").status_code == 200
+    assert client.head("/jobs/nope").status_code == 404  # the GET's answer, without its body
+    for path, allow in (("/select", "GET, HEAD, POST, OPTIONS"), ("/verify", "POST, OPTIONS"),
+                        ("/jobs/abc", "GET, HEAD, DELETE, OPTIONS"), ("/ops/index_fill", "GET, HEAD, OPTIONS")):
+        options = client.options(path)
+        assert (options.status_code, options.headers["allow"], options.content) == (204, allow, b""), path
+    # Any other method: 405 with every method of the path (the router named only its first route's: POST).
+    response = client.put("/select")
+    assert (response.status_code, response.headers["allow"], response.json()) == (
+        405, "GET, HEAD, POST, OPTIONS", {"detail": "PUT is not allowed on /select; it takes GET, HEAD, POST, "
+                                                    "OPTIONS"})
+    response = client.delete("/profiles")
+    assert (response.status_code, response.headers["allow"]) == (405, "GET, HEAD, POST, OPTIONS")
+
+
+def test_a_body_that_is_not_json_is_415(client: TestClient) -> None:
+    # Was "body: Input should be a valid list" for a JSON text sent as text/plain (curl -d sends a form type).
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        response = client.post("/select", content=b'[{"op": "index_fill"}]', headers={"Content-Type": content_type})
+        assert (response.status_code, response.json()) == (415, {
+            "detail": "POST /select takes a JSON body: send it with Content-Type: application/json (this request "
+                      f"says {content_type!r})"})
+    for content_type in ("application/json", "application/json; charset=utf-8"):
+        response = client.post("/select", content=b'[{"op": "index_fill"}]', headers={"Content-Type": content_type})
+        assert response.status_code == 200, content_type
+
+
+def test_metrics_report_a_failing_store_instead_of_failing(client: TestClient) -> None:
+    from registry.store.db import StoreUnavailableError
+
+    assert "multicomposite_store_up 1.0" in client.get("/metrics").text
+
+    def down() -> dict[str, int]:
+        raise StoreUnavailableError("the store at sqlite:///x cannot be read")
+
+    client.app.state.runner.states = down  # job counts are read from the store
+    response = client.get("/metrics")
+    assert response.status_code == 200  # was 503: the scrape failed with the store
+    assert "multicomposite_store_up 0.0" in response.text
+    assert 'multicomposite_requests_total{method="GET",route="/metrics",status="200"}' in response.text
+
+
+def test_reads_need_no_token_and_writes_do(serve) -> None:
+    client = serve(token="s3cret")
+    assert client.post("/select", json=[{"op": "index_fill"}]).status_code == 200  # a read, sent as a POST
+    assert client.get("/select", params={"op": "index_fill"}).status_code == 200
+    for method, path, body in (("POST", "/verify", {}), ("POST", "/profiles", {}), ("DELETE", "/jobs/abc", None)):
+        response = client.request(method, path, json=body)
+        assert (response.status_code, response.headers["www-authenticate"]) == (401, "Bearer"), path
+        response = client.request(method, path, json=body, headers={"Authorization": "Bearer wrong"})
+        assert response.status_code == 401, path
+        response = client.request(method, path, json=body, headers={"Authorization": "bearer s3cret"})
+        assert response.status_code not in (401, 403), path
+
+
+def test_openapi_declares_the_bearer_scheme_and_describes_every_parameter(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["bearer"]["type"] == "http"
+    assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"  # /docs: an Authorize button
+    secured = {(path, method) for path, operations in schema["paths"].items()
+               for method, operation in operations.items() if operation.get("security")}
+    assert secured == {("/verify", "post"), ("/profiles", "post"), ("/jobs/{job_id}", "delete")}
+    undescribed = [f"{method.upper()} {path} {parameter['name']}" for path, operations in schema["paths"].items()
+                   for method, operation in operations.items() for parameter in operation.get("parameters", [])
+                   if not parameter.get("description")]
+    assert undescribed == []
+    for name in ("VerifyCreate", "ProfileCreate", "SelectQuery", "JobPublic"):
+        model = schema["components"]["schemas"][name]
+        assert [field for field, spec in model["properties"].items() if not spec.get("description")] == [], name
+    for name in ("VerifyCreate", "ProfileCreate", "SelectQuery"):
+        assert schema["components"]["schemas"][name]["additionalProperties"] is False, name
+
+
+# --- issue 20, part 4: outputs ----------------------------------------------------------------------------------------
+
+ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+def test_jobs_spell_stacks_one_way_and_give_iso_times(client: TestClient, db_url: str) -> None:
+    import time
+
+    from registry.store.db import JobRecord, Store
+
+    client.app.state.runner._run = lambda job, progress: (progress(1, 1), {"entries": 0})[1]
+    response = client.post("/verify", json={"ops": ["masked_fill"], "stacks": ["vmap,grad", "vmap(jvp)"]})
+    assert response.status_code == 202
+    job = response.json()
+    assert job["params"]["stacks"] == ["vmap(grad)", "vmap(jvp)"]  # was [["vmap", "grad"], ["vmap", "jvp"]]
+    assert ISO_UTC.fullmatch(job["created_at"]), job["created_at"]  # was an epoch float
+    for _ in range(200):
+        job = client.get(f"/jobs/{job['id']}").json()
+        if job["state"] == "done":
+            break
+        time.sleep(0.05)
+    assert job["state"] == "done" and ISO_UTC.fullmatch(job["started_at"]) and ISO_UTC.fullmatch(job["finished_at"])
+    with Store(db_url) as store:  # a job stored before: its stacks as lists of names
+        store.add_job(JobRecord(id="old", kind="verify", params={"ops": ["take"], "stacks": [["vmap", "grad"]]},
+                                state="done", created_at=0.25, started_at=None, finished_at=None))
+    old = client.get("/jobs/old").json()
+    assert (old["params"]["stacks"], old["created_at"], old["started_at"]) == (
+        ["vmap(grad)"], "1970-01-01T00:00:00.250Z", None)
+
+
+def test_matrix_entries_give_iso_times(client: TestClient, db_url: str) -> None:
+    import time
+
+    import torch
+
+    from registry.harness.verify import source_hashes
+    from registry.store.db import MatrixEntry, Store
+
+    entry = MatrixEntry(op="take", composite="functional", kind="functional", stack=("vmap",), pattern="all",
+                        dtype="float32", status="ok", detail="", max_abs_error=0.0, max_rel_error=0.0,
+                        source_hash=source_hashes()[("take", "functional")], torch_version=torch.__version__,
+                        device="cpu", measured_at=1764522309.5)
+    with Store(db_url) as store:
+        store.write_entries([entry])
+    time.sleep(0.3)  # the watcher sees the new generation
+    items = client.get("/matrix", params={"op": "take"}).json()["items"]
+    assert [item["measured_at"] for item in items] == ["2025-11-30T17:05:09.500Z"]
+
+
+def test_a_body_that_is_not_valid_json_says_where(client: TestClient) -> None:
+    response = client.post("/select", content=b'[{"op":', headers={"Content-Type": "application/json"})
+    assert (response.status_code, response.json()) == (422, {  # was "body.7: JSON decode error"
+        "detail": "body: not valid JSON at character 7: Expecting value; send a JSON document"})

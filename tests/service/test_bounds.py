@@ -4,6 +4,7 @@ matrix's, an LRU on every cache, a body limit that also covers chunked bodies, s
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -158,3 +159,38 @@ def test_a_bad_dtype_never_imports_the_compiler() -> None:
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.stdout.split() == ["422", "False"], result.stderr[-2000:]
+
+
+def _longest_echo(text: str) -> int:
+    return max((len(run) for run in re.findall("Q+", text)), default=0)
+
+
+def test_no_error_echoes_more_than_40_characters_of_input(client: TestClient) -> None:
+    # Issue 20: a bad stack was echoed with 59 characters (the README promises at most 40), a pin with 64.
+    long = "Q" * 1000
+    requests: list[tuple[str, str, dict]] = []
+    for name, size in (("op", 64), ("stack", 120), ("batched", 200), ("dtype", 32), ("device", 32), ("policy", 16),
+                       ("pin", 40)):
+        query = {"op": "index_fill", name: long[:size]}
+        requests += [("GET", "/select", {"params": query}), ("POST", "/select", {"json": [query]})]
+    for path in ("/matrix", "/profiles"):
+        for name, size in (("op", 64), ("composite", 64), ("status", 16), ("stack", 120), ("cursor", 1000),
+                           ("dtype", 32), ("device", 32)):
+            requests.append(("GET", path, {"params": {name: long[:size]}}))
+    requests += [("GET", "/ops/" + long[:64], {}), ("GET", "/jobs/" + long[:200], {}), ("GET", "/" + long[:200], {}),
+                 ("POST", "/verify", {"json": {"stacks": [long[:120]]}}),
+                 ("POST", "/verify", {"json": {"ops": [long[:64]]}}),
+                 ("POST", "/verify", {"json": {long[:100]: 1}}),
+                 ("POST", "/profiles", {"json": {"workloads": [long[:32]]}}),
+                 ("POST", "/profiles", {"json": {"device": long[:16]}}),
+                 ("POST", "/profiles", {"json": {"device_kind": long[:120]}}),
+                 ("POST", "/select", {"content": b"[" + long.encode(),
+                                      "headers": {"Content-Type": "application/json"}}),
+                 ("POST", "/select", {"content": b"[]", "headers": {"Content-Type": long[:500]}})]
+    echoes = {}
+    for method, path, arguments in requests:
+        response = client.request(method, path, **arguments)
+        assert response.status_code < 500, (method, path, response.text)
+        echoes[f"{method} {path[:20]} {sorted(arguments.get('params', {}))}"] = _longest_echo(response.text)
+    assert {where: n for where, n in echoes.items() if n > 40} == {}
+    assert max(echoes.values()) == 40  # 39 characters and an ellipsis: the sweep reached the limit

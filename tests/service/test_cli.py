@@ -14,7 +14,7 @@ import torch
 
 import registry
 from registry.core.selector import covered_ops
-from registry.harness.verify import source_hashes
+from registry.core.sources import source_hashes
 from registry.store import evidence
 from registry.store.choices import native_failures
 from registry.store.db import JobRecord, MatrixEntry, ProfileEntry, Store

@@ -130,6 +130,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"multicomposite {version('multicomposite')} (torch {torch.__version__})\n"
+    assert registry.__version__ == version("multicomposite")
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:

@@ -533,7 +533,7 @@ def test_jobs_run_to_completion_and_cancel_from_the_page(browser: WebDriver, ser
     shoot(browser, "jobs-1280x800")
 
     # A profile long enough (4 composites timed for at least 1 s each) to still run while a verify waits behind it:
-    # cancel both from the page.
+    # cancel the queued verify from the page.
     browser.find_element(By.CSS_SELECTOR, '#profile-ops input[value="index_fill"]').click()
     for field, value in (("profile-batches", "4"), ("profile-numels", "64"), ("profile-min-time", "1")):
         browser.find_element(By.ID, field).clear()
@@ -549,10 +549,8 @@ def test_jobs_run_to_completion_and_cancel_from_the_page(browser: WebDriver, ser
     wait_for(browser, lambda d: job_card(d, "verify", 1).get_attribute("data-state") == "cancelled", "the cancel")
     assert api(server, f"/jobs/{queued_id}")["state"] == "cancelled"
     profile_id = job_card(browser, "profile").get_attribute("id").removeprefix("job-")
-    job_card(browser, "profile").find_element(By.CSS_SELECTOR, "button.cancel").click()
-    wait_for(browser, lambda d: d.find_element(By.ID, "jobs-error").is_displayed(), "the 409")
-    assert text(browser, "jobs-error") == (
-        f"DELETE /jobs/{profile_id}: 409 job {profile_id} is running; only a queued job can be cancelled")
+    # (A running job's Cancel stops it at its next case boundary: tests/service/test_jobs_end.py. This one runs on,
+    # for the chart below.)
     wait_for(browser, lambda d: job_card(d, "profile").get_attribute("data-state") == "done", "the profile job", 60)
     profile_job = api(server, f"/jobs/{profile_id}")
     assert job_card(browser, "profile").find_element(By.CSS_SELECTOR, ".job-params").text == (
@@ -561,10 +559,7 @@ def test_jobs_run_to_completion_and_cancel_from_the_page(browser: WebDriver, ser
         ["vmap"], ["float32"], [64])
     assert job_card(browser, "profile").find_element(By.CSS_SELECTOR, ".count").text == (
         f"{profile_job['done']}/{profile_job['total']}")
-    assert console_errors(browser) == [
-        failed_request("/verify", 401),
-        failed_request(f"/jobs/{profile_id}", 409),
-    ]
+    assert console_errors(browser) == [failed_request("/verify", 401)]
 
     # What the jobs wrote shows in the other views without a reload.
     go(browser, "matrix")

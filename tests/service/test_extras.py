@@ -28,11 +28,16 @@ def test_the_line_names_the_command_and_how_to_install() -> None:
     assert missing_extra_line(ModuleNotFoundError("x", name="nothing_known"), ["ops"]) is None
 
 
-def _cli_without(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
+EVERY_EXTRA = ("sqlalchemy", "alembic", "fastapi", "fastapi_offline", "uvicorn", "pydantic", "pydantic_settings",
+               "prometheus_client", "rich", "psycopg", "procrastinate", "matplotlib")
+
+
+def _cli_without(modules: str | tuple[str, ...], *argv: str) -> subprocess.CompletedProcess[str]:
     # ``sys.modules[name] = None`` makes ``import name`` raise ModuleNotFoundError, as if it were not installed.
     script = textwrap.dedent(f"""
         import sys
-        sys.modules[{module!r}] = None
+        for name in {(modules,) if isinstance(modules, str) else modules!r}:
+            sys.modules[name] = None
         from service.cli import main
         sys.exit(main({list(argv)!r}))
     """)
@@ -40,6 +45,8 @@ def _cli_without(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(("module", "argv", "extra"), [
+    ("sqlalchemy", ("matrix",), "service"),
+    ("sqlalchemy", ("worker", "--help"), "service"),
     ("uvicorn", ("serve",), "service"),
 ])
 def test_a_missing_extra_is_one_line_and_exit_2(module: str, argv: tuple[str, ...], extra: str) -> None:
@@ -48,3 +55,9 @@ def test_a_missing_extra_is_one_line_and_exit_2(module: str, argv: tuple[str, ..
     assert finished.stderr.splitlines() == [
         f"multicomposite {argv[0]} needs the {extra!r} extra ({module} is not installed): "
         f"pip install 'multicomposite[{extra}]' torch==2.13.0"]
+
+
+def test_the_library_alone_lists_the_ops() -> None:
+    finished = _cli_without(EVERY_EXTRA, "ops")
+    assert finished.returncode == 0, finished.stderr
+    assert "index_fill" in finished.stdout

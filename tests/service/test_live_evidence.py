@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from fastapi.testclient import TestClient
 
-from registry.harness.verify import source_hashes
+from registry.core.sources import source_hashes
 from registry.store.db import ProfileEntry, Store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ STORE_BACKENDS = ("sqlite", "postgres")
 # Another process writes what `multicomposite verify` would for this context: functional ok under vmap.
 WRITER = textwrap.dedent("""
     import sys, torch
-    from registry.harness.verify import source_hashes
+    from registry.core.sources import source_hashes
     from registry.store.db import MatrixEntry, Store
     hashes = source_hashes()
     with Store(sys.argv[1]) as store:

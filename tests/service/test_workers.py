@@ -221,6 +221,16 @@ def test_a_stale_workers_job_is_requeued_with_the_reason_then_failed_after_max_a
     assert worker_here.requeue_or_fail("never-claimed", attempts=0) == "retry"
     assert store.job("never-claimed").state == "queued"
     assert worker_here.requeue_or_fail("no-such-job", attempts=0) == "finish"
+    # Its own job, or one of a worker that beats in the workers table: procrastinate's heartbeat only lagged.
+    _running(store, "mine", worker_here.id)
+    assert worker_here.requeue_or_fail("mine", attempts=0) == "alive"
+    with store.engine.begin() as conn:
+        conn.execute(workers_table.insert().values(id="busy:5:abcdef", host="busy", pid=5, kinds="cpu",
+                                                   started_at=func.extract("epoch", func.now()),
+                                                   heartbeat=func.extract("epoch", func.now())))
+    _running(store, "busy", "busy:5:abcdef")
+    assert worker_here.requeue_or_fail("busy", attempts=0) == "alive"
+    assert store.job("busy").state == store.job("mine").state == "running"
 
 
 def test_the_reason_names_the_last_heartbeat_when_the_dead_workers_row_is_still_there(worker_here: Worker) -> None:
@@ -265,6 +275,65 @@ def test_a_cancelled_job_is_skipped_and_a_job_taken_away_is_not_written(worker_h
     with store.engine.connect() as conn:
         current = conn.execute(select(workers_table.c.current_job).where(workers_table.c.id == worker_here.id))
         assert current.scalar() is None
+
+
+def test_a_running_job_cancelled_on_a_worker_stops_at_its_next_case_boundary(worker_here: Worker) -> None:
+    """Issue 20: DELETE on a running job marks it cancelling in the store; the worker's next progress write finds
+    it so and stops; a dead worker's cancelling job is cancelled by the reaper, not retried."""
+    store = worker_here.store
+
+    def execute(job: JobRecord, progress: Callable[[int, int], None]) -> dict[str, Any]:
+        progress(1, 4)
+        assert store.cancel_job(job.id).state == "cancelling"  # as DELETE /jobs/{id} from any server
+        time.sleep(workers_module.PROGRESS_EVERY_S)
+        progress(2, 4)
+        raise AssertionError("progress should have stopped the job")
+
+    worker_here._execute = execute
+    store.add_job(JobRecord(id="to-cancel", kind="verify", params={}))
+    assert worker_here.run_job("to-cancel") == "cancelled"
+    job = store.job("to-cancel")
+    assert (job.state, job.done, job.total, job.error) == ("cancelled", 2, 4, "cancelled while running, at 2/4")
+
+    store.add_job(JobRecord(id="cancelling", kind="verify", params={}, state="cancelling", done=1, total=4,
+                            owner="gone:4:abcdef"))
+    assert worker_here.requeue_or_fail("cancelling", attempts=0) == "finish"
+    job = store.job("cancelling")
+    assert (job.state, job.error) == ("cancelled", "cancelled while running, at 1/4 (its worker gone:4:abcdef "
+                                                   "stopped)")
+
+
+def test_a_worker_skips_refused_progress_writes_and_retries_the_end_until_stored(
+        worker_here: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20: with the store away for a while, a job on a worker ends all the same (it raised out of run_job and
+    stayed running)."""
+    from sqlalchemy.exc import OperationalError
+
+    monkeypatch.setattr(workers_module, "RETRY_FIRST_S", 0.01)
+    store = worker_here.store
+    update_owned = worker_here._update_owned
+    refused: list[dict[str, Any]] = []
+
+    def away(job_id: str, *args: Any, **values: Any) -> bool:
+        if len(refused) < 3:  # the progress writes, and the first try of the end
+            refused.append(values)
+            raise OperationalError("UPDATE jobs ...", {}, Exception("server closed the connection unexpectedly"))
+        return update_owned(job_id, *args, **values)
+
+    monkeypatch.setattr(worker_here, "_update_owned", away)
+    store.add_job(JobRecord(id="outage", kind="verify", params={"device_kind": "cpu"}))
+    assert worker_here.run_job("outage") == "done"
+    assert [values.get("state") for values in refused] == [None, None, "done"]
+    job = store.job("outage")
+    assert (job.state, job.done, job.total, job.result["ran"]) == ("done", 2, 2, "outage")
+
+
+def test_a_job_whose_server_died_before_queueing_it_is_queued_again(worker_here: Worker) -> None:
+    store = worker_here.store
+    store.add_job(JobRecord(id="never-queued", kind="verify", params={"device_kind": "cpu"},
+                            created_at=time.time() - 60))
+    store.add_job(JobRecord(id="just-added", kind="verify", params={"device_kind": "cpu"}))
+    assert worker_here.orphaned_jobs() == [("never-queued", "cpu")]
 
 
 # Without a PostgreSQL server -----------------------------------------------------------------------------------------

@@ -84,6 +84,14 @@ def build_kernels(*, quiet: bool = False) -> Path:
     """Compile the kernels into the cache unless they are there; returns the extension's path.
 
     Raises KernelBuildError saying what is missing or what the compiler said."""
+    try:
+        return _build(quiet)
+    except OSError as error:  # the cache folder cannot be written, the compiler cannot be started
+        raise KernelBuildError(f"building the routing kernels in {cache_root()} failed: {error}; set {CACHE_ENV} "
+                               "to a writable folder, or " + HOW_TO) from error
+
+
+def _build(quiet: bool) -> Path:
     with _lock:
         path = extension_path()
         if path.exists():

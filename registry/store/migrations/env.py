@@ -6,8 +6,9 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, text
 
-import registry.store  # noqa: F401  (defines the survey table on the same metadata)
-from registry.store.db import _metadata
+import registry.store.conformance
+import registry.store.survey  # noqa: F401  (defines the survey table on the same metadata)
+from registry.store.db import METADATA
 from registry.store.migrate import MIGRATION_LOCK_KEY
 
 
@@ -17,7 +18,7 @@ def run_migrations(connection: Connection) -> None:
     with connection.begin():
         if connection.dialect.name == "postgresql":
             connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
-        context.configure(connection=connection, target_metadata=_metadata,
+        context.configure(connection=connection, target_metadata=METADATA,
                           render_as_batch=connection.dialect.name == "sqlite", compare_type=True)
         with context.begin_transaction():
             context.run_migrations()

@@ -5,7 +5,8 @@ import torch
 from torch import func
 
 import registry
-from registry.core.context import context_of, parse_stack
+from registry.core.context import context_of
+from registry.core.stacks import parse_stack
 
 
 def _seen(fn, *args):

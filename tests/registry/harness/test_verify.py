@@ -13,9 +13,10 @@ import registry
 from registry.core import rules
 from registry.core.context import Context
 from registry.core.registration import RegistrationError, register, unregister
+from registry.core.sources import source_hash, source_hashes
 from registry.harness.audit import audit
 from registry.harness.samples import SAMPLES
-from registry.harness.verify import default_stacks, source_hash, source_hashes, verify
+from registry.harness.verify import default_stacks, verify
 from registry.store import evidence
 from registry.store.db import Store
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import registry
-from registry.harness.verify import source_hashes
+from registry.core.sources import source_hashes
 from registry.profiling.timing import bucket, profile
 from registry.store import evidence
 from registry.store.db import ProfileEntry, Store

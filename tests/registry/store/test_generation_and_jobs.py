@@ -58,8 +58,11 @@ def test_job_rows(store_url: str) -> None:
     store = Store(store_url)
     store.add_job(JobRecord(id="a", kind="profile", params={"ops": ["to"]}, owner="h:1"))
     store.update_job("a", state="running", done=1, total=4, started_at=time.time())
-    assert store.cancel_job("a").state == "running"  # only a queued job can be cancelled
-    store.update_job("a", state="done", result={"profiles": 4}, finished_at=time.time())
+    assert store.cancel_job("a").state == "cancelling"  # its runner stops it at the next case boundary
+    assert not store.update_job("a", if_state=("running",), done=2)  # the runner's progress write sees it
+    assert store.update_job("a", if_state=("running", "cancelling"), state="done", result={"profiles": 4},
+                            finished_at=time.time())
+    assert store.cancel_job("a").state == "done"  # a finished job stays as it is
     job = store.job("a")
     assert (job.state, job.done, job.total, job.params, job.result) == ("done", 1, 4, {"ops": ["to"]},
                                                                        {"profiles": 4})

@@ -1,0 +1,154 @@
+"""``python -m bench.reference measure``: the reference profiles shipped in the package
+(``registry/core/reference_profiles.json``), which rank the valid composites where no local profile does.
+
+``measure`` profiles the seed ops' hand-made workloads (batch 256 x 1,000 elements, float32, every workload) with
+``registry.profiling.timing.profile`` (interleaved rounds, each composite checked against the reference first, a
+disturbed context re-measured) and writes each context's valid composites' median times, with the machine's name.
+
+``check`` is the acceptance test: on an empty store (a temporary one), masked_scatter, masked_fill (Tensor value)
+and index_fill (Tensor value) under vmap(grad) at batch 256 x 1,000, auto inside ``use()`` against every valid
+composite pinned, timed side by side in interleaved rounds in this process: auto's time over the fastest one's,
+the target at most 1.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import func
+
+OPS = ("masked_scatter", "masked_fill", "index_fill", "index_add", "index_copy", "contiguous", "to")
+CHECKED = ("masked_scatter", "masked_fill", "index_fill")
+NUMEL, BATCH = 1000, 256
+TARGET = 1.10
+
+
+def machine_name() -> str:
+    """``2-core x86_64 (model), torch 2.13.0 CPU``: the machine a reference was measured on."""
+    model = ""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    except OSError:
+        pass
+    cores = os.cpu_count() or 1
+    where = f" ({model})" if model else ""
+    return f"{cores}-core {platform.machine()}{where}, torch {torch.__version__.split('+')[0]} CPU"
+
+
+def measure(path: Path, min_run_time: float) -> dict[str, Any]:
+    from registry.profiling.timing import profile
+
+    refused: list[str] = []
+    entries = profile(ops=OPS, numels=(NUMEL,), batch_sizes=(BATCH,), dtypes=(torch.float32,),
+                      min_run_time=min_run_time, earlier=[], refused=refused)
+    contexts: dict[tuple[str, tuple[str, ...], str, str], dict[str, Any]] = {}
+    for entry in entries:
+        if not entry.valid or entry.median_us is None:
+            continue
+        key = (entry.op, tuple(entry.stack), entry.dtype, entry.workload)
+        context = contexts.setdefault(key, {"op": entry.op, "stack": list(entry.stack), "dtype": entry.dtype,
+                                            "workload": entry.workload, "numel": NUMEL, "batch": entry.batch_size,
+                                            "times_us": {}})
+        context["times_us"][entry.composite] = round(entry.median_us, 2)
+    document = {"machine": machine_name(), "measured_by": "python -m bench.reference measure",
+                "contexts": sorted(contexts.values(), key=lambda c: (c["op"], c["workload"]))}
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    for line in refused:
+        print(f"refused: {line}", file=sys.stderr)
+    return document
+
+
+def _case(op: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(0)
+    self = torch.randn(BATCH, NUMEL, generator=g)
+    mask = torch.rand(BATCH, NUMEL, generator=g) > 0.5
+    index = torch.randperm(NUMEL, generator=g)[:NUMEL // 8]
+    if op == "masked_scatter":
+        return (lambda s, m, src: torch.masked_scatter(s, m, src)), (self, mask, torch.randn(BATCH, NUMEL))
+    if op == "masked_fill":
+        return (lambda s, m, v: torch.masked_fill(s, m, v)), (self, mask, torch.randn(BATCH))
+    return (lambda s, v: torch.index_fill(s, 0, index, v)), (self, torch.randn(BATCH))
+
+
+def check(rounds: int, min_run_time: float) -> list[dict[str, Any]]:
+    """Auto's time over the fastest valid composite's, per checked op, on an empty store."""
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["MULTICOMPOSITE_DB"] = f"sqlite:///{folder}/empty.db"
+        import registry
+        from registry.core import selector
+        from registry.profiling import noise
+
+        selector.clear_cache()
+        results = []
+        for op in CHECKED:
+            fn, tensors = _case(op)
+
+            def per_sample_grad(*t: torch.Tensor, fn: Any = fn) -> Any:
+                return func.grad(lambda s, *rest: (fn(s, *rest) ** 2).sum())(*t)
+
+            run = func.vmap(per_sample_grad)
+
+            def routed(pins: dict[str, str] | None = None, run: Any = run, tensors: Any = tensors) -> Any:
+                def call() -> Any:
+                    with registry.use(pins=pins):
+                        return run(*tensors)
+                return call
+
+            batched = tuple(name for name in selector.OPS[op].tensor_args if name in ("self", "mask", "value"))
+            decision = registry.select(op, stack="vmap,grad", batched=batched, dtype="float32", numel=NUMEL)
+            runners = {"auto": routed()}
+            for alternative in (decision.composite, *(v.composite for v in decision.alternatives if v.ok)):
+                runners[alternative] = routed({op: alternative})
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time)
+            # Per round, auto over the fastest pinned composite of that round: a ratio within a round is what a
+            # burst on a shared machine cannot bias.
+            ratios = [timed["auto"].rounds_us[r] / min(timed[n].rounds_us[r] for n in runners if n != "auto")
+                      for r in range(rounds)]
+            fastest = min((n for n in runners if n != "auto"), key=lambda n: timed[n].median_us)
+            results.append({"op": op, "auto_choice": decision.composite, "fastest": fastest,
+                            "medians_ms": {n: round(t.median_us / 1e3, 2) for n, t in timed.items()},
+                            "auto_over_fastest": round(statistics.median(ratios), 3), "reason": decision.reason})
+        os.environ.pop("MULTICOMPOSITE_DB")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.reference", description=__doc__.splitlines()[0])
+    actions = parser.add_subparsers(dest="action", required=True)
+    measuring = actions.add_parser("measure", help="profile the seed ops and write the reference file")
+    measuring.add_argument("--out", type=Path, default=None, help="default: registry/core/reference_profiles.json")
+    measuring.add_argument("--min-run-time", type=float, default=0.5, help="seconds per context (default 0.5)")
+    checking = actions.add_parser("check", help="auto on an empty store against the fastest valid composite")
+    checking.add_argument("--rounds", type=int, default=7)
+    checking.add_argument("--min-run-time", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    if args.action == "measure":
+        from registry.core import reference
+
+        document = measure(args.out or reference.PATH, args.min_run_time)
+        print(f"{len(document['contexts'])} contexts measured on {document['machine']}")
+        return 0
+    results = check(args.rounds, args.min_run_time)
+    for result in results:
+        print(f"{result['op']:16s} auto -> {result['auto_choice']:11s} fastest {result['fastest']:11s} "
+              f"auto/fastest {result['auto_over_fastest']:.3f}  medians ms {result['medians_ms']}")
+    worst = max(r["auto_over_fastest"] for r in results)
+    print(f"worst auto/fastest {worst:.3f} (target <= {TARGET:.2f})")
+    return 0 if worst <= TARGET else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

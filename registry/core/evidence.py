@@ -1,0 +1,72 @@
+"""How measured evidence reaches the selector: through a source registered here.
+
+The core measures nothing and stores nothing. Policy ``auto`` (and ``fastest``) asks the registered source for the
+worst failing entry of the verified matrix that applies to a context, and for the profiled timings of the
+candidates; without a source there is no evidence and the rules decide. ``registry/__init__`` registers the store's
+source (``registry.store.evidence``); a program may register its own (``register_source``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from registry.core.context import Context
+
+
+@dataclass(frozen=True)
+class Evidence:
+    status: str
+    text: str  # "native: mismatch 2.0 under vmap, pattern others, float32"
+
+
+@dataclass(frozen=True)
+class Timing:
+    composite: str
+    score_us: float  # geometric mean of the medians over the batch sizes every timed candidate shares
+    bucket: int
+    batch_sizes: tuple[int, ...]
+    spread: float = 0.0  # the largest IQR/median among those medians: how far the score can be trusted
+
+
+class EvidenceSource(Protocol):
+    """What the selector asks of measured evidence."""
+
+    def evidence(self, op: str, composite: str, ctx: Context,
+                 tensor_args: tuple[str, ...]) -> tuple[Evidence | None, int]:
+        """(the worst failing entry of ``composite`` that applies to ``ctx``, or None; how many entries apply)."""
+        ...
+
+    def timings(self, op: str, ctx: Context, candidates: Iterable[str]) -> dict[str, Timing]:
+        """Measured scores of ``candidates`` at the profiled size nearest to ``ctx.numel``."""
+        ...
+
+
+class NoEvidence:
+    """The source before one is registered: nothing measured, so the rules decide."""
+
+    def evidence(self, op: str, composite: str, ctx: Context,
+                 tensor_args: tuple[str, ...]) -> tuple[Evidence | None, int]:
+        return None, 0
+
+    def timings(self, op: str, ctx: Context, candidates: Iterable[str]) -> dict[str, Timing]:
+        return {}
+
+
+_source: EvidenceSource = NoEvidence()
+# Called after the source changes (the selector drops its cached decisions, which were made on the old evidence).
+ON_SOURCE_CHANGE: list[Callable[[], None]] = []
+
+
+def register_source(source: EvidenceSource) -> None:
+    """Make ``source`` the evidence every later decision reads."""
+    global _source
+    _source = source
+    for listener in ON_SOURCE_CHANGE:
+        listener()
+
+
+def source() -> EvidenceSource:
+    """The registered evidence source."""
+    return _source

@@ -1,0 +1,108 @@
+"""Models of a real library (the ``transformers`` package, the ``models`` extra): GPT-2 and BERT from tiny configs
+with random weights, nothing downloaded. Their default attention is ``F.scaled_dot_product_attention``: natively
+vmap loops over PyTorch's fused kernel, forward and backward; inside ``use()`` per-sample gradients through
+``functional_call`` run with no fallback and equal the per-sample ``torch.autograd`` loop.
+
+Calls pass no ``attention_mask``: the library's mask code asks ``padding_mask.all()`` in Python, which vmap cannot
+answer for a batched mask (natively and inside ``use()`` alike; docs/attention.md)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import func, nn
+
+import registry
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched: the models are built from configs
+transformers = pytest.importorskip("transformers")
+
+BATCH, LENGTH, VOCAB, LABELS = 4, 8, 50, 3
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-6}
+
+
+@pytest.fixture
+def fallback_warnings():
+    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield caught
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+
+
+def _fallbacks(caught: list) -> set[str]:
+    return {str(w.message).split("batching rule for ")[1].split(".")[0] for w in caught
+            if "There is a performance drop" in str(w.message)}
+
+
+def _gpt2() -> tuple[nn.Module, Callable[[torch.Tensor, torch.Tensor], dict[str, Any]]]:
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                     eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config), lambda ids, _: {"input_ids": ids, "labels": ids}
+
+
+def _bert() -> tuple[nn.Module, Callable[[torch.Tensor, torch.Tensor], dict[str, Any]]]:
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, num_labels=LABELS)
+    return transformers.BertForSequenceClassification(config), lambda ids, y: {"input_ids": ids, "labels": y}
+
+
+MODELS = {"gpt2": _gpt2, "bert": _bert}
+
+
+def _setup(name: str):
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model.eval()  # no dropout
+    assert model.config._attn_implementation == "sdpa"  # the library's default: F.scaled_dot_product_attention
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=generator)
+    labels = torch.randint(0, LABELS, (BATCH,), generator=generator)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return func.functional_call(model, p, (), inputs(x.unsqueeze(0), y.unsqueeze(0))).loss
+
+    return model, inputs, ids, labels, params, func.vmap(func.grad(loss), in_dims=(None, 0, 0))
+
+
+def _loop(model: nn.Module, inputs, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    grads: dict[str, list[torch.Tensor]] = {n: [] for n, _ in model.named_parameters()}
+    for b in range(BATCH):
+        model.zero_grad(set_to_none=True)
+        model(**inputs(ids[b:b + 1], labels[b:b + 1])).loss.backward()
+        for n, p in model.named_parameters():
+            grads[n].append(torch.zeros_like(p) if p.grad is None else p.grad.clone())
+    return {n: torch.stack(each) for n, each in grads.items()}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_per_sample_gradients_inside_use_equal_the_loop(name: str, fallback_warnings: list) -> None:
+    model, inputs, ids, labels, params, per_sample = _setup(name)
+    with registry.use():
+        grads = per_sample(params, ids, labels)
+    assert _fallbacks(fallback_warnings) == set()
+    expected = _loop(model, inputs, ids, labels)
+    assert set(grads) == set(expected)
+    for key, want in expected.items():
+        torch.testing.assert_close(grads[key], want, **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_natively_vmap_loops_over_the_fused_kernel(name: str, fallback_warnings: list) -> None:
+    model, inputs, ids, labels, params, per_sample = _setup(name)
+    grads = per_sample(params, ids, labels)
+    assert _fallbacks(fallback_warnings) == {"aten::_scaled_dot_product_flash_attention_for_cpu",
+                                             "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
+    expected = _loop(model, inputs, ids, labels)
+    for key, want in expected.items():  # slow, not wrong
+        torch.testing.assert_close(grads[key], want, **TOLERANCE)
