@@ -6,7 +6,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, text
 
-import registry.store.conformance  # noqa: F401  (defines the conformance table on the same metadata)
+import registry.store.conformance
 import registry.store.survey  # noqa: F401  (defines the survey table on the same metadata)
 from registry.store.db import METADATA
 from registry.store.migrate import MIGRATION_LOCK_KEY
