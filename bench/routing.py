@@ -2,8 +2,8 @@
 (``python -m bench.routing``; ``python -m bench`` runs it too).
 
 (r0) outside ``use()``: a vmap(grad(f)) of a covered op (index_add, batch 8, 6 x 64) with the routing kernels
-     registered vs with none (target >= 0.99x); in a fresh process, where the kernels are registered and removed
-     between rounds
+     registered vs with none (target >= 0.99x); in a fresh process, where the routing kernels are registered and
+     removed between rounds (the dynamic-shape refusals' kernels stay: they are not on this path)
 (r1) ``with use(): pass`` — construction, enter and exit — over an empty with-statement (target <= 1 us)
 (r2) a whole ``vmap(grad(f))`` call whose covered op runs PyTorch's own kernel: index_add, batch 8, 6 x 64, inside
      vs outside ``use()`` (target >= 0.98x native)
@@ -81,15 +81,6 @@ def bench_outside_registered(rounds: int, min_run_time: float, backend: str) -> 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _unregister() -> None:
-    if routing._backend[0] == "cpp" and routing._cpp is not None:
-        routing._cpp.unregister_all()
-    else:
-        for library in routing._python_library:
-            library._destroy()
-        routing._python_library.clear()
-
-
 def _outside_child(rounds: int, min_run_time: float, backend: str) -> None:
     if os.environ.get(CLOCK_ENV) == "thread":
         torch.set_num_threads(1)
@@ -98,13 +89,12 @@ def _outside_child(rounds: int, min_run_time: float, backend: str) -> None:
     registry.register_kernels()
     if routing.routing_backend() != backend:
         raise RuntimeError(f"asked for the {backend} backend, got {routing.routing_backend()}")
-    ops = [registry.OPS[name] for name in routing._routed_ops]
     registered, unregistered = [], []
     for _ in range(rounds):
         registered.append(_us(lambda: per_sample_grads(x), min_run_time))
-        _unregister()
+        routing.set_routing_kernels(False)
         unregistered.append(_us(lambda: per_sample_grads(x), min_run_time))
-        routing._register_routing(ops)
+        routing.set_routing_kernels(True)
     before, after = min(unregistered), min(registered)
     print(json.dumps({"unregistered_us": before, "registered_us": after, "ratio": before / after}))
 

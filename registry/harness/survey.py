@@ -1002,10 +1002,10 @@ def summarize(rows: Sequence[SurveyRow], worst: int = 40) -> dict[str, Any]:
     """What misbehaves natively: op_db entries by kind and by stack, and the entries with most misbehaving rows."""
     entries = sorted({r.op for r in rows})
     bad = [r for r in rows if r.native_status in MISBEHAVING]
-    by_kind = {kind: sorted({r.op for r in bad if r.native_status == kind}) for kind in ("slow", "mismatch", "error")}
+    by_kind = {kind: sorted({r.op for r in bad if r.native_status == kind}) for kind in FAILING}
     stacks = list(dict.fromkeys(r.stack for r in rows))
     by_stack = {s: {kind: len({r.op for r in bad if r.stack == s and r.native_status == kind})
-                    for kind in ("slow", "mismatch", "error")} for s in stacks}
+                    for kind in FAILING} for s in stacks}
     per_entry: dict[str, list[SurveyRow]] = {}
     for r in bad:
         per_entry.setdefault(r.op, []).append(r)
