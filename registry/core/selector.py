@@ -213,7 +213,10 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
             return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
                             alternatives=_alternatives(judged, chosen), context=ctx, policy=policy,
                             speedup=speedup, runner_up_speedup=runner_up_speedup)
-        shipped = _reference_choice(op, ctx, policy, chosen, valid)
+        # The reference reorders composites the matrix speaks for alike: where it verifies the rules' choice, only
+        # other verified composites may replace it.
+        alike = [(c, p) for c, p in valid if not verified.get(chosen.name, 0) or verified.get(c.name, 0)]
+        shipped = _reference_choice(op, ctx, policy, chosen, alike)
         if shipped is not None:
             chosen, reason = shipped
             if policy == "auto":
