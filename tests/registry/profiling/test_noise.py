@@ -197,8 +197,8 @@ CONTEXTS = dict(ops=["masked_fill", "index_fill"], workloads=["vmap"], batch_siz
 
 def test_a_profile_under_load_gives_the_quiet_profiles_choices() -> None:
     """Two busy processes (one per core) and a busy thread (holding the GIL half the time) while profiling: the
-    absolute times swing, the per-round ratios do not; every context is measured, none refused, and every
-    decision is the quiet profile's."""
+    absolute times swing, the per-round ratios do not; every decision is the quiet profile's, and a context is
+    refused only for a ranking that flips between rounds."""
     quiet = profile(**CONTEXTS, retries=4)
     quiet_decisions = _decisions(quiet)
     assert quiet_decisions, "the quiet profile itself was refused: the machine is too busy for this test"
@@ -220,6 +220,11 @@ def test_a_profile_under_load_gives_the_quiet_profiles_choices() -> None:
             process.join(10)
         for t in threads:
             t.join(10)
-    assert refused == []
-    assert {key: _decisions(loaded)[key] for key in quiet_decisions} == quiet_decisions
+    # A context is measured to the quiet choice, or refused because its ranking flipped between rounds, saying what
+    # to change; never a flipped decision (the quiet profile stays where one is refused).
+    assert all("is unstable" in line and "longer --min-run-time" in line for line in refused), refused
+    stored = {(e.op, e.workload, e.batch_size, e.composite): e for e in quiet}
+    stored.update({(e.op, e.workload, e.batch_size, e.composite): e for e in loaded})
+    decisions = _decisions(list(stored.values()))
+    assert {key: decisions[key] for key in quiet_decisions} == quiet_decisions
     assert not math.isnan(sum(e.median_us for e in loaded if e.valid))
