@@ -10,6 +10,9 @@ and the mask-based form (``torch.where``) that computes every sample's branch.
 
 The kernels sit at the functorch front key (``aten::is_nonzero``, ``aten::item``, ``aten::_local_scalar_dense``):
 outside ``use()``, inside a composite, or where no vmap batches the tensor, PyTorch's own kernel runs.
+
+Boolean-mask indexing of a batched tensor (``x[mask]``, ``x[mask] = v``) has a shape that depends on the values; its
+refusal is raised again as ``BooleanMaskError`` with the user's line and the fixed-shape forms.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ import torch
 from torch._C import _DisableFuncTorch
 from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_bdim, maybe_get_level
 
-from registry.core.frames import calling_user_frame
+from registry.core.frames import calling_user_frame, raising_user_frame
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
+
+# vmap's refusal of boolean-mask indexing (index.Tensor, index_put_ with a batched bool mask).
+MASK_REFUSAL = "Attempting to batch over indexing with a boolean mask"
 
 # The words every refusal here carries (tests and the survey can recognize them).
 DISAGREE_PHRASE = "samples of the vmapped batch disagree"
@@ -123,6 +129,24 @@ def _make_scalar(name: str, native: Any, routing_on: Callable[[], bool]) -> Call
 
     kernel.__name__ = f"multicomposite_{name}"
     return kernel
+
+
+class BooleanMaskError(RuntimeError):
+    """Boolean-mask indexing of a batched tensor under vmap, with the user's line and the fixed-shape forms."""
+
+
+def boolean_mask_message(error: BaseException) -> str:
+    """vmap's refusal of boolean-mask indexing, with the user's line (from ``error``'s traceback: the refusal is
+    caught where vmap's implementation returns, registry.core.functionalization, rather than by a kernel on every
+    tensor index) and the fixed-shape forms."""
+    frame = raising_user_frame(error.__traceback__)
+    where = f" at {frame.describe()}" if frame is not None else ""
+    return (f"vmap: boolean-mask indexing{where} returns a shape that depends on the values of a batched mask, so it "
+            "cannot be batched (each sample would select a different number of elements). Keep the shape fixed: "
+            "torch.where(mask, x, fill) or x.masked_fill(~mask, fill) to read, torch.where(mask, v, x) or "
+            "x.masked_fill(mask, v) to write, (x * mask).sum() for a masked sum, or "
+            "torch.nonzero_static(mask, size=N) to gather a fixed number N of elements. "
+            f"PyTorch's refusal: {str(error).splitlines()[0]}")
 
 
 def register(library: torch.library.Library, routing_on: Callable[[], bool]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from registry.core.context import functorch_stack, vmap_levels
+from registry.core.frames import calling_user_frame
 from registry.core.ops import aten_schema
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
@@ -69,7 +70,8 @@ def make_kernel(spec: DynamicShape, native: Any, routing_on: Callable[[], bool])
                 for name, position in positions.items():
                     value = args[position] if position < len(args) else kwargs.get(name)
                     if isinstance(value, torch.Tensor) and innermost in vmap_levels(value):
-                        raise RuntimeError(text)
+                        frame = calling_user_frame()
+                        raise RuntimeError(text if frame is None else f"{text} (called at {frame.describe()})")
         return call_native(keyset, *args, **kwargs)
 
     kernel.__name__ = f"multicomposite_refuse_{spec.overload.replace('.', '_')}"

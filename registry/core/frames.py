@@ -15,11 +15,11 @@ from types import FrameType, TracebackType
 
 import torch
 
-# Files under these directories are never the user's line: PyTorch, this package and its composites. contextlib and
-# functools wrap user functions (``@use()``, ``functools.wraps``).
+# Files under these directories are never the user's line: PyTorch, this package, its composites and its service.
+# contextlib and functools wrap user functions (``@use()``, ``functools.wraps``).
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _LIBRARY_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-                 os.path.join(_PACKAGE_ROOT, "registry") + os.sep, os.path.join(_PACKAGE_ROOT, "composites") + os.sep)
+                 *(os.path.join(_PACKAGE_ROOT, package) + os.sep for package in ("registry", "composites", "service")))
 _LIBRARY_FILES = frozenset(os.path.join(os.path.dirname(os.__file__), name) for name in ("contextlib.py",
                                                                                          "functools.py"))
 

@@ -16,8 +16,8 @@ functionalized from the start. Where the retry fails too, the write was into a t
 transform (a closure, a parameter, a module buffer, an argument vmap does not batch): per-sample values cannot go
 into one shared tensor, and the error names that tensor, the user's line, and what to write instead.
 
-Boolean-mask indexing of a batched tensor (``x[mask]``, ``x[mask] = v``) has a shape that depends on the values; its
-refusal gets the user's line and the fixed-shape alternatives.
+vmap's refusal of boolean-mask indexing comes out at the same place: it is raised again with the user's line
+(registry.core.control_flow).
 
 Outside ``use()`` (or with policy ``native``), vmap runs exactly as PyTorch's. See docs/functionalization.md.
 """
@@ -34,7 +34,7 @@ import torch
 import torch._functorch.vmap as functorch_vmap
 from torch._functorch.eager_transforms import functionalize
 
-from registry.core import fresh_buffers, write_target
+from registry.core import control_flow, fresh_buffers, write_target
 from registry.core.frames import raising_user_frame
 
 # PyTorch's refusal of an in-place write of a batched value into an unbatched self (every in-place op's batching rule
@@ -47,8 +47,6 @@ BROADCAST_REFUSAL = "doesn't match the broadcast shape"
 OUTSIDE_REFUSAL = "mutating a non-functional tensor with a functional tensor is not allowed"
 # grad's refusal of a write into a tensor captured from outside it (the write, functionalized, reaches grad as copy_).
 CAPTURED_REFUSAL = "that would mutate a captured Tensor"
-# vmap's refusal of boolean-mask indexing (index.Tensor, index_put_ with a batched bool mask).
-MASK_REFUSAL = "Attempting to batch over indexing with a boolean mask"
 
 
 class OutsideWriteError(RuntimeError):
@@ -56,10 +54,6 @@ class OutsideWriteError(RuntimeError):
 
     Its message keeps PyTorch's refusal text, so an enclosing vmap level (which may own the buffer) still recognizes
     it and tries functionalizing there."""
-
-
-class BooleanMaskError(RuntimeError):
-    """Boolean-mask indexing of a batched tensor under vmap, with the user's line and the fixed-shape forms."""
 
 
 _original_flat_vmap = functorch_vmap._flat_vmap
@@ -174,17 +168,6 @@ def _outside_write_message(failure: BaseException, retry: BaseException) -> str:
             f"{str(failure).splitlines()[0]} ({INPLACE_REFUSAL})")
 
 
-def _mask_message(error: BaseException) -> str:
-    frame = raising_user_frame(error.__traceback__)
-    where = f" at {frame.describe()}" if frame is not None else ""
-    return (f"vmap: boolean-mask indexing{where} returns a shape that depends on the values of a batched mask, so it "
-            "cannot be batched (each sample would select a different number of elements). Keep the shape fixed: "
-            "torch.where(mask, x, fill) or x.masked_fill(~mask, fill) to read, torch.where(mask, v, x) or "
-            "x.masked_fill(mask, v) to write, (x * mask).sum() for a masked sum, or "
-            "torch.nonzero_static(mask, size=N) to gather a fixed number N of elements. "
-            f"PyTorch's refusal: {str(error).splitlines()[0]}")
-
-
 def _flat_vmap(func: Callable[..., Any], batch_size: int, flat_in_dims: list[int | None], flat_args: list[Any],
                args_spec: Any, out_dims: Any, randomness: str, **kwargs: Any) -> Any:
     """vmap's implementation, functionalizing the level where an in-place write into a fresh buffer needs it."""
@@ -202,10 +185,10 @@ def _flat_vmap(func: Callable[..., Any], batch_size: int, flat_in_dims: list[int
         return _original_flat_vmap(func, *args, **kwargs)
     except RuntimeError as error:
         failure = error
-    if isinstance(failure, BooleanMaskError):  # an inner level's, already saying where
+    if isinstance(failure, control_flow.BooleanMaskError):  # an inner level's, already saying where
         raise failure
-    if MASK_REFUSAL in str(failure):
-        raise BooleanMaskError(_mask_message(failure)) from failure
+    if control_flow.MASK_REFUSAL in str(failure):
+        raise control_flow.BooleanMaskError(control_flow.boolean_mask_message(failure)) from failure
     if remembered:
         if OUTSIDE_REFUSAL in str(failure) or _is_write_refusal(failure):
             raise OutsideWriteError(_outside_write_message(failure, failure)) from failure

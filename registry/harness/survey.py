@@ -699,9 +699,20 @@ def _sample_size(sample: Any) -> int:
     return sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
 
 
+ALL_SAMPLES = 0  # limit_samples: every sample OpInfo generates, whatever its size
+_GENERATED_ALL = 512  # a bound in case a generator is endless
+
+
 def pick_samples(opinfo: Any, dtype: torch.dtype, limit: int) -> list[Any]:
     """The first ``limit`` samples in OpInfo's order with at most SIZE_CAP elements in all (the smallest sample when
-    none is that small); at most 64 samples are generated."""
+    none is that small); at most 64 samples are generated. ``limit`` ALL_SAMPLES (0): every sample, any size."""
+    if limit == ALL_SAMPLES:
+        every = []
+        for sample in opinfo.sample_inputs("cpu", dtype, requires_grad=False):
+            every.append(sample)
+            if len(every) >= _GENERATED_ALL:
+                break
+        return every
     samples = []
     for index, sample in enumerate(opinfo.sample_inputs("cpu", dtype, requires_grad=False)):
         samples.append(sample)

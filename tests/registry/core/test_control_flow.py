@@ -11,7 +11,7 @@ from torch import func
 
 import registry
 from registry.core import control_flow
-from registry.core.functionalization import BooleanMaskError
+from registry.core.control_flow import BooleanMaskError
 
 X = torch.tensor([[1.0, -2.0, 3.0], [-1.0, 0.5, 0.0], [2.0, 2.0, -0.5]])
 PYTORCH_BOOL = "vmap: It looks like you're attempting to use a Tensor in some data-dependent control flow"

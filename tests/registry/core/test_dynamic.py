@@ -38,6 +38,17 @@ def test_refused_under_vmap_inside_use_with_the_alternative(name: str, fn, text:
     assert str(raised.value).startswith(text)
 
 
+def _nonzero_of(t: torch.Tensor) -> torch.Tensor:
+    return torch.nonzero(t > 0)
+
+
+def test_the_refusal_names_the_users_line() -> None:
+    with registry.use(), pytest.raises(RuntimeError) as raised:
+        func.vmap(_nonzero_of)(X)
+    line = _nonzero_of.__code__.co_firstlineno + 1
+    assert str(raised.value).endswith(f" (called at {__file__}:{line} (`return torch.nonzero(t > 0)`))")
+
+
 def test_outside_use_pytorch_says_what_it_says() -> None:
     with pytest.raises(RuntimeError, match="We do not support batching operators that can output dynamic shape"):
         func.vmap(torch.nonzero)(X)
