@@ -51,8 +51,8 @@ def f1(rounds: int, min_run_time: float) -> None:
         return torch.tanh(v @ w).sum()
 
     step = func.vmap(func.grad(loss), in_dims=(None, 0))
-    implementations = {"pytorch": functionalization._original_flat_vmap,
-                       "functionalizing": functionalization._flat_vmap}
+    implementations = {"pytorch": functionalization.PYTORCH_FLAT_VMAP,
+                       "functionalizing": functionalization.functionalizing_flat_vmap}
     times: dict[str, list[float]] = {name: [] for name in implementations}
     with registry.use():
         try:
@@ -64,7 +64,7 @@ def f1(rounds: int, min_run_time: float) -> None:
                     if round_number:
                         times[name].append(elapsed)
         finally:
-            functorch_vmap._flat_vmap = functionalization._flat_vmap
+            functorch_vmap._flat_vmap = functionalization.functionalizing_flat_vmap
     found = {name: min(values) for name, values in times.items()}
     added_us = (found["functionalizing"] - found["pytorch"]) * 1e3
     print(f"(f1) vmap(grad) needing nothing, inside use(): PyTorch's vmap {found['pytorch'] * 1e3:.1f} us, "

@@ -56,7 +56,7 @@ class OutsideWriteError(RuntimeError):
     it and tries functionalizing there."""
 
 
-_original_flat_vmap = functorch_vmap._flat_vmap
+PYTORCH_FLAT_VMAP = functorch_vmap._flat_vmap
 _install_lock = threading.Lock()
 _active: list[Callable[[], bool]] = []  # the predicate install() was given: whether this thread routes
 
@@ -168,21 +168,22 @@ def _outside_write_message(failure: BaseException, retry: BaseException) -> str:
             f"{str(failure).splitlines()[0]} ({INPLACE_REFUSAL})")
 
 
-def _flat_vmap(func: Callable[..., Any], batch_size: int, flat_in_dims: list[int | None], flat_args: list[Any],
-               args_spec: Any, out_dims: Any, randomness: str, **kwargs: Any) -> Any:
+def functionalizing_flat_vmap(func: Callable[..., Any], batch_size: int, flat_in_dims: list[int | None],
+                              flat_args: list[Any], args_spec: Any, out_dims: Any, randomness: str,
+                              **kwargs: Any) -> Any:
     """vmap's implementation, functionalizing the level where an in-place write into a fresh buffer needs it."""
     args = (batch_size, flat_in_dims, flat_args, args_spec, out_dims, randomness)
     if torch.compiler.is_compiling() or not _active or not _active[0]():
         # Dynamo traces vmap's Python (it cannot trace a retry); outside use(): PyTorch's vmap.
-        return _original_flat_vmap(func, *args, **kwargs)
+        return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
     # The key is computed only where something is remembered or a run failed (about 5 us); the random state is saved
     # only where a random op can run: in randomness="error" mode vmap refuses every one (about 3 us).
     remembered = bool(FUNCTIONALIZED) and function_key(func) in FUNCTIONALIZED
     state = None if randomness == "error" else _rng_state()
     try:
         if remembered:
-            return _original_flat_vmap(_functionalizing(func), *args, **kwargs)
-        return _original_flat_vmap(func, *args, **kwargs)
+            return PYTORCH_FLAT_VMAP(_functionalizing(func), *args, **kwargs)
+        return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
     except RuntimeError as error:
         failure = error
     if isinstance(failure, control_flow.BooleanMaskError):  # an inner level's, already saying where
@@ -195,7 +196,7 @@ def _flat_vmap(func: Callable[..., Any], batch_size: int, flat_in_dims: list[int
         # Functionalized, this call failed where it may run as written (a torch.autograd.Function, which functionalize
         # cannot run, on a path that writes nothing): run it as written, from the same random state.
         _set_rng_state(state)
-        return _original_flat_vmap(func, *args, **kwargs)
+        return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
     if CAPTURED_REFUSAL in str(failure):  # grad refuses a write into a captured tensor before vmap sees it
         raise OutsideWriteError(_outside_write_message(failure, failure)) from failure
     if not _may_be_write_refusal(failure):
@@ -203,7 +204,7 @@ def _flat_vmap(func: Callable[..., Any], batch_size: int, flat_in_dims: list[int
     _set_rng_state(state)
     fresh_buffers.register()
     try:
-        result = _original_flat_vmap(_functionalizing(func), *args, **kwargs)
+        result = PYTORCH_FLAT_VMAP(_functionalizing(func), *args, **kwargs)
     except Exception as retry:
         if not _functionalization_failed(retry) or (not _is_write_refusal(failure) and _may_be_write_refusal(retry)):
             raise  # an error of the function itself, which the first run did not reach
@@ -219,4 +220,4 @@ def install(active: Callable[[], bool]) -> None:
         if _active:
             return
         _active.append(active)
-        functorch_vmap._flat_vmap = _flat_vmap
+        functorch_vmap._flat_vmap = functionalizing_flat_vmap

@@ -134,6 +134,9 @@ def _changed() -> None:
     clear_cache()
 
 
+_warned: list[bool] = []  # the missing-SQLAlchemy warning was given
+
+
 def _read_default_store(read: str) -> list[Any]:
     """``Store.<read>`` of the entries fresh for this torch and these composites' sources, from the default store.
 
@@ -148,8 +151,10 @@ def _read_default_store(read: str) -> list[Any]:
     try:
         from registry.store.db import Store
     except ModuleNotFoundError as error:
-        warnings.warn(f"the store at {default_url()} is not read: {error.name} is not installed, so the rules alone "
-                      "decide; pip install 'multicomposite[service]' to use its evidence", stacklevel=2)
+        if not _warned:  # once a process: the matrix and the profiles are read apart
+            _warned.append(True)
+            warnings.warn(f"the store at {default_url()} is not read: {error.name} is not installed, so the rules "
+                          "alone decide; pip install 'multicomposite[service]' to use its evidence", stacklevel=2)
         return []
     store = Store(default_url())
     try:
