@@ -1,7 +1,8 @@
 """``python -m bench.reference measure``: the reference profiles shipped in the package
 (``registry/core/reference_profiles.json``), which rank the valid composites where no local profile does.
 
-``measure`` profiles the seed ops' hand-made workloads (batch 256 x 1,000 elements, float32, every workload) with
+``measure`` profiles the seed ops' hand-made workloads (batch 256 x 1,000 elements, float32; vmap, grad and
+vmap(grad) unless ``--workload`` names others) with
 ``registry.profiling.timing.profile`` (interleaved rounds, each composite checked against the reference first, a
 disturbed context re-measured) and writes each context's valid composites' median times, with the machine's name.
 
@@ -31,6 +32,9 @@ OPS = ("masked_scatter", "masked_fill", "index_fill", "index_add", "index_copy",
 CHECKED = ("masked_scatter", "masked_fill", "index_fill")
 NUMEL, BATCH = 1000, 256
 TARGET = 1.10
+WORKLOADS = ("vmap", "grad", "vmap(grad)", "jacrev", "jacfwd", "hessian")
+# The stacks a new user's batched code reaches most: vmap, grad over a vmapped loss, per-sample gradients.
+DEFAULT_WORKLOADS = ("vmap", "grad", "vmap(grad)")
 
 
 def machine_name() -> str:
@@ -46,11 +50,11 @@ def machine_name() -> str:
     return f"{cores}-core {platform.machine()}{where}, torch {torch.__version__.split('+')[0]} CPU"
 
 
-def measure(path: Path, min_run_time: float) -> dict[str, Any]:
+def measure(path: Path, min_run_time: float, workloads: list[str]) -> dict[str, Any]:
     from registry.profiling.timing import profile
 
     refused: list[str] = []
-    entries = profile(ops=OPS, numels=(NUMEL,), batch_sizes=(BATCH,), dtypes=(torch.float32,),
+    entries = profile(ops=OPS, workloads=workloads, numels=(NUMEL,), batch_sizes=(BATCH,), dtypes=(torch.float32,),
                       min_run_time=min_run_time, earlier=[], refused=refused)
     contexts: dict[tuple[str, tuple[str, ...], str, str], dict[str, Any]] = {}
     for entry in entries:
@@ -113,12 +117,13 @@ def check(rounds: int, min_run_time: float) -> list[dict[str, Any]]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time)
-            # Per round, auto over the fastest pinned composite of that round: a ratio within a round is what a
-            # burst on a shared machine cannot bias.
-            ratios = [timed["auto"].rounds_us[r] / min(timed[n].rounds_us[r] for n in runners if n != "auto")
-                      for r in range(rounds)]
-            fastest = min((n for n in runners if n != "auto"), key=lambda n: timed[n].median_us)
+            # The fastest pinned composite by its median per-round ratio to the others (noise.relative), then auto
+            # over it per round: a ratio within a round is what a load on the machine cannot bias.
+            pinned = noise.relative({n: t for n, t in timed.items() if n != "auto"})
+            fastest = min(pinned, key=lambda n: pinned[n].median_us)
+            ratios = [a / f for a, f in zip(timed["auto"].rounds_us, timed[fastest].rounds_us, strict=True)]
             results.append({"op": op, "auto_choice": decision.composite, "fastest": fastest,
+                            "auto_is_fastest": decision.composite == fastest,
                             "medians_ms": {n: round(t.median_us / 1e3, 2) for n, t in timed.items()},
                             "auto_over_fastest": round(statistics.median(ratios), 3), "reason": decision.reason})
         os.environ.pop("MULTICOMPOSITE_DB")
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     measuring = actions.add_parser("measure", help="profile the seed ops and write the reference file")
     measuring.add_argument("--out", type=Path, default=None, help="default: registry/core/reference_profiles.json")
     measuring.add_argument("--min-run-time", type=float, default=0.5, help="seconds per context (default 0.5)")
+    measuring.add_argument("--workload", action="append", choices=WORKLOADS,
+                           help=f"repeatable (default: {', '.join(DEFAULT_WORKLOADS)})")
     checking = actions.add_parser("check", help="auto on an empty store against the fastest valid composite")
     checking.add_argument("--rounds", type=int, default=7)
     checking.add_argument("--min-run-time", type=float, default=1.0)
@@ -138,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "measure":
         from registry.core import reference
 
-        document = measure(args.out or reference.PATH, args.min_run_time)
+        document = measure(args.out or reference.PATH, args.min_run_time, args.workload or list(DEFAULT_WORKLOADS))
         print(f"{len(document['contexts'])} contexts measured on {document['machine']}")
         return 0
     results = check(args.rounds, args.min_run_time)

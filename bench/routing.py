@@ -2,8 +2,8 @@
 (``python -m bench.routing``; ``python -m bench`` runs it too).
 
 (r0) outside ``use()``: a vmap(grad(f)) of a covered op (index_add, batch 8, 6 x 64) with the routing kernels
-     registered vs with none (target >= 0.99x); in a fresh process, where the kernels are registered and removed
-     between rounds
+     registered vs with none (target >= 0.99x); in a fresh process, where the routing kernels are registered and
+     removed between rounds (the dynamic-shape refusals' kernels stay: they are not on this path)
 (r1) ``with use(): pass`` — construction, enter and exit — over an empty with-statement (target <= 1 us)
 (r2) a whole ``vmap(grad(f))`` call whose covered op runs PyTorch's own kernel: index_add, batch 8, 6 x 64, inside
      vs outside ``use()`` (target >= 0.98x native)

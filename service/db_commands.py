@@ -1,5 +1,5 @@
 """``multicomposite db upgrade`` and ``multicomposite db current``: the store's schema migrations from the command
-line (registry/store/migrate.py does the work). ``service/cli.py`` lists it as one row of its subcommand table
+line (registry/store/migrate.py does the work). ``service/cli/__init__.py`` lists it as one row of its subcommand table
 (``configure_db``)."""
 
 from __future__ import annotations

@@ -340,6 +340,7 @@ class Worker:
         self._running_lock = threading.Lock()
         self._app: procrastinate.App | None = None
         self._reachable_since: float | None = None  # monotonic time of the first beat after the last failed one
+        self._stop_requested = threading.Event()  # a stop signal: writes the store refuses are not retried then
 
     # Registration and heartbeats (sync: called through asyncio.to_thread) --------------------------------------
 
@@ -407,11 +408,11 @@ class Worker:
             try:
                 return write()
             except Exception as error:
-                if not _store_error(error):
-                    raise
+                if not _store_error(error) or self._stop_requested.is_set():
+                    raise  # stopping: the row stays running, and the reaper retries the job once this worker is gone
                 log.warning("job %s: the store refused %s (%s); retrying in %g s", job_id, what, _reason(error),
                             delay)
-            time.sleep(delay)
+            self._stop_requested.wait(delay)
             delay = min(delay * 2, RETRY_MAX_S)
 
     def run_job(self, job_id: str) -> str:
@@ -647,6 +648,7 @@ class Worker:
                     await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
                     if not work.done():
                         log.info("worker %s: stop requested; finishing the running job first", self.id)
+                        self._stop_requested.set()
                         work.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await work  # a failure of the worker itself is raised here

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from registry.core.messages import first_line
 from registry.core.registration import COMPOSITES, RegistrationError, load
 from registry.harness.samples import SAMPLES, Sample
 
@@ -74,7 +75,7 @@ def audit(op: str, name: str) -> None:
                                          check_batched_forward_grad=True)
                 torch.autograd.gradgradcheck(f, inputs)
             except (RuntimeError, torch.autograd.gradcheck.GradcheckError) as error:
-                first = (str(error).strip().splitlines() or [""])[0][:300]
+                first = first_line(error)
                 raise RegistrationError(
                     f"{composite.where}: primitive {op}/{name} fails its derivative checks on sample "
                     f"{sample.name}: {first}"

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import func
 
+from registry.core.messages import described
 from registry.core.ops import ORIGINAL
 from registry.core.routing import use
 from registry.harness.samples import Args, Sample
@@ -273,8 +274,7 @@ def check(sample: Sample, stack: str, pattern: str, call: Call | None = None, *,
             try:
                 actual, expected = _run(stack, case, call, native, weight)
             except Exception as error:  # the outcome of an op under a transform is data here, not a crash
-                first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-                return Outcome("error", f"{type(error).__name__}: {first_line[:300]}")
+                return Outcome("error", described(error))
     finally:
         torch._C._functorch._set_vmap_fallback_warning_enabled(False)
     if (problem := _compare(actual, expected)) is not None:

@@ -699,9 +699,20 @@ def _sample_size(sample: Any) -> int:
     return sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
 
 
+ALL_SAMPLES = 0  # limit_samples: every sample OpInfo generates, whatever its size
+_GENERATED_ALL = 512  # a bound in case a generator is endless
+
+
 def pick_samples(opinfo: Any, dtype: torch.dtype, limit: int) -> list[Any]:
     """The first ``limit`` samples in OpInfo's order with at most SIZE_CAP elements in all (the smallest sample when
-    none is that small); at most 64 samples are generated."""
+    none is that small); at most 64 samples are generated. ``limit`` ALL_SAMPLES (0): every sample, any size."""
+    if limit == ALL_SAMPLES:
+        every = []
+        for sample in opinfo.sample_inputs("cpu", dtype, requires_grad=False):
+            every.append(sample)
+            if len(every) >= _GENERATED_ALL:
+                break
+        return every
     samples = []
     for index, sample in enumerate(opinfo.sample_inputs("cpu", dtype, requires_grad=False)):
         samples.append(sample)
@@ -991,10 +1002,10 @@ def summarize(rows: Sequence[SurveyRow], worst: int = 40) -> dict[str, Any]:
     """What misbehaves natively: op_db entries by kind and by stack, and the entries with most misbehaving rows."""
     entries = sorted({r.op for r in rows})
     bad = [r for r in rows if r.native_status in MISBEHAVING]
-    by_kind = {kind: sorted({r.op for r in bad if r.native_status == kind}) for kind in ("slow", "mismatch", "error")}
+    by_kind = {kind: sorted({r.op for r in bad if r.native_status == kind}) for kind in FAILING}
     stacks = list(dict.fromkeys(r.stack for r in rows))
     by_stack = {s: {kind: len({r.op for r in bad if r.stack == s and r.native_status == kind})
-                    for kind in ("slow", "mismatch", "error")} for s in stacks}
+                    for kind in FAILING} for s in stacks}
     per_entry: dict[str, list[SurveyRow]] = {}
     for r in bad:
         per_entry.setdefault(r.op, []).append(r)

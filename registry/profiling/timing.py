@@ -326,8 +326,7 @@ def profile(
                 runners[composite.name], commons[composite.name] = _quiet(run), common
                 native_name = composite.name if composite.kind == "native" else native_name
             except Exception as error:  # a composite that fails here is data: stored invalid, never timed
-                first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-                context.append(ProfileEntry(**common, valid=False, detail=f"{type(error).__name__}: {first}",
+                context.append(ProfileEntry(**common, valid=False, detail=described(error),
                                             median_us=None, iqr_us=None, runs=0, peak_memory=None))
             if progress is not None:
                 progress(done, total, f"{op}/{composite.name} {workload} n={seen_numel} b={batch}")

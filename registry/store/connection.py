@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,8 @@ def default_store_exists() -> bool:
 
 def sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     """Set up a new SQLite connection: a busy timeout, and WAL (SQLAlchemy calls this on every connect)."""
+    import sqlite3  # here: knowing where the store is needs no database driver
+
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")

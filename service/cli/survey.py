@@ -19,8 +19,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         stacks = tuple(dict.fromkeys(survey.normalize_stack(s) for s in args.stack)) if args.stack else None
-        if args.limit_samples < 1:
-            raise survey.SurveyError(f"--limit-samples must be at least 1, got {args.limit_samples}")
+        if args.limit_samples < 0:
+            raise survey.SurveyError(f"--limit-samples must be 0 (every sample) or more, got {args.limit_samples}")
         entries = survey.select_entries(survey.op_db(), args.op)
         config = survey.SurveyConfig(stacks=stacks or survey.SURVEY_STACKS, limit_samples=args.limit_samples,
                                      case_timeout_s=args.timeout)
@@ -57,7 +57,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(repeatable; default: all)")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"),
                         help="float32 or float64 (repeatable; default: both)")
-    parser.add_argument("--limit-samples", type=int, default=2, help="OpInfo samples per entry and dtype (default 2)")
+    parser.add_argument("--limit-samples", type=int, default=2,
+                        help="OpInfo samples per entry and dtype (default 2; 0: every sample, any size)")
     parser.add_argument("--timeout", type=arguments.positive_seconds, default=20.0,
                         help="seconds per case (default 20)")
     parser.add_argument("--workers", type=arguments.non_negative_int, default=None,

@@ -28,7 +28,7 @@ def choices_table(entries: Sequence[MatrixEntry],
     """One row per op: its entries by status, and under each of ``stacks`` (default: those of SUMMARY_STACKS that
     were run) the composite auto chooses with self batched, with its worst status there. One row per op rather than
     one column: the whole set is ~90 ops and 63 stacks."""
-    from registry.harness.survey import RANK  # "unsupported" mildest: a pattern with nothing to batch hides nothing
+    from registry.core.status import RANK  # "unsupported" mildest: a pattern with nothing to batch hides nothing
     from registry.reports.plots import stack_label
     from registry.store.choices import choices_by_op
 

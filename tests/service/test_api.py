@@ -265,7 +265,7 @@ def test_matrix_entries_give_iso_times(client: TestClient, db_url: str) -> None:
 
     import torch
 
-    from registry.harness.verify import source_hashes
+    from registry.core.sources import source_hashes
     from registry.store.db import MatrixEntry, Store
 
     entry = MatrixEntry(op="take", composite="functional", kind="functional", stack=("vmap",), pattern="all",

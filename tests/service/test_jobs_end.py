@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from registry.store import db
+from registry.store import connection
 from registry.store.db import Store, StoreUnavailableError
 from service import jobs
 
@@ -47,7 +47,7 @@ def _wait_for(client: TestClient, job_id: str, states: tuple[str, ...], timeout:
 def locking_store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Callable[[], Any]]:
     """A SQLite store whose writers give up after 0.1 s of waiting for a lock (30 s otherwise), and ``locked()``: a
     context in which another connection holds the write lock, as another process writing for a long time would."""
-    monkeypatch.setattr(db, "BUSY_TIMEOUT_MS", 100)
+    monkeypatch.setattr(connection, "BUSY_TIMEOUT_MS", 100)
     monkeypatch.setattr(jobs, "RETRY_MAX_S", 0.5)
     path = tmp_path / "store.db"
 

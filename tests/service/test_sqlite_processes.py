@@ -5,7 +5,7 @@ of a file drops every POSIX lock the process holds on it, SQLite's included: the
 connection then believed it was the last one, checkpointed and deleted the ``-wal`` and ``-shm`` files the server
 still wrote into. The server reported its job done; other processes saw none of it, and after a kill -9 it was gone.
 
-Here a real server (``multicomposite serve``) and CLI readers and writers (``jobs --json``, ``matrix``, ``verify``)
+Here a real server (``multicomposite serve``) and CLI readers and writers (``jobs --json``, ``matrix``, two ``verify``)
 share one SQLite file, concurrently; then the server is killed (SIGKILL) and started again: every write is there,
 seen by every process, and ``PRAGMA integrity_check`` says ok.
 """
@@ -29,6 +29,7 @@ from registry.store.db import Store
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_OP = "masked_fill"  # verified by a job of the server
 CLI_OP = "t_copy"  # verified by a `multicomposite verify` process
+SECOND_CLI_OP = "unsqueeze_copy"  # and by another, at the same time
 ONE_CASE = ["--stack", "vmap", "--dtype", "float32"]
 
 
@@ -98,6 +99,7 @@ def test_a_server_and_cli_processes_share_one_sqlite_store_through_a_kill_9(tmp_
                             timeout=10).json()["id"]
         # Concurrently: the server's job, a CLI writer, and CLI readers.
         writer = _cli(env, "verify", "--op", CLI_OP, *ONE_CASE, "--json")
+        second_writer = _cli(env, "verify", "--op", SECOND_CLI_OP, *ONE_CASE, "--json")
         readers = [_cli(env, "jobs", "--json"), _cli(env, "matrix", "--op", SERVER_OP), _cli(env, "jobs", "--json")]
         job = _wait_job(base, job_id)
         assert job["state"] == "done", job
@@ -105,6 +107,8 @@ def test_a_server_and_cli_processes_share_one_sqlite_store_through_a_kill_9(tmp_
         assert written_by_server > 0
         cli_entries = json.loads(_finish(writer))
         assert cli_entries
+        second_entries = json.loads(_finish(second_writer))
+        assert second_entries
         for reader in readers:
             process_output = reader.communicate(timeout=120)
             # `matrix` may run before any entry is there (exit 2, one line); the others must succeed.
@@ -113,8 +117,9 @@ def test_a_server_and_cli_processes_share_one_sqlite_store_through_a_kill_9(tmp_
         seen = {job["id"]: job for job in json.loads(_finish(_cli(env, "jobs", "--json")))}
         assert seen[job_id]["state"] == "done"
         assert len(_cells(url, SERVER_OP)) == written_by_server
-        assert len(_cells(url, CLI_OP)) == len({(e["op"], e["composite"], e["stack"], e["pattern"], e["dtype"])
-                                                 for e in cli_entries})
+        for op, entries in ((CLI_OP, cli_entries), (SECOND_CLI_OP, second_entries)):
+            assert len(_cells(url, op)) == len({(e["op"], e["composite"], e["stack"], e["pattern"], e["dtype"])
+                                                for e in entries})
         # And the server sees the CLI's write (through the shared WAL, not a copy of its own).
         deadline = time.monotonic() + 10
         while not httpx.get(f"{base}/matrix", params={"op": CLI_OP}, timeout=10).json()["items"]:
@@ -124,15 +129,16 @@ def test_a_server_and_cli_processes_share_one_sqlite_store_through_a_kill_9(tmp_
         os.kill(server.pid, signal.SIGKILL)
         server.wait(20)
 
-    server_cells, cli_cells = _cells(url, SERVER_OP), _cells(url, CLI_OP)
+    server_cells, cli_cells, second_cells = _cells(url, SERVER_OP), _cells(url, CLI_OP), _cells(url, SECOND_CLI_OP)
     server, base = _start_server(env)
     try:
         again = httpx.get(f"{base}/jobs/{job_id}", timeout=10)
         assert again.status_code == 200, again.text
         assert (again.json()["state"], again.json()["result"]["entries"]) == ("done", written_by_server)
         assert len(server_cells) == written_by_server
-        assert cli_cells
+        assert cli_cells and second_cells
         assert _cells(url, SERVER_OP) == server_cells and _cells(url, CLI_OP) == cli_cells
+        assert _cells(url, SECOND_CLI_OP) == second_cells
     finally:
         server.terminate()
         server.wait(20)

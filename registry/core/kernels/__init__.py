@@ -102,7 +102,7 @@ def _build(quiet: bool) -> Path:
         name = path.name.partition(".")[0]
         path.parent.mkdir(parents=True, exist_ok=True)
         if not quiet:
-            print(f"multicomposite: compiling the routing kernels into {path.parent} (once; about a minute)",
+            print(f"multicomposite: compiling the routing kernels into {path.parent} (once; 20 s to a minute)",
                   file=sys.stderr, flush=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
         done = subprocess.run(_command(compiler, partial, name), capture_output=True, text=True)

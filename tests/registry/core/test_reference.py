@@ -13,7 +13,7 @@ import torch
 
 import registry
 from registry.core import reference, selector
-from registry.harness.verify import source_hashes
+from registry.core.sources import source_hashes
 from registry.store import evidence
 from registry.store.db import ProfileEntry
 

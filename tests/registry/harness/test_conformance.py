@@ -19,8 +19,10 @@ from registry.store.db import Store
 from service.cli import main
 
 # Entries whose degenerate samples (empty, 0-d, a target of one element, channels_last, a weight of no dimension)
-# broke inside use() before their composites declined those shapes: every sample, float64.
-EDGE_OPS = ("batch_norm", "take", "multi_margin_loss", "soft_margin_loss", "chalf", "fft_ihfft2", "histogram")
+# broke inside use() before their composites declined those shapes: op -> samples checked in float64 (0: every
+# sample; batch_norm's first 8 hold its empty input, #3, and take a quarter of its minute).
+EDGE_OPS = {"batch_norm": 8, "take": 0, "multi_margin_loss": 0, "soft_margin_loss": 0, "chalf": 0, "fft_ihfft2": 0,
+            "histogram": 0}
 FAST_SAMPLES = 2
 
 
@@ -41,8 +43,9 @@ def test_no_check_that_passes_natively_fails_inside_use_on_the_first_samples_of_
 
 
 @pytest.mark.parametrize("op", EDGE_OPS)
-def test_every_sample_of_an_op_with_edge_shapes_conforms(op: str) -> None:
-    run = conformance.run_conformance(conformance.covered_entries([op]), ["float64"], conformance.ConformanceConfig())
+def test_the_samples_of_an_op_with_edge_shapes_conform(op: str) -> None:
+    run = conformance.run_conformance(conformance.covered_entries([op]), ["float64"],
+                                      conformance.ConformanceConfig(sample_limit=EDGE_OPS[op]))
     assert _newly_failing(run.rows) == []
     assert sum(r.degenerate_cases for r in run.rows) > 0
 

@@ -275,5 +275,13 @@ def test_cli_table_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
                                        "names such as 'add' or 'scatter_reduce.prod')\n")
     assert main(["survey", "--stack", "vmap(vmap)"]) == 2
     assert "unknown survey stack 'vmap(vmap)'" in capsys.readouterr().err
-    assert main(["survey", "--op", "add", "--limit-samples", "0"]) == 2
-    assert capsys.readouterr().err == "multicomposite survey: --limit-samples must be at least 1, got 0\n"
+    assert main(["survey", "--op", "add", "--limit-samples", "-1"]) == 2
+    assert capsys.readouterr().err == ("multicomposite survey: --limit-samples must be 0 (every sample) or more, "
+                                       "got -1\n")
+
+
+def test_limit_zero_picks_every_sample_whatever_its_size(database: list[Any]) -> None:
+    entry = next(e for e in database if survey.entry_id(e) == "nn.functional.max_unpool2d")
+    every = list(entry.sample_inputs("cpu", torch.float32, requires_grad=False))
+    assert len(survey.pick_samples(entry, torch.float32, survey.ALL_SAMPLES)) == len(every) > 2
+    assert len(survey.pick_samples(entry, torch.float32, 2)) == 2
