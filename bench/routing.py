@@ -81,15 +81,6 @@ def bench_outside_registered(rounds: int, min_run_time: float, backend: str) -> 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _unregister() -> None:
-    if routing._backend[0] == "cpp" and routing._cpp is not None:
-        routing._cpp.unregister_all()
-    else:
-        for library in routing._python_library:
-            library._destroy()
-        routing._python_library.clear()
-
-
 def _outside_child(rounds: int, min_run_time: float, backend: str) -> None:
     if os.environ.get(CLOCK_ENV) == "thread":
         torch.set_num_threads(1)
@@ -98,13 +89,12 @@ def _outside_child(rounds: int, min_run_time: float, backend: str) -> None:
     registry.register_kernels()
     if routing.routing_backend() != backend:
         raise RuntimeError(f"asked for the {backend} backend, got {routing.routing_backend()}")
-    ops = [registry.OPS[name] for name in routing._routed_ops]
     registered, unregistered = [], []
     for _ in range(rounds):
         registered.append(_us(lambda: per_sample_grads(x), min_run_time))
-        _unregister()
+        routing.set_routing_kernels(False)
         unregistered.append(_us(lambda: per_sample_grads(x), min_run_time))
-        routing._register_routing(ops)
+        routing.set_routing_kernels(True)
     before, after = min(unregistered), min(registered)
     print(json.dumps({"unregistered_us": before, "registered_us": after, "ratio": before / after}))
 

@@ -365,7 +365,11 @@ def _register_routing(ops: list[Op]) -> None:
 
         if _cpp is None:
             raise RuntimeError("routing: the C++ backend is active but its kernels are not loaded; report this bug")
-        routing_cpp.register(_cpp, ops)
+        python = routing_cpp.PythonRouting(
+            dispatch_key=DISPATCH_KEY, frames=lambda: _local.frames, decide=_decide,
+            records_autograd=_records_autograd, inplace_message=_inplace_message, make_kernel=_make_kernel,
+            make_derivative_kernel=_make_derivative_kernel)
+        routing_cpp.register(_cpp, ops, python)
         _set_frame = _cpp.set_frame
         return
     if not _python_library:
@@ -388,6 +392,26 @@ def _register_routing(ops: list[Op]) -> None:
                 native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
                 library.impl(name, _make_derivative_kernel(name, functional, native), DISPATCH_KEY,
                              with_keyset=True)
+
+
+def set_routing_kernels(registered: bool) -> None:
+    """Remove (False) or put back (True) the routing kernels of the active backend, outside ``use()``: what a
+    benchmark compares a process with and without (``bench.routing``'s (r0)). The kernels are registered first."""
+    if _local.frames:
+        raise RuntimeError("set_routing_kernels: called inside use(); call it outside")
+    register_kernels()
+    with _register_lock:
+        present = bool(_python_library) if _backend[0] == "python" else _cpp is not None and _cpp.registered()
+        if registered == present:
+            return
+        if registered:
+            _register_routing([OPS[name] for name in _routed_ops])
+        elif _backend[0] == "python":
+            for library in _python_library:
+                library._destroy()
+            _python_library.clear()
+        elif _cpp is not None:
+            _cpp.unregister_all()
 
 
 def routing_backend() -> str:

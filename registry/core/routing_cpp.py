@@ -4,11 +4,15 @@ A C++ kernel passes through, builds the decision key and looks it up without Pyt
 into the overload's *decider* (the same decision the Python kernel makes: ``PASS``, ``NATIVE`` or the callable that
 runs the composite, which the kernel stores under the key), on a composite decision (that callable), and while
 something traces (the overload's Python kernel, whole).
+
+What it needs of the Python routing (the frames, the decision, the Python kernels) comes in as a ``PythonRouting``:
+this module imports nothing of ``routing.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -19,6 +23,20 @@ from registry.core.model import Op, Overload
 from registry.core.registration import DERIVATIVES
 
 PASS, NATIVE = 0, 1  # the codes kernels/routing.cpp knows; anything else a decider returns is what to call
+
+
+@dataclass(frozen=True)
+class PythonRouting:
+    """What the C++ kernels call back into, handed in by ``routing.py``."""
+
+    dispatch_key: str
+    frames: Callable[[], Sequence[Any]]  # this thread's use() frames, innermost last (policy, pins)
+    # (op, frame, args, kwargs, compiling) -> (composite, kind, whether self covers the batching)
+    decide: Callable[..., tuple[Callable[..., Any], str, bool]]
+    records_autograd: Callable[[tuple[Any, ...], dict[str, Any]], bool]
+    inplace_message: Callable[[str], str]  # PyTorch's error for a batched write into an unbatched self
+    make_kernel: Callable[..., Callable[..., Any]]  # the Python kernel of an overload (what runs while tracing)
+    make_derivative_kernel: Callable[..., Callable[..., Any]]
 
 
 def _runner(composite: Callable[..., Any], overload: Overload) -> Callable[..., Any]:
@@ -41,25 +59,23 @@ def _runner(composite: Callable[..., Any], overload: Overload) -> Callable[..., 
     return run_adapted
 
 
-def _decider(op: Op, overload: Overload, *, eager_autograd: bool) -> Callable[..., Any]:
-    from registry.core import routing
-
+def _decider(python: PythonRouting, op: Op, overload: Overload, *, eager_autograd: bool) -> Callable[..., Any]:
     adapt = overload.adapt
     inplace = overload.inplace
     packet = overload.name.partition(".")[0]
     runners: dict[Callable[..., Any], Callable[..., Any]] = {}  # composite -> its runner, made once
-    local = routing._local
+    frames, decide_call, records_autograd = python.frames, python.decide, python.records_autograd
 
     def decide(*args: Any, **kwargs: Any) -> Any:
-        frame = local.frames[-1]  # the kernel calls only inside use()
+        frame = frames()[-1]  # the kernel calls only inside use()
         if frame.policy == "native":
             return PASS
-        if eager_autograd and not routing._records_autograd(args, kwargs):
+        if eager_autograd and not records_autograd(args, kwargs):
             return PASS
         cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
-        composite, kind, self_covers = routing._decide(op, frame, cargs, ckwargs, False)
+        composite, kind, self_covers = decide_call(op, frame, cargs, ckwargs, False)
         if inplace and not self_covers:
-            raise RuntimeError(routing._inplace_message(packet))
+            raise RuntimeError(python.inplace_message(packet))
         if (kind == "native" and not inplace) or (inplace and kind == "mutating"):
             return NATIVE
         runner = runners.get(composite)
@@ -70,35 +86,31 @@ def _decider(op: Op, overload: Overload, *, eager_autograd: bool) -> Callable[..
     return decide
 
 
-def _derivative_decider(functional: Callable[..., Any]) -> Callable[..., Any]:
-    from registry.core import routing
-
-    local = routing._local
+def _derivative_decider(python: PythonRouting, functional: Callable[..., Any]) -> Callable[..., Any]:
+    frames = python.frames
 
     def decide(*args: Any, **kwargs: Any) -> Any:
-        if local.frames[-1].policy == "native" or not vmap_active():
+        if frames()[-1].policy == "native" or not vmap_active():
             return PASS
         return functional
 
     return decide
 
 
-def register(module: ModuleType, ops: list[Op]) -> None:
+def register(module: ModuleType, ops: list[Op], python: PythonRouting) -> None:
     """Register the C++ kernel of every overload of ``ops`` (and of their derivative ops)."""
-    from registry.core import routing
-
-    key = routing.DISPATCH_KEY
+    key = python.dispatch_key
     for op in ops:
         for overload in op.overloads:
             native = torch.library.get_kernel(overload.qualified_name, key)
-            slow = routing._make_kernel(op, overload, native)
-            module.register(overload.name, key, key, _decider(op, overload, eager_autograd=False), slow)
+            slow = python.make_kernel(op, overload, native)
+            module.register(overload.name, key, key, _decider(python, op, overload, eager_autograd=False), slow)
             if overload.name in op.eager_autograd:
                 native = torch.library.get_kernel(overload.qualified_name, "AutogradCPU")
-                slow = routing._make_kernel(op, overload, native, eager_autograd=True)
+                slow = python.make_kernel(op, overload, native, eager_autograd=True)
                 module.register(overload.name, "Autograd", "AutogradCPU",
-                                _decider(op, overload, eager_autograd=True), slow)
+                                _decider(python, op, overload, eager_autograd=True), slow)
         for name, functional in DERIVATIVES[op.name].items():
             native = torch.library.get_kernel(f"aten::{name}", key)
-            slow = routing._make_derivative_kernel(name, functional, native)
-            module.register(name, key, key, _derivative_decider(functional), slow)
+            slow = python.make_derivative_kernel(name, functional, native)
+            module.register(name, key, key, _derivative_decider(python, functional), slow)

@@ -407,6 +407,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "Register the routing kernel of one aten overload (packet.overload) at a key, over PyTorch's kernel at "
       "native_key");
+  m.def("registered", []() { return static_cast<bool>(library); }, "Whether the kernels are registered");
   m.def("unregister_all", []() { library.reset(); },
         "Unregister every kernel (the Python kernels can then be registered in their place)");
   m.def("set_frame", [](int64_t frame) { tls_frame = frame; }, "The innermost use() frame of this thread (0: none)");
