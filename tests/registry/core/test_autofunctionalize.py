@@ -2,7 +2,8 @@
 
 Each function below writes per-sample values into a buffer it has just made, the way model code does. vmap refuses
 every one of them outside use(); inside use() each runs and equals a per-sample loop of torch.autograd outside any
-transform, under vmap, vmap(grad), vmap(jacrev), vmap(jacfwd) and vmap(hessian).
+transform, under vmap, vmap(grad), vmap(jacrev), vmap(jacfwd) and vmap(hessian), and jacrev, jacfwd and hessian of
+one sample.
 """
 
 from __future__ import annotations
@@ -137,6 +138,17 @@ def test_inside_use_equals_the_per_sample_loop(f: Callable[[torch.Tensor], torch
     torch.testing.assert_close(first, expected)
     torch.testing.assert_close(again, expected)
     assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd", "hessian"])
+@pytest.mark.parametrize("f", FUNCTIONS, ids=[f.__name__ for f in FUNCTIONS])
+def test_one_sample_jacobians_inside_use_equal_autograd(f: Callable[[torch.Tensor], torch.Tensor],
+                                                        transform: str) -> None:
+    """jacrev, jacfwd and hessian of one sample (their own vmap over the basis) inside use()."""
+    reference = torch.autograd.functional.hessian if transform == "hessian" else torch.autograd.functional.jacobian
+    with registry.use():
+        got = getattr(func, transform)(f)(X[0])
+    torch.testing.assert_close(got, reference(f, X[0]))
 
 
 def test_a_remembered_function_runs_functionalized_from_the_start() -> None:
