@@ -14,8 +14,8 @@ import torch
 
 from registry.core.model import Overload
 from registry.core.ops import OPS
-from registry.core.registration import DERIVATIVES, load
-from registry.core.selector import SelectionError, select, unknown_op_message
+from registry.core.registration import COMPOSITES, DERIVATIVES, load
+from registry.core.selector import Decision, SelectionError, select, unknown_op_message
 
 
 def _functional(fn: Callable[..., Any], overload: Overload) -> Callable[..., Any]:
@@ -35,6 +35,19 @@ def _inplace(fn: Callable[..., Any], overload: Overload) -> Callable[..., Any]:
 
     decomposition.__name__ = f"{fn.__name__}_for_{overload.name.replace('.', '_')}"
     return decomposition
+
+
+def _traceable(decision: Decision) -> tuple[Callable[..., Any], str]:
+    """The decision's composite and kind, or, where it chose a primitive, the first valid composite of another kind
+    in its order: a table applies to a flat graph below every transform, where a primitive's vmap and jvp rules have
+    nothing to apply to, and its fused bodies (C kernels on the values) run while the graph is traced, so their
+    results would be baked into it as constants."""
+    if decision.kind != "primitive":
+        return decision.fn, decision.kind
+    for verdict in decision.alternatives:
+        if verdict.ok and verdict.kind != "primitive":
+            return COMPOSITES[decision.op][verdict.composite].fn, verdict.kind
+    return COMPOSITES[decision.op]["native"].fn, "native"
 
 
 def decomposition_table(
@@ -60,13 +73,14 @@ def decomposition_table(
     table: dict[Any, Callable[..., Any]] = {}
     for name in names:
         decision = select(name, stack=stack, policy=policy, pins=pins, dtype=dtype)
-        if decision.kind == "native":
+        fn, kind = _traceable(decision)
+        if kind == "native":
             continue
         for overload in OPS[name].overloads:
             if not overload.inplace:
-                table[overload.op_overload] = _functional(decision.fn, overload)
-            elif decision.kind != "mutating":
-                table[overload.op_overload] = _inplace(_functional(decision.fn, overload), overload)
+                table[overload.op_overload] = _functional(fn, overload)
+            elif kind != "mutating":
+                table[overload.op_overload] = _inplace(_functional(fn, overload), overload)
         # Autograd records the native op's derivative before a table applies (aot_autograd decomposes below
         # autograd): its derivative ops go with it.
         for derivative, functional in DERIVATIVES[name].items():
