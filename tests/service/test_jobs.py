@@ -148,7 +148,8 @@ def test_an_unreachable_store_refuses_the_start(tmp_path) -> None:
 def test_batch_select(client: TestClient, serve) -> None:
     queries = [{"op": "masked_scatter", "stack": "vmap"}, {"op": "index_add", "stack": "grad"}]
     answers = client.post("/select", json=queries).json()
-    assert [a["composite"] for a in answers] == ["functional", "native"]
+    # masked_scatter under vmap: the shipped reference profiles rank its primitive fastest (nothing measured here)
+    assert [a["composite"] for a in answers] == ["primitive", "native"]
     response = client.post("/select", json=[{"op": "index_add"}, {"op": "nope"}])
     assert response.status_code == 404
     assert response.json()["detail"].startswith("query 1: unknown op 'nope'")
