@@ -298,4 +298,4 @@ def test_functionalization_module_patches_one_function() -> None:
     registry.use()  # registers the kernels and installs the vmap implementation
     import torch._functorch.vmap as functorch_vmap
 
-    assert functorch_vmap._flat_vmap is functionalization._flat_vmap
+    assert functorch_vmap._flat_vmap is functionalization.functionalizing_flat_vmap
