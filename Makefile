@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(PY) -m ruff check registry composites service tests bench
 	$(VENV)/bin/lint-imports
-	$(PY) scripts/check_private_names.py registry composites bench
+	$(PY) scripts/check_private_names.py registry composites service bench
 	$(VENV)/bin/hadolint Dockerfile containers/postgres/Containerfile
 
 # The dashboard's browser test drives Debian's chromium through chromium-driver (Selenium). As root, make installs

@@ -48,7 +48,7 @@ class JobCancelledError(Exception):
     """The job was cancelled while it ran: raised from its progress report, at a case boundary."""
 
 
-def _reason(error: BaseException) -> str:
+def error_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
@@ -121,7 +121,7 @@ class JobRunner:
                     try:
                         self.prune()
                     except Exception as error:  # the store is away: prune at the next idle minute
-                        if not _store_error(error):
+                        if not is_store_error(error):
                             raise
             if self._stopping:
                 return None
@@ -143,9 +143,9 @@ class JobRunner:
             try:
                 return write()
             except Exception as error:
-                if not _store_error(error):
+                if not is_store_error(error):
                     raise
-                log.warning("job %s: the store refused %s (%s); retrying in %g s", job_id, what, _reason(error),
+                log.warning("job %s: the store refused %s (%s); retrying in %g s", job_id, what, error_reason(error),
                             delay)
             if self._pause(delay):
                 return None
@@ -176,10 +176,10 @@ class JobRunner:
                 try:
                     running = self._store.update_job(job.id, if_state=("running",), done=done, total=total)
                 except Exception as error:
-                    if not _store_error(error):
+                    if not is_store_error(error):
                         raise
                     # Progress is for watchers: the job goes on, the next report or the end writes it.
-                    log.warning("job %s: progress %d/%d not written: %s", job.id, done, total, _reason(error))
+                    log.warning("job %s: progress %d/%d not written: %s", job.id, done, total, error_reason(error))
                 else:
                     if not running:  # cancelled through another process (the store says cancelling)
                         raise JobCancelledError
@@ -193,7 +193,7 @@ class JobRunner:
         except JobCancelledError:
             end = {"state": "cancelled", "error": f"cancelled while running, at {job.done}/{job.total}"}
         except Exception as error:  # a failed job records why; the worker and the server go on
-            end = {"state": "failed", "error": _reason(error) if _store_error(error) else
+            end = {"state": "failed", "error": error_reason(error) if is_store_error(error) else
                    f"{type(error).__name__}: {error}"}
         finally:
             self._cancelled.discard(job.id)
@@ -203,13 +203,13 @@ class JobRunner:
                                f"the job's end ({end['state']})", job.id)
         except Exception as error:  # not the store's refusal: the end cannot be written as is (a result that is
             # not JSON); it fails with that reason instead
-            failed = {"state": "failed", "error": f"its result could not be stored: {_reason(error)}",
+            failed = {"state": "failed", "error": f"its result could not be stored: {error_reason(error)}",
                       "done": job.done, "total": job.total, "finished_at": time.time()}
             self._until_stored(lambda: self._store.update_job(job.id, if_state=ACTIVE_JOB_STATES, **failed),
                                "the job's end (failed)", job.id)
 
 
-def _store_error(error: BaseException) -> bool:
+def is_store_error(error: BaseException) -> bool:
     """Whether ``error`` is the store refusing or losing a connection (worth retrying), not a bug."""
     from sqlalchemy.exc import DBAPIError
 

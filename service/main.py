@@ -4,7 +4,7 @@ app: opened in its lifespan, closed after it."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -18,9 +18,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 import registry
 from registry.core.stacks import shorten
-from registry.store.db import Store, StoreUnavailableError
+from registry.store.db import StoreUnavailableError
 from service import dashboard
-from service.jobs import Job, JobRunner
+from service.job_work import make_job_runner
+from service.jobs import JobRunner
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.models import ErrorPublic
@@ -36,48 +37,6 @@ def docs_assets() -> Path:
     import fastapi_offline
 
     return Path(fastapi_offline.__file__).parent / "static"
-
-
-def make_job_runner(store_: Store, on_written: Callable[[], None] = lambda: None,
-                    ) -> Callable[[Job, Callable[[int, int], None]], dict[str, Any]]:
-    """``on_written``: called after a job writes the store and before it is reported done, so that a client that
-    sees the job done never reads a response cached before the write (the watcher would notice only at its poll)."""
-
-    def run_job(job: Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
-        import torch
-
-        from registry.harness.verify import verify
-        from registry.profiling.timing import profile
-        from registry.store.benchlock import recorded_run, timed_run
-
-        params = job.params
-        dtypes = [getattr(torch, name) for name in params["dtypes"]]  # names checked against a closed Literal
-
-        def report(done: int, total: int, _label: str = "") -> None:
-            progress(done, total)
-
-        if job.kind == "verify":
-            with recorded_run(store_, "verify"):
-                # One process: forking a threaded server is unsafe.
-                entries = verify(ops=params["ops"], stacks=params["stacks"], dtypes=dtypes, progress=report,
-                                 workers=1)
-            store_.write_entries(entries)  # bumps the generation: the watcher reloads the evidence
-            on_written()
-            counts: dict[str, int] = {}
-            for entry in entries:
-                counts[entry.status] = counts.get(entry.status, 0) + 1
-            return {"entries": len(entries), "statuses": counts}
-        refused: list[str] = []
-        profiles = timed_run(store_, "profile", lambda: profile(
-            ops=params["ops"], workloads=params["workloads"], numels=params["numels"],
-            batch_sizes=params["batch_sizes"], dtypes=dtypes, device=params["device"],
-            min_run_time=params["min_run_time"], progress=report, refused=refused))
-        store_.write_profiles(profiles)
-        on_written()
-        # Contexts whose timings stayed disturbed are not stored: the result says which, and why.
-        return {"profiles": len(profiles), "timed": sum(p.valid for p in profiles), "refused": refused}
-
-    return run_job
 
 
 def _store_unavailable(error: Exception) -> JSONResponse:

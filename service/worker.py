@@ -23,7 +23,6 @@ With SQLite nothing here runs: the service's in-process runner (``service/jobs.p
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -47,8 +46,8 @@ from registry.store.db import (
     JobRecord,
     Store,
     StoreUnavailableError,
-    _job_from_row,
-    _jobs,
+    job_from_row,
+    jobs_table,
 )
 from service.jobs import (
     PROGRESS_EVERY_S,
@@ -58,8 +57,8 @@ from service.jobs import (
     JobCancelledError,
     JobTimeoutError,
     QueueFullError,
-    _reason,
-    _store_error,
+    error_reason,
+    is_store_error,
 )
 
 if TYPE_CHECKING:
@@ -332,7 +331,7 @@ class Worker:
             raise WorkerSetupError(f"the store at {make_url(options.url).render_as_string()} cannot be opened: "
                                    f"{type(error).__name__}: {first}") from None
         if execute is None:
-            from service.main import make_job_runner
+            from service.job_work import make_job_runner
 
             execute = make_job_runner(self.store)
         self._execute = execute
@@ -382,10 +381,10 @@ class Worker:
         finished, or already taken)."""
         now = time.time()
         with self.store.engine.begin() as conn:
-            row = conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "queued")
+            row = conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "queued")
                                .values(state="running", owner=self.id, started_at=now, updated_at=now,
-                                       done=0, total=0).returning(*_jobs.c)).first()
-        return _job_from_row(row) if row is not None else None
+                                       done=0, total=0).returning(*jobs_table.c)).first()
+        return job_from_row(row) if row is not None else None
 
     def _update_owned(self, job_id: str, states: tuple[str, ...] = ACTIVE_JOB_STATES, **values: Any) -> bool:
         """Write the job's row only while this worker runs it (in one of ``states``); False if it was taken away."""
@@ -395,8 +394,8 @@ class Worker:
             values["result"] = json.dumps(values["result"])
         values["updated_at"] = time.time()
         with self.store.engine.begin() as conn:
-            return bool(conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state.in_(states),
-                                                         _jobs.c.owner == self.id).values(**values)).rowcount)
+            return bool(conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state.in_(states),
+                                                         jobs_table.c.owner == self.id).values(**values)).rowcount)
 
     def _until_stored(self, write: Callable[[], Any], what: str, job_id: str) -> Any:
         """``write()``, retried while the store is away (a server restarting, a network cut) until it is taken:
@@ -408,9 +407,9 @@ class Worker:
             try:
                 return write()
             except Exception as error:
-                if not _store_error(error) or self._stop_requested.is_set():
+                if not is_store_error(error) or self._stop_requested.is_set():
                     raise  # stopping: the row stays running, and the reaper retries the job once this worker is gone
-                log.warning("job %s: the store refused %s (%s); retrying in %g s", job_id, what, _reason(error),
+                log.warning("job %s: the store refused %s (%s); retrying in %g s", job_id, what, error_reason(error),
                             delay)
             self._stop_requested.wait(delay)
             delay = min(delay * 2, RETRY_MAX_S)
@@ -435,10 +434,10 @@ class Worker:
                 try:
                     running = self._update_owned(job_id, ("running",), done=done, total=total)
                 except Exception as error:
-                    if not _store_error(error):
+                    if not is_store_error(error):
                         raise
                     # Progress is for watchers: the job goes on, the next report or the end writes it.
-                    log.warning("job %s: progress %d/%d not written: %s", job_id, done, total, _reason(error))
+                    log.warning("job %s: progress %d/%d not written: %s", job_id, done, total, error_reason(error))
                 else:
                     if not running:
                         current = self.store.job(job_id)
@@ -460,13 +459,13 @@ class Worker:
         except JobCancelledError:
             end = {"state": "cancelled", "error": f"cancelled while running, at {job.done}/{job.total}"}
         except Exception as error:  # a failed job records why; the worker goes on
-            end = {"state": "failed", "error": _reason(error) if _store_error(error) else
+            end = {"state": "failed", "error": error_reason(error) if is_store_error(error) else
                    f"{type(error).__name__}: {error}"}
         finally:
             try:
                 self._set_running(job_id, False)
             except Exception as error:  # the next beat writes the current job again
-                if not _store_error(error):
+                if not is_store_error(error):
                     raise
         end.update(done=job.done, total=job.total, finished_at=time.time())
         if not self._until_stored(lambda: self._update_owned(job_id, **end), f"the job's end ({end['state']})",
@@ -490,8 +489,8 @@ class Worker:
             return "alive"
         if job.state == "cancelling":  # asked to stop, and its worker did: with its process
             with self.store.engine.begin() as conn:
-                conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "cancelling",
-                                                 _jobs.c.owner == job.owner)
+                conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "cancelling",
+                                                 jobs_table.c.owner == job.owner)
                              .values(state="cancelled", finished_at=time.time(), updated_at=time.time(),
                                      error=f"cancelled while running, at {job.done}/{job.total} (its worker "
                                            f"{job.owner} stopped)"))
@@ -510,8 +509,8 @@ class Worker:
                       f"{self.options.max_attempts} times", "finished_at": now}
             outcome = "fail"
         with self.store.engine.begin() as conn:
-            changed = conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "running",
-                                                       _jobs.c.owner == job.owner)
+            changed = conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "running",
+                                                       jobs_table.c.owner == job.owner)
                                    .values(updated_at=now, **values)).rowcount
         return outcome if changed else "finish"
 
@@ -535,7 +534,7 @@ class Worker:
         they ran is left ``running``: until the reaper has taken their jobs, the row keeps their last heartbeat for
         the reason it writes (procrastinate's heartbeat, which decides when a job is stalled, may lag this one)."""
         cutoff = func.extract("epoch", func.now()) - self.options.stale_after_s
-        still_running = select(_jobs.c.owner).where(_jobs.c.state.in_(ACTIVE_JOB_STATES))
+        still_running = select(jobs_table.c.owner).where(jobs_table.c.state.in_(ACTIVE_JOB_STATES))
         with self.store.engine.begin() as conn:
             return list(conn.execute(delete(workers_table).where(workers_table.c.heartbeat < cutoff,
                                                                  workers_table.c.id != self.id,
@@ -610,9 +609,9 @@ class Worker:
                     self._reachable_since = time.monotonic()
                 await self.reap()
             except Exception as error:  # the store is briefly unreachable: beat again at the next tick
-                if _store_error(error):
+                if is_store_error(error):
                     self._reachable_since = None
-                    log.warning("heartbeat or reap failed (%s); trying again in %s s", _reason(error),
+                    log.warning("heartbeat or reap failed (%s); trying again in %s s", error_reason(error),
                                 self.options.heartbeat_s)
                 else:
                     log.exception("heartbeat or reap failed; trying again in %s s", self.options.heartbeat_s)
@@ -662,100 +661,3 @@ class Worker:
 
     def run(self) -> None:
         asyncio.run(self.run_async())
-
-
-# The command -------------------------------------------------------------------------------------------------------
-
-
-def _kind_arg(value: str) -> str:
-    try:
-        return check_kind(value)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def configure_worker(worker: argparse.ArgumentParser) -> None:
-    """``multicomposite worker``: its arguments, on the parser the CLI's table of subcommands made."""
-    from service.cli.arguments import positive_int as _positive_int  # one wording for every command
-    from service.cli.arguments import positive_seconds as _positive_float
-
-    worker.add_argument("--device-kind", action="append", type=_kind_arg, dest="device_kinds",
-                        help="a device kind to take jobs for: cpu or cuda:NAME (repeatable; default: every kind "
-                             "this machine has, see `--list-kinds`)")
-    worker.add_argument("--concurrency", type=_positive_int, default=1,
-                        help="jobs run at once, each by its own worker process (default 1; profiles on one machine "
-                             "still time one at a time, under the benchmark lock)")
-    worker.add_argument("--heartbeat", type=_positive_float, default=5.0, dest="heartbeat_s",
-                        help="seconds between heartbeats (default 5)")
-    worker.add_argument("--stale-after", type=_positive_float, default=30.0, dest="stale_after_s",
-                        help="a worker silent this many seconds is taken as dead and its job retried or failed "
-                             "(default 30)")
-    worker.add_argument("--max-attempts", type=_positive_int, default=2,
-                        help="runs of a job whose worker died before it is marked failed (default 2)")
-    worker.add_argument("--list-kinds", action="store_true", help="print the device kinds of this machine and exit")
-    worker.set_defaults(run=run_worker_command)
-
-
-def run_worker_command(args: argparse.Namespace) -> int:
-    from service.cli_output import UsageError
-    from service.settings import SettingsError, load_settings
-
-    present = detect_device_kinds()
-    if args.list_kinds:
-        for kind in present:
-            print(kind)
-        return 0
-    kinds = tuple(dict.fromkeys(args.device_kinds or present))
-    missing = [kind for kind in kinds if kind not in present]
-    if missing:
-        raise UsageError(f"device kind {missing[0]!r} is not on this machine; it has {', '.join(present)}")
-    if args.heartbeat_s >= args.stale_after_s:
-        raise UsageError(f"--heartbeat {args.heartbeat_s:g} must be below --stale-after {args.stale_after_s:g}, or "
-                         "every worker looks dead between two beats")
-    try:
-        settings = load_settings()
-        url = settings.db
-        if not is_postgres(url):
-            raise WorkerSetupError(NEEDS_POSTGRES)
-        if args.concurrency > 1:
-            return _run_processes(args, kinds)
-        worker = Worker(WorkerOptions(url=url, kinds=kinds,
-                                      heartbeat_s=args.heartbeat_s, stale_after_s=args.stale_after_s,
-                                      max_attempts=args.max_attempts, timeout_s=settings.job_timeout_s))
-    except (SettingsError, WorkerSetupError, StoreUnavailableError) as error:
-        raise UsageError(str(error)) from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    log.info("worker %s: device kinds %s, queues %s", worker.id, ", ".join(kinds),
-             ", ".join(queue_for(kind) for kind in kinds))
-    worker.run()
-    return 0
-
-
-def _run_processes(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
-    """``--concurrency N``: N worker processes, each with its own row, running one job at a time. Processes rather
-    than threads: the verification harness and torch's lazily loaded modules are not safe to run twice at once in one
-    interpreter (two verify jobs in two threads failed on a half-imported torch.autograd module)."""
-    import subprocess
-    import sys
-
-    command = [sys.executable, "-m", "service.cli", "worker", "--concurrency", "1", "--heartbeat",
-               str(args.heartbeat_s), "--stale-after", str(args.stale_after_s), "--max-attempts",
-               str(args.max_attempts)]
-    for kind in kinds:
-        command += ["--device-kind", kind]
-    children = [subprocess.Popen(command) for _ in range(args.concurrency)]
-
-    forwarded: set[int] = set()
-
-    def forward(signum: int, _frame: Any) -> None:
-        forwarded.add(signum)
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, forward)
-    # A child told to stop before its worker installed its own handlers (it registers its row first) dies of the
-    # signal itself: that is the stop that was asked for, not a failure.
-    codes = [0 if -child.wait() in forwarded else child.returncode for child in children]
-    return max(codes, key=abs)

@@ -165,7 +165,7 @@ GENERATION = "generation"
 # The schema's version is Alembic's (the alembic_version table; registry/store/migrations). Before migrations it was
 # a "schema_version" row here: 2 when stacks were stored in the one spelling, vmap(grad) (1 wrote vmap,grad).
 
-_jobs = Table(
+jobs_table = Table(
     "jobs",
     METADATA,
     Column("id", String(64), primary_key=True),
@@ -304,7 +304,7 @@ def _job_row(job: JobRecord) -> dict[str, Any]:
     return values
 
 
-def _job_from_row(row: Row[Any]) -> JobRecord:
+def job_from_row(row: Row[Any]) -> JobRecord:
     values = dict(row._mapping)
     values["params"] = json.loads(values["params"])
     values["result"] = json.loads(values["result"]) if values["result"] is not None else None
@@ -615,7 +615,7 @@ class Store:
 
     def add_job(self, job: JobRecord) -> None:
         with self._writing() as conn:
-            conn.execute(_jobs.insert(), [_job_row(job)])
+            conn.execute(jobs_table.insert(), [_job_row(job)])
 
     def update_job(self, job_id: str, *, if_state: Iterable[str] | None = None, **values: Any) -> bool:
         """Write ``values`` into job ``job_id``'s row, only while its state is one of ``if_state`` when given;
@@ -623,9 +623,9 @@ class Store:
         if "result" in values and values["result"] is not None:
             values["result"] = json.dumps(values["result"])
         values["updated_at"] = time.time()
-        query = update(_jobs).where(_jobs.c.id == job_id)
+        query = update(jobs_table).where(jobs_table.c.id == job_id)
         if if_state is not None:
-            query = query.where(_jobs.c.state.in_(list(if_state)))
+            query = query.where(jobs_table.c.state.in_(list(if_state)))
         with self._writing() as conn:
             return bool(conn.execute(query.values(**values)).rowcount)
 
@@ -635,11 +635,11 @@ class Store:
         runs already counts as started: a retry after a commit whose outcome was unknown."""
         now = time.time()
         with self._writing() as conn:
-            mine = and_(_jobs.c.state == "running", _jobs.c.owner == owner)
-            conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "queued")
+            mine = and_(jobs_table.c.state == "running", jobs_table.c.owner == owner)
+            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "queued")
                          .values(state="running", owner=owner, started_at=now, updated_at=now))
-            row = conn.execute(select(_jobs).where(_jobs.c.id == job_id, mine)).first()
-        return _job_from_row(row) if row is not None else None
+            row = conn.execute(select(jobs_table).where(jobs_table.c.id == job_id, mine)).first()
+        return job_from_row(row) if row is not None else None
 
     def cancel_job(self, job_id: str) -> JobRecord | None:
         """Cancel ``job_id``: a queued one at once (one statement: a runner cannot start it in between), a running
@@ -647,32 +647,32 @@ class Store:
         now (None if there is none); a finished one is unchanged."""
         now = time.time()
         with self._writing() as conn:
-            conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "queued")
+            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "queued")
                          .values(state="cancelled", error="cancelled before it started", finished_at=now,
                                  updated_at=now))
-            conn.execute(update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == "running")
+            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "running")
                          .values(state="cancelling", updated_at=now))
         return self.job(job_id)
 
     def job(self, job_id: str) -> JobRecord | None:
         with self._reading() as conn:
-            row = conn.execute(select(_jobs).where(_jobs.c.id == job_id)).first()
-        return _job_from_row(row) if row is not None else None
+            row = conn.execute(select(jobs_table).where(jobs_table.c.id == job_id)).first()
+        return job_from_row(row) if row is not None else None
 
     def jobs(self, *, states: Iterable[str] | None = None) -> list[JobRecord]:
         """Jobs, oldest first, optionally only in ``states``."""
-        query = select(_jobs).order_by(_jobs.c.created_at, _jobs.c.id)
+        query = select(jobs_table).order_by(jobs_table.c.created_at, jobs_table.c.id)
         if states is not None:
-            query = query.where(_jobs.c.state.in_(list(states)))
+            query = query.where(jobs_table.c.state.in_(list(states)))
         with self._reading() as conn:
-            return [_job_from_row(row) for row in conn.execute(query)]
+            return [job_from_row(row) for row in conn.execute(query)]
 
     def job_counts(self) -> dict[str, int]:
         from sqlalchemy import func
 
         with self._reading() as conn:
             return {state: count for state, count in
-                    conn.execute(select(_jobs.c.state, func.count()).group_by(_jobs.c.state))}
+                    conn.execute(select(jobs_table.c.state, func.count()).group_by(jobs_table.c.state))}
 
     def recover_jobs(self, owner: str) -> tuple[list[str], list[JobRecord]]:
         """After a restart: jobs left ``running`` by a process that is gone become ``interrupted`` (with the reason),
@@ -682,23 +682,24 @@ class Store:
         interrupted, adopted = [], []
         with self._writing() as conn:
             # FOR UPDATE (PostgreSQL): two servers recovering at once do not both adopt a job.
-            pending = select(_jobs).where(_jobs.c.state.in_(("queued", *ACTIVE_JOB_STATES))).with_for_update()
+            pending = select(jobs_table).where(jobs_table.c.state.in_(("queued", *ACTIVE_JOB_STATES))).with_for_update()
             for row in conn.execute(pending).all():
-                job = _job_from_row(row)
+                job = job_from_row(row)
                 if job.owner == owner or process_alive(job.owner):
                     continue
                 if job.state == "cancelling":  # asked to stop, and it did: with its process
-                    conn.execute(update(_jobs).where(_jobs.c.id == job.id).values(
+                    conn.execute(update(jobs_table).where(jobs_table.c.id == job.id).values(
                         state="cancelled", error=f"cancelled while running, at {job.done}/{job.total}",
                         finished_at=now, updated_at=now))
                 elif job.state == "running":
                     reason = (f"interrupted: the server running it ({job.owner}) stopped before it finished, at "
                               f"{job.done}/{job.total}; submit it again")
-                    conn.execute(update(_jobs).where(_jobs.c.id == job.id).values(
+                    conn.execute(update(jobs_table).where(jobs_table.c.id == job.id).values(
                         state="interrupted", error=reason, finished_at=now, updated_at=now))
                     interrupted.append(job.id)
                 else:
-                    conn.execute(update(_jobs).where(_jobs.c.id == job.id).values(owner=owner, updated_at=now))
+                    conn.execute(update(jobs_table).where(jobs_table.c.id == job.id)
+                                 .values(owner=owner, updated_at=now))
                     job.owner = owner
                     adopted.append(job)
         return interrupted, adopted
@@ -706,8 +707,8 @@ class Store:
     def prune_jobs(self, finished_before: float) -> int:
         """Delete finished jobs (done, failed, cancelled, interrupted) that finished before ``finished_before``."""
         with self._writing() as conn:
-            result = conn.execute(_jobs.delete().where(_jobs.c.state.in_(FINISHED_JOB_STATES),
-                                                       _jobs.c.finished_at < finished_before))
+            result = conn.execute(jobs_table.delete().where(jobs_table.c.state.in_(FINISHED_JOB_STATES),
+                                                       jobs_table.c.finished_at < finished_before))
         return result.rowcount or 0
 
     # Benchmarking runs -----------------------------------------------------------------------------------------

@@ -56,9 +56,9 @@ def _configure_db(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure_worker(parser: argparse.ArgumentParser) -> None:
-    from service.worker import configure_worker
+    from service.cli.worker import configure_worker
 
-    configure_worker(parser)  # `multicomposite worker`: service/worker.py
+    configure_worker(parser)  # `multicomposite worker`: service/cli/worker.py
 
 
 @dataclass(frozen=True)

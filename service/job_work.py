@@ -1,0 +1,54 @@
+"""``make_job_runner(store)``: what a verify or a profile job does, the same whether the service's in-process runner
+(``service/jobs.py``) or a ``multicomposite worker`` (``service/worker.py``) runs it. Its own module so that both
+reach it without importing the app (``service/main.py``) or each other's command."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from registry.store.db import Store
+    from service.jobs import Job
+
+
+def make_job_runner(store_: Store, on_written: Callable[[], None] = lambda: None,
+                    ) -> Callable[[Job, Callable[[int, int], None]], dict[str, Any]]:
+    """``on_written``: called after a job writes the store and before it is reported done, so that a client that
+    sees the job done never reads a response cached before the write (the watcher would notice only at its poll)."""
+
+    def run_job(job: Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
+        import torch
+
+        from registry.harness.verify import verify
+        from registry.profiling.timing import profile
+        from registry.store.benchlock import recorded_run, timed_run
+
+        params = job.params
+        dtypes = [getattr(torch, name) for name in params["dtypes"]]  # names checked against a closed Literal
+
+        def report(done: int, total: int, _label: str = "") -> None:
+            progress(done, total)
+
+        if job.kind == "verify":
+            with recorded_run(store_, "verify"):
+                # One process: forking a threaded server is unsafe.
+                entries = verify(ops=params["ops"], stacks=params["stacks"], dtypes=dtypes, progress=report,
+                                 workers=1)
+            store_.write_entries(entries)  # bumps the generation: the watcher reloads the evidence
+            on_written()
+            counts: dict[str, int] = {}
+            for entry in entries:
+                counts[entry.status] = counts.get(entry.status, 0) + 1
+            return {"entries": len(entries), "statuses": counts}
+        refused: list[str] = []
+        profiles = timed_run(store_, "profile", lambda: profile(
+            ops=params["ops"], workloads=params["workloads"], numels=params["numels"],
+            batch_sizes=params["batch_sizes"], dtypes=dtypes, device=params["device"],
+            min_run_time=params["min_run_time"], progress=report, refused=refused))
+        store_.write_profiles(profiles)
+        on_written()
+        # Contexts whose timings stayed disturbed are not stored: the result says which, and why.
+        return {"profiles": len(profiles), "timed": sum(p.valid for p in profiles), "refused": refused}
+
+    return run_job
