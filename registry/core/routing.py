@@ -36,6 +36,7 @@ import torch
 from torch._C._functorch import maybe_current_level
 
 from registry.core import control_flow, dynamic, functionalization
+from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
 from registry.core.model import KINDS, Op, Overload
 from registry.core.ops import OPS, ORIGINAL, aten_schema
@@ -322,7 +323,8 @@ def register_kernels() -> None:
         if not _backend:
             _backend.append(_choose_backend())
         new = [op for op in OPS.values() if op.name not in _routed_ops]
-        _register_routing(new)
+        with collection_paused():  # collector.py says why
+            _register_routing(new)
         _routed_ops.update(op.name for op in new)
         if not _libraries:
             library = torch.library.Library("aten", "IMPL")
