@@ -84,8 +84,13 @@ def test_profile_job_changes_profiles_and_select(client: TestClient, monkeypatch
     assert {p["composite"] for p in profiles} == {"native", "mutating", "functional", "primitive"}, job["result"]
     decision = client.get("/select", params={"op": "index_add", "stack": "vmap", "batched": "self,source",
                                              "dtype": "float32", "numel": 256}).json()
-    assert "fastest valid composite measured" in decision["reason"]
-    assert decision["speedup"] > 0 and decision["runner_up_speedup"] >= 1
+    # The decision reads the job's profiles: either they rank a fastest composite, or (native and functional are
+    # close for index_add under vmap) they cannot tell the rules' choice from it beyond the measured noise.
+    assert "profiled at 256 elements, batch 8" in decision["reason"], decision["reason"]
+    if "fastest valid composite measured" in decision["reason"]:
+        assert decision["speedup"] > 0 and decision["runner_up_speedup"] >= 1
+    else:
+        assert "the profiles do not tell it from the fastest" in decision["reason"], decision["reason"]
 
 
 def test_job_errors_and_limits(client: TestClient) -> None:
