@@ -58,7 +58,7 @@ def per_sample_gradients(make: Callable[[], nn.Module]) -> Callable[[int], Setup
     def build(batch: int) -> Setup:
         generator = torch.Generator().manual_seed(0)
         torch.manual_seed(0)
-        model = make().eval()  # eval: no dropout; the fast path stays off because gradients are taken
+        model = make().train(False)  # evaluation mode: no dropout; the fast path stays off because gradients are taken
         params = {name: p.detach() for name, p in model.named_parameters()}
         tokens, padding, labels = padded_batch(batch, generator)
 
