@@ -5,7 +5,6 @@ per-sample loop; dropout under vmap's randomness modes; the fused kernel's own o
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,18 +19,6 @@ import registry
 OP = "scaled_dot_product_attention"
 BATCH = 3
 TOLERANCE = {"rtol": 1e-4, "atol": 2e-5}
-
-
-@pytest.fixture
-def fallback_warnings():
-    """vmap's per-sample fallback warning, switched on and recorded."""
-    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield caught
-    finally:
-        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
 
 
 def _fallbacks(caught: list) -> list[str]:

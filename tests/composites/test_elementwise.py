@@ -5,7 +5,6 @@ texts, non-differentiable outputs, and native kept where native is right."""
 from __future__ import annotations
 
 import re
-import warnings
 
 import pytest
 import torch
@@ -13,18 +12,6 @@ from torch import func
 
 import registry
 from composites.elementwise import POLYNOMIALS
-
-
-@pytest.fixture
-def fallback_warnings():
-    """vmap's per-sample fallback warning, switched on and recorded."""
-    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield caught
-    finally:
-        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
 
 
 def _fallbacks(caught: list) -> list[str]:

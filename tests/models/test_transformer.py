@@ -6,7 +6,6 @@ returned, and its fast path), ``F.scaled_dot_product_attention`` inside a small 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import pytest
@@ -17,17 +16,6 @@ import registry
 
 WIDTH, HEADS, LENGTH, BATCH = 16, 2, 7, 4
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
-
-
-@pytest.fixture
-def fallback_warnings():
-    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield caught
-    finally:
-        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
 
 
 def _fallbacks(caught: list) -> list[str]:

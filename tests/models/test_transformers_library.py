@@ -9,7 +9,6 @@ answer for a batched mask (natively and inside ``use()`` alike; docs/attention.m
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,17 +23,6 @@ transformers = pytest.importorskip("transformers")
 
 BATCH, LENGTH, VOCAB, LABELS = 4, 8, 50, 3
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-6}
-
-
-@pytest.fixture
-def fallback_warnings():
-    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield caught
-    finally:
-        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
 
 
 def _fallbacks(caught: list) -> set[str]:
