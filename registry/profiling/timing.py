@@ -272,9 +272,10 @@ def profile(
     to the fastest (``noise.relative``: what is stored is the fastest one's median times each one's median ratio,
     with the ratio's spread), so a load on the machine that every composite of a round shares moves no decision. A
     context whose ranking is unstable (``noise.unstable``: the two fastest told apart by the median ratio, yet the
-    leader faster in fewer than ``noise.WIN_SHARE`` of their rounds) is re-measured up to ``retries`` times, and one
-    whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times off its ``earlier`` profile (default: the store's) once
-    (its entries say so in ``detail``); one still unstable after that is not returned at all, so it is never stored,
+    leader faster in fewer than ``noise.WIN_SHARE`` of their rounds) is re-measured up to ``retries`` times, and so
+    is one whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times slower than its ``earlier`` profile (default: the
+    store's); one that many times faster is re-measured once (its entries say so in ``detail``). One still unstable,
+    or still that much slower, after that is not returned at all, so it is never stored (the earlier profile stands),
     and ``refused`` (if given, else a RuntimeWarning) gets a line saying why and what to change.
     ``spread_limit=math.inf`` keeps every timing (tests of what is stored).
     """
@@ -336,7 +337,7 @@ def profile(
         timed, notes = _measure(runners, native_name, earlier_us, rounds=rounds, retries=retries,
                                 min_run_time=min_run_time, clock=clock, device=device, spread_limit=spread_limit)
         if timed is None:
-            line = f"{label}: not stored, still unstable after {retries} re-measurements ({'; '.join(notes[-1:])})"
+            line = f"{label}: not stored, still disturbed after {retries} re-measurements ({'; '.join(notes[-1:])})"
             if refused is not None:
                 refused.append(line)
             else:  # nobody collects them: say so, or an empty profile run would look like success
@@ -383,14 +384,21 @@ def _measure(runners: dict[str, Callable[[], Any]], native: str | None, earlier_
             noise.interleaved({t.name: runners[t.name] for t in top}, rounds=rounds, clock=clock,
                               min_run_time=min_run_time, timed={t.name: t for t in top})
         # Ranked by per-round ratios (noise.relative): a load that every composite of a round shares moves none
-        # of them. Native far from its earlier profile is re-measured once (the earlier profile may be the odd
-        # one); only a ranking that stays unstable is refused.
+        # of them. Native far from its earlier profile is re-measured: faster than before, once (the earlier
+        # profile was the disturbed one); slower, up to ``retries`` times, then refused. A machine several times
+        # slower than when it was profiled shares its cores with other work, and that reorders composites whose
+        # kernels split across threads (one waits for the core another process holds): the earlier profile stands.
         ranking = noise.unstable(timed) if spread_limit != math.inf else []
         drift = noise.disturbed(timed, native=native, earlier_native_us=earlier_native_us, spread_limit=math.inf)
+        slower = bool(drift) and native is not None and earlier_native_us is not None \
+            and timed[native].median_us > earlier_native_us
         reasons = ranking + drift
-        if not ranking and (not drift or attempt > 0):
+        if not ranking and (not drift or (attempt > 0 and not slower)):
             return noise.relative(timed), notes
         if attempt == retries:
+            if slower:
+                reasons.append("the machine is busier than when the earlier profile was taken, so that one stands: "
+                               "re-run where fewer processes compete for the cores")
             notes.append("; ".join(reasons))
             return None, notes
         notes.append("; ".join(reasons))
