@@ -12,11 +12,11 @@ import registry
 from registry.core.selector import unknown_op_message
 from registry.core.stacks import canonical_workload, format_stack, shorten
 from registry.profiling.timing import WORKLOADS
-from service.deps import Authorized, RunnerDep, SettingsDep, StoreDep
-from service.jobs import Job, QueueFullError
+from service.deps import Authorized, RunnerDep, SettingsDep
+from service.jobs.backend import Job, QueueFullError
+from service.jobs.kinds import DEFAULT_KIND, resolve_kind
 from service.models import JobPublic, StrictBody
-from service.validation import InputError, host_device_types, parse_stack_input
-from service.worker import DEFAULT_KIND, QueuedJobs, available_kinds, kind_device_type, resolve_kind
+from service.validation import InputError, parse_stack_input
 
 router = APIRouter(tags=["jobs"])
 
@@ -106,17 +106,13 @@ def post_verify(body: VerifyCreate, runner: RunnerDep, settings: SettingsDep, re
 
 
 @router.post("/profiles", status_code=202, dependencies=[Authorized])
-def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep, store: StoreDep,
-                  response: Response) -> JobPublic:
+def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep, response: Response) -> JobPublic:
     """Start a profile job: 202 with the job and Location: /jobs/{id} (needs the token when the server sets one)."""
     ops = _check_ops(body.ops)
-    on_workers = isinstance(runner, QueuedJobs)
-    kinds = available_kinds(store, on_workers=on_workers)
     # With workers, a device type is available when a worker runs it; in process, when this host has it.
-    device_types = tuple(dict.fromkeys(kind_device_type(k) for k in kinds)) if on_workers else host_device_types()
+    kinds, device_types = runner.device_kinds(), runner.device_types()
     if body.device not in device_types:
-        where = "on any worker" if on_workers else "on this host"
-        raise InputError(f"device {shorten(body.device, 16)!r} is not {where}; profile on "
+        raise InputError(f"device {shorten(body.device, 16)!r} is not {runner.where}; profile on "
                          f"{', '.join(device_types)}")
     try:
         device_kind = resolve_kind(body.device_kind, body.device, kinds)
@@ -156,7 +152,7 @@ JobId = Annotated[str, FastAPIPath(description="the id POST /verify or POST /pro
 @router.get("/jobs/{job_id}")
 def get_job(job_id: JobId, runner: RunnerDep) -> JobPublic:
     """A job's state, progress, parameters, result or error, and its times."""
-    job = runner.get(job_id)
+    job = runner.status(job_id)
     if job is None:
         raise HTTPException(status_code=404, detail=f"no job {shorten(job_id)!r}")
     return _public(job)

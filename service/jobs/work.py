@@ -1,6 +1,5 @@
-"""``make_job_runner(store)``: what a verify or a profile job does, the same whether the service's in-process runner
-(``service/jobs.py``) or a ``multicomposite worker`` (``service/worker.py``) runs it. Its own module so that both
-reach it without importing the app (``service/main.py``) or each other's command."""
+"""``make_job_work(store)``: what a verify or a profile job does, the same whether the service's own runner
+(``local``) or a ``multicomposite worker`` (``worker``) runs it."""
 
 from __future__ import annotations
 
@@ -9,15 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from registry.store.db import Store
-    from service.jobs import Job
+    from service.jobs.backend import Job, JobWork, Progress
 
 
-def make_job_runner(store_: Store, on_written: Callable[[], None] = lambda: None,
-                    ) -> Callable[[Job, Callable[[int, int], None]], dict[str, Any]]:
+def make_job_work(store_: Store, on_written: Callable[[], None] = lambda: None) -> JobWork:
     """``on_written``: called after a job writes the store and before it is reported done, so that a client that
     sees the job done never reads a response cached before the write (the watcher would notice only at its poll)."""
 
-    def run_job(job: Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
+    def run_job(job: Job, progress: Progress) -> dict[str, Any]:
         import torch
 
         from registry.harness.verify import verify
