@@ -20,12 +20,11 @@ from typing import Any, Protocol
 from registry.core.context import Context
 from registry.core.evidence import Evidence, Timing
 from registry.core.selector import clear_cache
-from registry.core.sources import source_hashes
 from registry.core.stacks import format_stack
 from registry.core.status import FAILING, worst
 from registry.store.connection import default_store_exists, default_url
 
-__all__ = ["FAILING", "SOURCE", "Evidence", "StoreEvidence", "Timing", "clear", "evidence", "set_entries",
+__all__ = ["FAILING", "SOURCE", "Evidence", "StoreEvidence", "Timing", "clear", "evidence", "reload", "set_entries",
            "set_profiles", "stored_entries", "stored_profiles", "timings", "use_loader", "use_profile_loader",
            "use_store"]
 
@@ -130,6 +129,15 @@ def use_loader(loader: Any) -> None:
     _changed()
 
 
+def reload() -> None:
+    """Drop the loaded entries and timings, keeping where they come from: the next decision reads them again (after
+    this process wrote the store, so that its own decisions see what it wrote)."""
+    global _index, _profiles
+    with _lock:
+        _index, _profiles = None, None
+    _changed()
+
+
 def _changed() -> None:
     clear_cache()
 
@@ -138,17 +146,17 @@ _warned: list[bool] = []  # the missing-SQLAlchemy warning was given
 
 
 def _read_default_store(read: str) -> list[Any]:
-    """``Store.<read>`` of the entries fresh for this torch and these composites' sources, from the default store.
+    """``registry.store.fresh.<read>``: the entries fresh for this torch and these composites' sources, from the
+    default store.
 
     Nothing is created: without a store (no ``MULTICOMPOSITE_DB`` and no SQLite file yet) there is no evidence, and
     SQLAlchemy is not imported. With a store but without SQLAlchemy (the library installed without its ``service``
     extra) the rules decide, and a warning says how to read the store.
     """
-    import torch
-
     if not default_store_exists():
         return []
     try:
+        from registry.store import fresh
         from registry.store.db import Store
     except ModuleNotFoundError as error:
         if not _warned:  # once a process: the matrix and the profiles are read apart
@@ -158,17 +166,17 @@ def _read_default_store(read: str) -> list[Any]:
         return []
     store = Store(default_url())
     try:
-        return getattr(store, read)(source_hashes=source_hashes(), torch_version=torch.__version__)
+        return getattr(fresh, read)(store)
     finally:
         store.close()
 
 
 def use_store(store: Any) -> None:
     """Read evidence from ``store`` (an open Store) from now on: reloaded lazily at the next decision."""
-    import torch
+    from registry.store.fresh import fresh_entries, fresh_profiles
 
-    use_loader(lambda: store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__))
-    use_profile_loader(lambda: store.fresh_profiles(source_hashes=source_hashes(), torch_version=torch.__version__))
+    use_loader(lambda: fresh_entries(store))
+    use_profile_loader(lambda: fresh_profiles(store))
 
 
 def stored_entries() -> list[Any]:

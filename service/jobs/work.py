@@ -18,9 +18,8 @@ def make_job_work(store_: Store, on_written: Callable[[], None] = lambda: None) 
     def run_job(job: Job, progress: Progress) -> dict[str, Any]:
         import torch
 
-        from registry.harness.verify import verify
-        from registry.profiling.timing import profile
-        from registry.store.benchlock import recorded_run, timed_run
+        from registry.harness.stored_verify import verify_into
+        from registry.profiling.stored_profile import profile_into
 
         params = job.params
         dtypes = [getattr(torch, name) for name in params["dtypes"]]  # names checked against a closed Literal
@@ -29,22 +28,18 @@ def make_job_work(store_: Store, on_written: Callable[[], None] = lambda: None) 
             progress(done, total)
 
         if job.kind == "verify":
-            with recorded_run(store_, "verify"):
-                # One process: forking a threaded server is unsafe.
-                entries = verify(ops=params["ops"], stacks=params["stacks"], dtypes=dtypes, progress=report,
-                                 workers=1)
-            store_.write_entries(entries)  # bumps the generation: the watcher reloads the evidence
+            # One process: forking a threaded server is unsafe. Writing bumps the generation: watchers reload.
+            entries = verify_into(store_, ops=params["ops"], stacks=params["stacks"], dtypes=dtypes, progress=report,
+                                  workers=1)
             on_written()
             counts: dict[str, int] = {}
             for entry in entries:
                 counts[entry.status] = counts.get(entry.status, 0) + 1
             return {"entries": len(entries), "statuses": counts}
         refused: list[str] = []
-        profiles = timed_run(store_, "profile", lambda: profile(
-            ops=params["ops"], workloads=params["workloads"], numels=params["numels"],
-            batch_sizes=params["batch_sizes"], dtypes=dtypes, device=params["device"],
-            min_run_time=params["min_run_time"], progress=report, refused=refused))
-        store_.write_profiles(profiles)
+        profiles = profile_into(store_, ops=params["ops"], workloads=params["workloads"], numels=params["numels"],
+                                batch_sizes=params["batch_sizes"], dtypes=dtypes, device=params["device"],
+                                min_run_time=params["min_run_time"], progress=report, refused=refused)
         on_written()
         # Contexts whose timings stayed disturbed are not stored: the result says which, and why.
         return {"profiles": len(profiles), "timed": sum(p.valid for p in profiles), "refused": refused}
