@@ -21,6 +21,7 @@ from registry.core.collector import collection_paused
 from registry.core.context import Context
 from registry.core.evidence import Evidence, Timing
 from registry.core.selector import clear_cache
+from registry.core.sources import source_hashes
 from registry.core.stacks import format_stack
 from registry.core.status import FAILING, worst
 from registry.store.connection import default_store_exists, default_url
@@ -156,15 +157,17 @@ def _read_default_store(read: str) -> list[Any]:
     library's driver). With a store but without SQLAlchemy (the library installed without its ``service``
     extra) the rules decide, and a warning says how to read the store.
     """
+    import torch
+
     if not default_store_exists():
         return []
     from registry.store import sqlite_reader
 
     url = default_url()
     read_fresh = getattr(sqlite_reader, read)
-    fresh = read_fresh(url, source_hashes=source_hashes(), torch_version=torch.__version__)
-    if fresh is not None:
-        return fresh
+    stored = read_fresh(url, source_hashes=source_hashes(), torch_version=torch.__version__)
+    if stored is not None:
+        return stored
     try:
         from registry.store import fresh
         from registry.store.db import Store
