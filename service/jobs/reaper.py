@@ -12,10 +12,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import text, update
+from sqlalchemy import text
 
 from registry.store import workers as worker_rows
-from registry.store.db import FINISHED_JOB_STATES, Store, jobs_table
+from registry.store.db import FINISHED_JOB_STATES, Store
 from service.jobs.kinds import DEFAULT_KIND
 from service.jobs.tasks import TASK_NAME, defer_async
 
@@ -52,12 +52,9 @@ class Reaper:
         if job.owner == self.worker_id or worker_rows.beat_within(self.store.engine, job.owner, self.stale_after_s):
             return "alive"
         if job.state == "cancelling":  # asked to stop, and its worker did: with its process
-            with self.store.engine.begin() as conn:
-                conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "cancelling",
-                                                      jobs_table.c.owner == job.owner)
-                             .values(state="cancelled", finished_at=time.time(), updated_at=time.time(),
-                                     error=f"cancelled while running, at {job.done}/{job.total} (its worker "
-                                           f"{job.owner} stopped)"))
+            self.store.update_job(job_id, if_state=("cancelling",), if_owner=job.owner, state="cancelled",
+                                  finished_at=time.time(), error=f"cancelled while running, at {job.done}/{job.total} "
+                                                                 f"(its worker {job.owner} stopped)")
             return "finish"
         runs = attempts + 1
         last = self._last_heartbeat(job.owner)
@@ -72,10 +69,7 @@ class Reaper:
             values = {"state": "failed", "error": f"{why}; not retried: it ran {runs} of max_attempts "
                       f"{self.max_attempts} times", "finished_at": now}
             outcome = "fail"
-        with self.store.engine.begin() as conn:
-            changed = conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "running",
-                                                            jobs_table.c.owner == job.owner)
-                                   .values(updated_at=now, **values)).rowcount
+        changed = self.store.update_job(job_id, if_state=("running",), if_owner=job.owner, **values)
         return outcome if changed else "finish"
 
     def _last_heartbeat(self, owner: str) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -28,11 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from sqlalchemy import update
 from sqlalchemy.engine import make_url
 
 from registry.store import workers as worker_rows
-from registry.store.db import ACTIVE_JOB_STATES, JobRecord, Store, StoreUnavailableError, job_from_row, jobs_table
+from registry.store.db import ACTIVE_JOB_STATES, JobRecord, Store, StoreUnavailableError
 from service.jobs.backend import JobWork
 from service.jobs.kinds import DEFAULT_KIND, queue_for
 from service.jobs.reaper import Reaper
@@ -132,22 +130,11 @@ class Worker:
     def claim(self, job_id: str) -> JobRecord | None:
         """``queued`` -> ``running`` for this worker, in one statement; None if the job is not queued (cancelled,
         finished, or already taken)."""
-        now = time.time()
-        with self.store.engine.begin() as conn:
-            row = conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "queued")
-                               .values(state="running", owner=self.id, started_at=now, updated_at=now,
-                                       done=0, total=0).returning(*jobs_table.c)).first()
-        return job_from_row(row) if row is not None else None
+        return self.store.claim_job(job_id, self.id)
 
     def _update_owned(self, job_id: str, states: tuple[str, ...] = ACTIVE_JOB_STATES, **values: Any) -> bool:
         """Write the job's row only while this worker runs it (in one of ``states``); False if it was taken away."""
-        if values.get("result") is not None:
-            values["result"] = json.dumps(values["result"])
-        values["updated_at"] = time.time()
-        with self.store.engine.begin() as conn:
-            return bool(conn.execute(update(jobs_table).where(jobs_table.c.id == job_id,
-                                                              jobs_table.c.state.in_(states),
-                                                              jobs_table.c.owner == self.id).values(**values)).rowcount)
+        return self.store.update_job(job_id, if_state=states, if_owner=self.id, **values)
 
     def _until_stored(self, write: Callable[[], Any], what: str, job_id: str) -> Any:
         """``write()``, retried while the store is away (a server restarting, a network cut) until it is taken:
