@@ -23,7 +23,7 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_runner(request: Request) -> JobBackend:
+def get_job_backend(request: Request) -> JobBackend:
     """The job backend the app picked at startup, whose jobs live in the store: StoreUnavailableError (503) while
     it cannot be read."""
     request.app.state.store_state.require()
@@ -58,7 +58,7 @@ def require_token(settings: Annotated[Settings, Depends(get_settings)],
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-RunnerDep = Annotated[JobBackend, Depends(get_runner)]
+JobsDep = Annotated[JobBackend, Depends(get_job_backend)]
 StateDep = Annotated[StoreState, Depends(get_state)]
 StoreDep = Annotated[Store, Depends(get_store)]
 Authorized = Depends(require_token)
