@@ -36,11 +36,12 @@ from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_bdim,
 from torch.utils.weak import WeakIdKeyDictionary
 
 from registry.core import rules
-from registry.core.context import vmap_levels
+from registry.core.context import Context, vmap_levels
 from registry.core.model import Overload
 from registry.core.registration import define_op, register
 
 aten = torch.ops.aten
+_LOOKUP = aten.embedding.default  # the overload itself: the packet resolves it on every call
 
 define_op(
     "embedding_renorm_", "", tensors=("self", "indices"),
@@ -58,7 +59,7 @@ define_op(
 )
 
 
-def _may_read_a_recorded_renorm(ctx: rules.Context) -> bool:
+def _may_read_a_recorded_renorm(ctx: Context) -> bool:
     """Where ``embedding_renorm_`` may have recorded its renorm instead of writing it: the indices batched where the
     weight is not. Only the innermost level's batching is known here: nested vmaps and torch.compile count too."""
     if not rules.under_vmap(ctx):
@@ -207,7 +208,7 @@ def _renormed(rows: torch.Tensor, max_norm: float, norm_type: float) -> torch.Te
 def embedding_reads_recorded_renorm(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """PyTorch's lookup, then the renorms recorded for this weight at these indices applied to the rows it read, as
     values: the gradient is the lookup's own."""
-    rows = aten.embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    rows = _LOOKUP(weight, indices, padding_idx, scale_grad_by_freq, sparse)
     recorded = _recorded(indices, weight)
     if not recorded:
         return rows

@@ -153,7 +153,7 @@ def test_float32_rows_are_pytorchs_kernel_values(fallback_warnings: list) -> Non
         grads = vmap(grad(_loss), in_dims=(None, 0))(weight, indices)
     assert _fallbacks(fallback_warnings) == []
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    torch.testing.assert_close(grads, expected_grads)
+    torch.testing.assert_close(grads, expected_grads, rtol=0, atol=0)
     _unchanged(weight, before, version)
 
 
@@ -213,7 +213,8 @@ def test_functionalized_and_compiled_lookups_equal_the_loop() -> None:
                                          fullgraph=True)(indices),
     }
     for name, run in runs.items():
-        with pytest.raises(Exception, match="embedding|mutating a non-functional tensor"):
+        refusal = "mutating a non-functional tensor" if name == "vmap(functionalize)" else "is not possible"
+        with pytest.raises(Exception, match=refusal):
             run()
         with registry.use():
             got = run()
