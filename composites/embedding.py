@@ -72,7 +72,7 @@ def _may_read_a_recorded_renorm(ctx: Context) -> bool:
 define_op(
     "embedding", "", tensors=("weight", "indices"),
     doc="the rows of weight at indices (nn.Embedding's lookup)",
-    opinfo=(),  # op_db's samples call F.embedding, whose max_norm samples write into a weight the survey shares
+    opinfo=("nn.functional.embedding",),
     inplace=False,
     rules={"native": rules.fails_when(
         _may_read_a_recorded_renorm, "mismatch",
