@@ -157,6 +157,19 @@ def test_float32_rows_are_pytorchs_kernel_values(fallback_warnings: list) -> Non
     _unchanged(weight, before, version)
 
 
+def test_autograd_outside_vmap_sums_the_loops_gradients() -> None:
+    """A weight that requires grad, looked up under vmap and differentiated by eager autograd outside it."""
+    weight, indices = _weight(14).requires_grad_(), _indices(14)
+    before, version = weight.detach().clone(), weight._version
+    outputs, grads = _loop(weight.detach(), indices)
+    with registry.use():
+        got = vmap(lambda i: _embed(i, weight))(indices)
+        got.pow(3).sum().backward()
+    torch.testing.assert_close(got.detach(), outputs, rtol=0, atol=0)
+    torch.testing.assert_close(weight.grad, grads.sum(0))
+    _unchanged(weight.detach(), before, version)
+
+
 def test_a_weight_captured_from_outside_grad_is_left_unwritten() -> None:
     """PyTorch refuses an in-place write into a tensor captured by grad; inside use() there is none to refuse."""
     weight, indices, scale = _weight(5), _indices(5), torch.tensor(1.5, dtype=torch.float64)
