@@ -15,7 +15,7 @@ import math
 import threading
 import warnings
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from registry.core.collector import collection_paused
 from registry.core.context import Context
@@ -25,21 +25,11 @@ from registry.core.sources import source_hashes
 from registry.core.stacks import format_stack
 from registry.core.status import FAILING, worst
 from registry.store.connection import default_store_exists, default_url
+from registry.store.records import MatrixEntry
 
 __all__ = ["FAILING", "SOURCE", "Evidence", "StoreEvidence", "Timing", "clear", "evidence", "reload", "set_entries",
            "set_profiles", "stored_entries", "stored_profiles", "timings", "use_loader", "use_profile_loader",
            "use_store"]
-
-
-class EntryLike(Protocol):
-    op: str
-    composite: str
-    stack: tuple[str, ...]
-    pattern: str
-    dtype: str
-    status: str
-    detail: str
-    max_abs_error: float | None
 
 
 _lock = threading.Lock()
@@ -50,7 +40,7 @@ _profiles: dict[tuple[str, tuple[str, ...]], list[Any]] | None = None
 _profile_loader: Any = None
 
 
-def set_entries(entries: Iterable[EntryLike]) -> None:
+def set_entries(entries: Iterable[MatrixEntry]) -> None:
     """Index ``entries`` as the evidence (replacing what was there)."""
     global _index
     index: dict[tuple[str, str, tuple[str, ...]], list[Any]] = {}
