@@ -25,11 +25,10 @@ from collections import deque
 from typing import Any, NoReturn
 
 from registry.store.db import ACTIVE_JOB_STATES, Store, this_process
-from service.jobs.backend import Job, JobWork, QueueFullError
+from service.jobs.backend import PRUNE_EVERY_S, Job, JobWork, QueueFullError
 from service.jobs.kinds import detect_device_kinds
 from service.jobs.running import JobCancelledError, ended, error_reason, is_store_error, progress_writer, until_stored
 
-PRUNE_EVERY_S = 60.0
 # How long shutdown waits for a running job to reach its next case boundary; past it the thread is left to end alone.
 SHUTDOWN_WAIT_S = 10.0
 
