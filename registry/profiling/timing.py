@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import func
 
 from registry.core import context
 from registry.core.messages import described
@@ -30,6 +29,8 @@ from registry.core.registration import COMPOSITES, load
 from registry.core.routing import use
 from registry.core.sources import source_hash
 from registry.core.stacks import parse_stack
+from registry.harness.comparison import compare
+from registry.harness.interpreter import Layout, transformed
 from registry.harness.samples import SAMPLES
 from registry.profiling import noise
 from registry.store.db import ProfileEntry
@@ -82,25 +83,28 @@ def workload_case(op: str, call: Callable[..., torch.Tensor], numel: int, batch:
     raise ValueError(f"profile: no workload for op {op!r}")
 
 
-def _loss(y: torch.Tensor) -> torch.Tensor:
+# Each workload as the interpreter's layers (registry.harness.interpreter), every tensor batched along dim 0.
+PROGRAMS: dict[str, tuple[str, ...]] = {
+    "vmap": ("vmap",),
+    "grad": ("grad", "vmap"),  # the gradient of a loss over the whole batch, the op mapped over the samples
+    "vmap(grad)": ("vmap", "grad"),
+    "jacrev": ("vmap", "jacrev"),
+    "jacfwd": ("vmap", "jacfwd"),
+    "hessian": ("vmap", "hessian"),
+}
+
+
+def _square_sum(y: torch.Tensor) -> torch.Tensor:
     return (y * y).sum()
 
 
 def workload_runner(workload: str, case: WorkloadCase) -> Callable[[], Any]:
-    fn, tensors = case.fn, case.tensors
-    if workload == "vmap":
-        return lambda: func.vmap(fn)(*tensors)
-    if workload == "grad":  # the gradient of a loss over the whole batch, the op mapped over the samples
-        return lambda: func.grad(lambda *t: _loss(func.vmap(fn)(*t)))(*tensors)
-    if workload == "vmap(grad)":
-        return lambda: func.vmap(func.grad(lambda *t: _loss(fn(*t))))(*tensors)
-    if workload == "jacrev":
-        return lambda: func.vmap(func.jacrev(fn))(*tensors)
-    if workload == "jacfwd":
-        return lambda: func.vmap(func.jacfwd(fn))(*tensors)
-    if workload == "hessian":
-        return lambda: func.vmap(func.hessian(lambda *t: _loss(fn(*t))))(*tensors)
-    raise ValueError(f"unknown workload {workload!r}; workloads are {', '.join(WORKLOADS)}")
+    if workload not in PROGRAMS:
+        raise ValueError(f"unknown workload {workload!r}; workloads are {', '.join(WORKLOADS)}")
+    layers = PROGRAMS[workload]
+    layout = Layout(in_dims=((0,) * len(case.tensors),) * layers.count("vmap"), wrt=0, loss=_square_sum)
+    run = transformed(layers, case.fn, layout)
+    return lambda: run(*case.tensors)
 
 
 def seen_by_op(workload: str, case: WorkloadCase) -> tuple[tuple[str, ...], int]:
@@ -117,11 +121,7 @@ def seen_by_op(workload: str, case: WorkloadCase) -> tuple[tuple[str, ...], int]
 
 
 def _close(a: Any, b: Any) -> bool:
-    try:
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-        return True
-    except AssertionError:
-        return False
+    return compare(a, b, tolerance="profile") is None
 
 
 def _earlier_profiles() -> list[ProfileEntry]:
