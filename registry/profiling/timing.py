@@ -272,10 +272,10 @@ def profile(
     to the fastest (``noise.relative``: what is stored is the fastest one's median times each one's median ratio,
     with the ratio's spread), so a load on the machine that every composite of a round shares moves no decision. A
     context whose ranking is unstable (``noise.unstable``: the two fastest told apart by the median ratio, yet the
-    leader faster in fewer than ``noise.WIN_SHARE`` of their rounds) is re-measured up to ``retries`` times, and so
-    is one whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times slower than its ``earlier`` profile (default: the
-    store's); one that many times faster is re-measured once (its entries say so in ``detail``). One still unstable,
-    or still that much slower, after that is not returned at all, so it is never stored (the earlier profile stands),
+    leader faster in fewer than ``noise.WIN_SHARE`` of their rounds), or on whose composites the load fell unevenly
+    (``noise.uneven``: the share of its time each one ran differs), is re-measured up to ``retries`` times, and one
+    whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times off its ``earlier`` profile (default: the store's) once
+    (its entries say so in ``detail``); one still disturbed after that is not returned at all, so it is never stored,
     and ``refused`` (if given, else a RuntimeWarning) gets a line saying why and what to change.
     ``spread_limit=math.inf`` keeps every timing (tests of what is stored).
     """
@@ -374,31 +374,29 @@ def _measure(runners: dict[str, Callable[[], Any]], native: str | None, earlier_
     notes: list[str] = []
     if not runners:
         return {}, notes
+    # The calling thread's CPU time beside each block's wall time says which share of it the composite ran; an
+    # injected clock (tests) has no CPU time to match.
+    cpu_clock = time.thread_time if clock is time.perf_counter else None
     for attempt in range(retries + 1):
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time, clock=clock)
+        timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time, clock=clock, cpu_clock=cpu_clock)
         # The two fastest get as many rounds again, side by side: the ranking between them is what auto acts on.
         top = sorted(timed.values(), key=lambda t: t.median_us)[:2]
         if len(top) == 2:
             noise.interleaved({t.name: runners[t.name] for t in top}, rounds=rounds, clock=clock,
-                              min_run_time=min_run_time, timed={t.name: t for t in top})
+                              cpu_clock=cpu_clock, min_run_time=min_run_time, timed={t.name: t for t in top})
         # Ranked by per-round ratios (noise.relative): a load that every composite of a round shares moves none
-        # of them. Native far from its earlier profile is re-measured: faster than before, once (the earlier
-        # profile was the disturbed one); slower, up to ``retries`` times, then refused. A machine several times
-        # slower than when it was profiled shares its cores with other work, and that reorders composites whose
-        # kernels split across threads (one waits for the core another process holds): the earlier profile stands.
-        ranking = noise.unstable(timed) if spread_limit != math.inf else []
+        # of them, unless it fell unevenly on them (noise.uneven: another busy thread of this process, holding the
+        # GIL, delays each call, so the composite of more calls loses more). Native far from its earlier profile is
+        # re-measured once (the earlier profile may be the odd one); only a ranking that stays unstable, or a load
+        # that stays uneven, is refused.
+        ranking = noise.unstable(timed) + noise.uneven(timed) if spread_limit != math.inf else []
         drift = noise.disturbed(timed, native=native, earlier_native_us=earlier_native_us, spread_limit=math.inf)
-        slower = bool(drift) and native is not None and earlier_native_us is not None \
-            and timed[native].median_us > earlier_native_us
         reasons = ranking + drift
-        if not ranking and (not drift or (attempt > 0 and not slower)):
+        if not ranking and (not drift or attempt > 0):
             return noise.relative(timed), notes
         if attempt == retries:
-            if slower:
-                reasons.append("the machine is busier than when the earlier profile was taken, so that one stands: "
-                               "re-run where fewer processes compete for the cores")
             notes.append("; ".join(reasons))
             return None, notes
         notes.append("; ".join(reasons))

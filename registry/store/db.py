@@ -40,39 +40,20 @@ from sqlalchemy.engine import Row, make_url
 from sqlalchemy.exc import OperationalError
 
 from registry.core.messages import first_line
-from registry.core.stacks import format_stack, split_stack
+from registry.core.stacks import format_stack
 from registry.core.status import STATUSES
 from registry.store.connection import (
     StoreUnavailableError,
     default_url,
     sqlite_pragmas,
 )
+from registry.store.records import MatrixEntry, ProfileEntry, matrix_entry_from_mapping, profile_from_mapping
 
 # cancelling: a running job asked to stop; its runner stops at the next case boundary and marks it cancelled.
 JOB_STATES: tuple[str, ...] = ("queued", "running", "cancelling", "done", "failed", "cancelled", "interrupted")
 ACTIVE_JOB_STATES: tuple[str, ...] = ("running", "cancelling")  # a runner has it
 FINISHED_JOB_STATES: tuple[str, ...] = ("done", "failed", "cancelled", "interrupted")
 CHECK_TIMEOUT_S = 5.0  # a readiness check waits this long for a lock, not a writer's 30 s
-
-
-@dataclass(frozen=True)
-class MatrixEntry:
-    """One verified cell: how ``composite`` of ``op`` fared under ``stack`` for one batching pattern and dtype."""
-
-    op: str
-    composite: str
-    kind: str
-    stack: tuple[str, ...]  # transform names, outermost first; () is eager
-    pattern: str
-    dtype: str
-    status: str
-    detail: str
-    max_abs_error: float | None
-    max_rel_error: float | None
-    source_hash: str
-    torch_version: str
-    device: str
-    measured_at: float | None = None  # when the harness judged it, epoch seconds (UTC); None in rows before 0003
 
 
 METADATA = MetaData()
@@ -97,30 +78,6 @@ _matrix = Table(
     UniqueConstraint("op", "composite", "stack", "pattern", "dtype", "device", "torch_version", name="uq_matrix_key"),
 )
 _KEY = ("op", "composite", "stack", "pattern", "dtype", "device", "torch_version")
-
-
-@dataclass(frozen=True)
-class ProfileEntry:
-    """One timing: ``composite`` of ``op`` under ``stack`` (as the op sees it) at one size, batch and dtype."""
-
-    op: str
-    composite: str
-    kind: str
-    stack: tuple[str, ...]
-    workload: str  # the user-level transform the timing ran under: "vmap(grad)", "jacrev", ...
-    dtype: str
-    device: str
-    device_name: str
-    numel_bucket: int  # the op's element count (per sample under vmap), rounded up to a power of two
-    batch_size: int
-    valid: bool
-    detail: str  # why it is invalid, or ""
-    median_us: float | None
-    iqr_us: float | None
-    runs: int
-    peak_memory: int | None  # bytes, on CUDA
-    source_hash: str
-    torch_version: str
 
 
 _profiles = Table(
@@ -282,11 +239,6 @@ def _encode_stack(stack: tuple[str, ...]) -> str:
     return format_stack(stack)
 
 
-def _decode_stack(value: str) -> tuple[str, ...]:
-    """Either spelling: rows written before schema 2 say vmap,grad."""
-    return tuple(split_stack(value))
-
-
 def data_dir(url: str) -> Path:
     """The folder beside a SQLite store, else the user data dir: where the benchmark lock lives."""
     if url.startswith("sqlite:///") and url.removeprefix("sqlite:///") not in ("", ":memory:"):
@@ -334,29 +286,11 @@ def _to_row(entry: MatrixEntry) -> dict[str, Any]:
 
 
 def _from_row(row: Row[Any]) -> MatrixEntry:
-    m = row._mapping
-    return MatrixEntry(
-        op=m["op"],
-        composite=m["composite"],
-        kind=m["kind"],
-        stack=_decode_stack(m["stack"]),
-        pattern=m["pattern"],
-        dtype=m["dtype"],
-        status=m["status"],
-        detail=m["detail"],
-        max_abs_error=m["max_abs_error"],
-        max_rel_error=m["max_rel_error"],
-        source_hash=m["source_hash"],
-        torch_version=m["torch_version"],
-        device=m["device"],
-        measured_at=m["measured_at"],
-    )
+    return matrix_entry_from_mapping(row._mapping)
 
 
 def _profile_from_row(row: Row[Any]) -> ProfileEntry:
-    values = dict(row._mapping)
-    values.pop("id")
-    return ProfileEntry(**{**values, "stack": _decode_stack(values["stack"]), "valid": bool(values["valid"])})
+    return profile_from_mapping(row._mapping)
 
 
 class Store:

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from registry.core.collector import collection_paused
 from registry.core.context import Context
 from registry.core.evidence import Evidence, Timing
 from registry.core.selector import clear_cache
@@ -94,7 +95,8 @@ def timings(op: str, ctx: Context, candidates: Iterable[str]) -> dict[str, Timin
     """Measured scores of ``candidates`` at the profiled size nearest to ``ctx.numel`` (same dtype and device)."""
     global _profiles
     if _profiles is None:
-        loaded = list((_profile_loader or stored_profiles)())
+        with collection_paused():  # long-lived records and no garbage, as registration (core/collector.py)
+            loaded = list((_profile_loader or stored_profiles)())
         set_profiles(loaded)
     stack = tuple(t for t in ctx.stack if t != "autograd")
     dtype = str(ctx.dtype).removeprefix("torch.") if ctx.dtype is not None else None
@@ -141,13 +143,21 @@ def _read_default_store(read: str) -> list[Any]:
     """``Store.<read>`` of the entries fresh for this torch and these composites' sources, from the default store.
 
     Nothing is created: without a store (no ``MULTICOMPOSITE_DB`` and no SQLite file yet) there is no evidence, and
-    SQLAlchemy is not imported. With a store but without SQLAlchemy (the library installed without its ``service``
+    SQLAlchemy is not imported; nor is it for a SQLite store at the newest schema (``sqlite_reader``, the standard
+    library's driver). With a store but without SQLAlchemy (the library installed without its ``service``
     extra) the rules decide, and a warning says how to read the store.
     """
     import torch
 
     if not default_store_exists():
         return []
+    from registry.store import sqlite_reader
+
+    url = default_url()
+    read_fresh = getattr(sqlite_reader, read)
+    fresh = read_fresh(url, source_hashes=source_hashes(), torch_version=torch.__version__)
+    if fresh is not None:
+        return fresh
     try:
         from registry.store.db import Store
     except ModuleNotFoundError as error:
@@ -156,7 +166,7 @@ def _read_default_store(read: str) -> list[Any]:
             warnings.warn(f"the store at {default_url()} is not read: {error.name} is not installed, so the rules "
                           "alone decide; pip install 'multicomposite[service]' to use its evidence", stacklevel=2)
         return []
-    store = Store(default_url())
+    store = Store(url)
     try:
         return getattr(store, read)(source_hashes=source_hashes(), torch_version=torch.__version__)
     finally:
@@ -179,7 +189,8 @@ def stored_entries() -> list[Any]:
 def _entries(op: str, composite: str, stack: tuple[str, ...]) -> list[Any]:
     global _index
     if _index is None:
-        loaded = list((_loader or stored_entries)())
+        with collection_paused():  # long-lived records and no garbage, as registration (core/collector.py)
+            loaded = list((_loader or stored_entries)())
         index: dict[tuple[str, str, tuple[str, ...]], list[Any]] = {}
         for entry in loaded:
             index.setdefault((entry.op, entry.composite, tuple(entry.stack)), []).append(entry)
