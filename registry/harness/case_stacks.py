@@ -16,13 +16,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import func
 from torch.utils._pytree import tree_flatten
 
 from registry.core.dynamic import REFUSAL_PHRASE
 from registry.core.messages import described
 from registry.harness import comparison, fallback
 from registry.harness.deadline import CaseTimeout, deadline
+from registry.harness.interpreter import Layout, program, transformed
 from registry.harness.opinfo_cases import (
     BATCHED_STACKS,
     FORWARD_STACKS,
@@ -54,58 +54,32 @@ _UNSUPPORTED_MESSAGES: tuple[tuple[str, str], ...] = (
 
 
 def run_stack(stack: str, case: SurveyCase) -> Any:
-    """``case``'s op under ``stack`` through torch.func: what the reference must equal."""
-    slots = case.diff_slots()
+    """``case``'s op under ``stack`` through the harness's interpreter (``registry.harness.interpreter``): what the
+    reference must equal.
 
-    def outputs_at(values: Sequence[Any], diff_values: Sequence[Any]) -> tuple[torch.Tensor, ...]:
-        return case.differentiable_outputs(case.call(values, diff_values))
-
-    if stack == "vmap":
+    The function the layers see takes the batched leaves (then, for a stack with jvp, the tangents of the
+    differentiated ones) and gives the op's differentiable outputs; ``vmap`` alone sees every output. Stacks with
+    vmap run on the samples stacked along dim 0 (the tangents too), the others on the first sample.
+    """
+    if stack not in INTERPRETER_STACKS:
+        raise SurveyError(f"unknown survey stack {stack!r}; valid: {', '.join(INTERPRETER_STACKS)}")
+    layers = program(stack)
+    if layers == ("vmap",):
         # The batch dimension where in_dims says: stacked first, moved last for in_dims=-1.
         stacked = tuple(t.movedim(0, d) for t, d in zip(stack_samples(case.per_sample), case.in_dims, strict=True))
-        return tree_flatten(func.vmap(lambda *v: case.call(v), in_dims=case.in_dims)(*stacked))[0]
-    if stack == "jvp":
-        base = case.per_sample[0]
-        return func.jvp(lambda *d: outputs_at(base, d), tuple(base[s] for s in slots), tuple(case.tangents[0]))
-    if stack == "grad(vmap)":
-        stacked = stack_samples(case.per_sample)
+        return tree_flatten(transformed(layers, lambda *v: case.call(v), Layout((case.in_dims,)))(*stacked))[0]
 
-        def batch_loss(*d: torch.Tensor) -> torch.Tensor:
-            values = list(stacked)
-            for s, value in zip(slots, d, strict=True):
-                values[s] = value
-            # The per-sample weights broadcast over the batch: the loss is the sum of the per-sample losses.
-            return case.loss(func.vmap(lambda *v: case.differentiable_outputs(case.call(v)))(*values))
+    def outputs(*values: Any) -> tuple[torch.Tensor, ...]:
+        return case.differentiable_outputs(case.call(values))
 
-        return func.grad(batch_loss, tuple(range(len(slots))))(*(stacked[s] for s in slots))
-    if stack == "jvp(grad)":
-        base = case.per_sample[0]
-        loss = lambda *d: case.loss(outputs_at(base, d))  # noqa: E731
-        gradient = func.grad(loss, tuple(range(len(slots))))
-        return func.jvp(gradient, tuple(base[s] for s in slots), tuple(case.tangents[0]))
-    if stack == "grad":
-        base = case.per_sample[0]
-        loss = lambda *d: case.loss(outputs_at(base, d))  # noqa: E731
-        return func.grad(loss, tuple(range(len(slots))))(*(base[s] for s in slots))
-    if stack == "vmap(grad)":
-        def per_sample_grad(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            loss = lambda *d: case.loss(outputs_at(values, d))  # noqa: E731
-            return func.grad(loss, tuple(range(len(slots))))(*(values[s] for s in slots))
-
-        return func.vmap(per_sample_grad)(*stack_samples(case.per_sample))
-    if stack in ("jacrev", "jacfwd"):
-        base = case.per_sample[0]
-        transform = func.jacrev if stack == "jacrev" else func.jacfwd
-        return transform(lambda *d: outputs_at(base, d), tuple(range(len(slots))))(*(base[s] for s in slots))
-    if stack == "vmap(jvp)":
-        count = len(case.batched)
-
-        def per_sample_jvp(*values_and_tangents: torch.Tensor) -> Any:
-            values, tangents = values_and_tangents[:count], values_and_tangents[count:]
-            return func.jvp(lambda *d: outputs_at(values, d), tuple(values[s] for s in slots), tuple(tangents))
-
-        return func.vmap(per_sample_jvp)(*stack_samples(case.per_sample), *stack_samples(case.tangents))
-    raise SurveyError(f"unknown survey stack {stack!r}; valid: {', '.join(INTERPRETER_STACKS)}")
+    tangents = "jvp" in layers
+    if "vmap" in layers:
+        args = (*stack_samples(case.per_sample), *(stack_samples(case.tangents) if tangents else ()))
+    else:
+        args = (*case.per_sample[0], *(case.tangents[0] if tangents else ()))
+    layout = Layout(in_dims=((0,) * len(args),) * layers.count("vmap"), wrt=case.diff_slots(), loss=case.loss,
+                    tangent=None, with_primal=True)
+    return transformed(layers, outputs, layout)(*args)
 
 
 class Reference:

@@ -80,16 +80,26 @@ def linspace_tangent(x: torch.Tensor) -> torch.Tensor:
 class Layout:
     """How a stack sees its function's inputs: per vmap layer (outermost first) each input's batch dim or None;
     what the differentiating layers differentiate (``wrt``), the scalar that grad and hessian differentiate
-    (``loss``) and the tangent jvp pushes forward from an input (``tangent``)."""
+    (``loss``) and the tangent jvp pushes forward from an input (``tangent``; None: the function's last
+    ``len(wrt)`` arguments are the tangents, so that vmap can batch them). ``with_primal``: jvp gives
+    (outputs, tangents), as ``torch.func.jvp`` does, rather than the tangents alone."""
 
     in_dims: tuple[tuple[int | None, ...], ...] = ()
     wrt: int | tuple[int, ...] = 0
     loss: Callable[[Any], torch.Tensor] = field(default=weighted_square)
-    tangent: Callable[[torch.Tensor], torch.Tensor] = field(default=linspace_tangent)
+    tangent: Callable[[torch.Tensor], torch.Tensor] | None = field(default=linspace_tangent)
+    with_primal: bool = False
 
     @property
     def argnums(self) -> tuple[int, ...]:
         return (self.wrt,) if isinstance(self.wrt, int) else self.wrt
+
+    def split_tangents(self, args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """(the function's inputs, the jvp's tangents) of a jvp layer's arguments."""
+        if self.tangent is not None:
+            return tuple(args), tuple(self.tangent(args[i]) for i in self.argnums)
+        split = len(args) - len(self.argnums)
+        return tuple(args[:split]), tuple(args[split:])
 
     def result(self, per_argument: Sequence[Any]) -> Any:
         """One result per differentiated argument, shaped as torch.func shapes it for ``wrt``."""
@@ -152,12 +162,14 @@ def _func_hessian(f: Fn, layout: Layout) -> Fn:
 def _func_jvp(f: Fn, layout: Layout) -> Fn:
     argnums = layout.argnums
 
-    def jvp_f(*xs: Any) -> Any:
+    def jvp_f(*args: Any) -> Any:
+        xs, tangents = layout.split_tangents(args)
+
         def along(*ds: Any) -> Any:
             return f(*_replaced(xs, argnums, ds))
 
-        primals = tuple(xs[i] for i in argnums)
-        return func.jvp(along, primals, tuple(layout.tangent(x) for x in primals))[1]
+        outputs = func.jvp(along, tuple(xs[i] for i in argnums), tangents)
+        return outputs if layout.with_primal else outputs[1]
 
     return jvp_f
 
@@ -258,26 +270,30 @@ def _autograd_jacobian(f: Fn, layout: Layout, create_graph: bool, *, forward: bo
 
 
 def _forward_ad_jvp(f: Fn, layout: Layout) -> Fn:
-    def jvp_f(*xs: Any) -> Any:
+    def jvp_f(*args: Any) -> Any:
+        xs, tangents = layout.split_tangents(args)
         with forward_ad.dual_level():
-            duals = [forward_ad.make_dual(xs[i], layout.tangent(xs[i])) for i in layout.argnums]
-            out = f(*_replaced(xs, layout.argnums, duals))
-            tangent = forward_ad.unpack_dual(out).tangent
-        return torch.zeros_like(out) if tangent is None else tangent
+            duals = [forward_ad.make_dual(xs[i], t) for i, t in zip(layout.argnums, tangents, strict=True)]
+            unpacked = forward_ad.unpack_dual(f(*_replaced(xs, layout.argnums, duals)))
+            out = unpacked.primal.clone()
+            tangent = torch.zeros_like(out) if unpacked.tangent is None else unpacked.tangent.clone()
+        return (out, tangent) if layout.with_primal else tangent
 
     return jvp_f
 
 
 def _autograd_jvp(f: Fn, layout: Layout) -> Fn:
-    def jvp_f(*xs: Any) -> Any:
+    def jvp_f(*args: Any) -> Any:
+        xs, tangents = layout.split_tangents(args)
         inputs, leaves = _leaves(xs, layout)
         y = f(*inputs)
         if not y.requires_grad:  # an inner derivative of a linear op: constant in x
-            return torch.zeros_like(y)
-        u = torch.zeros_like(y, requires_grad=True)
-        vjps = torch.autograd.grad(y, leaves, u, create_graph=True, allow_unused=True, materialize_grads=True)
-        (jvp,) = torch.autograd.grad(vjps, u, tuple(layout.tangent(leaf) for leaf in leaves), create_graph=True,
-                                     allow_unused=True, materialize_grads=True)
-        return jvp
+            jvp = torch.zeros_like(y)
+        else:
+            u = torch.zeros_like(y, requires_grad=True)
+            vjps = torch.autograd.grad(y, leaves, u, create_graph=True, allow_unused=True, materialize_grads=True)
+            (jvp,) = torch.autograd.grad(vjps, u, tangents, create_graph=True, allow_unused=True,
+                                         materialize_grads=True)
+        return (y, jvp) if layout.with_primal else jvp
 
     return jvp_f
