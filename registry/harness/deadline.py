@@ -9,6 +9,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+DEFAULT_CASE_TIMEOUT_S = 20.0
+
 
 class CaseTimeout(Exception):  # noqa: N818 -- an outcome, not a failure
     pass

@@ -20,6 +20,9 @@ from registry.core.messages import described
 from registry.harness import comparison
 from registry.harness.outcomes import Outcome
 
+BATCHINGS: tuple[str, ...] = ("input", "others")
+DTYPES: tuple[str, ...] = ("float32", "float64")
+DEFAULT_BATCH = 3  # samples per batch
 SIZE_CAP = 512  # total elements of a sample's tensors: larger samples are used only when an entry has no smaller one
 JACOBIAN_DIRECTIONS = 2  # random cotangents a Jacobian is projected on (see SurveyCase.directions)
 SEED = 1234

@@ -37,10 +37,13 @@ from registry.harness.case_stacks import (
     reference,
     run_stack,
 )
-from registry.harness.deadline import deadline
+from registry.harness.deadline import DEFAULT_CASE_TIMEOUT_S, deadline
 from registry.harness.fork_pool import run_forked
 from registry.harness.opinfo_cases import (
     ALL_SAMPLES,
+    BATCHINGS,
+    DEFAULT_BATCH,
+    DTYPES,
     JACOBIAN_DIRECTIONS,
     ORDERED_ARGUMENTS,
     SEED,
@@ -74,11 +77,7 @@ __all__ = [
     "static_reason", "summarize", "survey_entry", "worse_outcome",
 ]
 
-BATCHINGS: tuple[str, ...] = ("input", "others")
-DTYPES: tuple[str, ...] = ("float32", "float64")
 DEFAULT_LIMIT_SAMPLES = 2
-DEFAULT_BATCH = 3
-DEFAULT_CASE_TIMEOUT_S = 20.0
 
 
 @dataclass
