@@ -1,8 +1,8 @@
 """Matrix entries for ops whose samples come from PyTorch's OpInfo database (``define_op(..., opinfo=...)``).
 
 The interpreter of OpInfo cases runs them (``registry.harness.case_stacks``: ``run_stack`` under the stack,
-``reference`` outside any transform, per sample), with the composite under test pinned inside ``use()``; native runs outside
-``use()``. OpInfo calls the public function (``torch.nn.functional.kl_div``), so a composite is reached the way a
+``reference`` outside any transform, per sample), with the composite under test pinned inside ``use()``; native
+runs outside ``use()``. OpInfo calls the public function (``torch.nn.functional.kl_div``), so a composite is reached the way a
 user reaches it, through the dispatcher; a case where the routing kernel was never reached is reported, not counted
 as a pass.
 
