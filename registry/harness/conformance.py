@@ -3,8 +3,8 @@
 In the image of PyTorch's own functorch tests (``test_ops.py``'s vjp, jvp, vmapvjp, vjpvmap, vmapjvp, jvpvjp and
 ``test_vmap.py``'s exhaustive vmap), built on the interpreter of OpInfo cases (``registry.harness.case_stacks``:
 ``run_stack`` under the stack, ``reference`` outside any transform, ``compare``). For every op_db entry of a
-covered op (``define_op(..., opinfo=...)``), every OpInfo sample (degenerate ones included: empty tensors, 0-d, size-1 and
-zero-size dimensions) and both dtypes, each check runs once natively and once inside ``use()``:
+covered op (``define_op(..., opinfo=...)``), every OpInfo sample (degenerate ones included: empty tensors, 0-d,
+size-1 and zero-size dimensions) and both dtypes, each check runs once natively and once inside ``use()``:
 
 - ``vjp``: the gradient of ``sum(w * y)`` (survey stack ``grad``), per batching variant (which arguments are
   differentiated: ``sample.input``'s tensors, or the others');

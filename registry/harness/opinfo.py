@@ -2,9 +2,9 @@
 
 The interpreter of OpInfo cases runs them (``registry.harness.case_stacks``: ``run_stack`` under the stack,
 ``reference`` outside any transform, per sample), with the composite under test pinned inside ``use()``; native
-runs outside ``use()``. OpInfo calls the public function (``torch.nn.functional.kl_div``), so a composite is reached the way a
-user reaches it, through the dispatcher; a case where the routing kernel was never reached is reported, not counted
-as a pass.
+runs outside ``use()``. OpInfo calls the public function (``torch.nn.functional.kl_div``), so a composite is
+reached the way a user reaches it, through the dispatcher; a case where the routing kernel was never reached is
+reported, not counted as a pass.
 
 The survey's six stacks fold into four matrix stacks, the contexts the router can tell apart when the op is called:
 ``jacrev`` runs the forward under ``grad`` and vmaps the backward, so it is part of ``grad``'s entry; ``jacfwd`` is
