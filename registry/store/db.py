@@ -535,17 +535,31 @@ class Store:
         with self._writing() as conn:
             conn.execute(jobs_table.insert(), [_job_row(job)])
 
-    def update_job(self, job_id: str, *, if_state: Iterable[str] | None = None, **values: Any) -> bool:
-        """Write ``values`` into job ``job_id``'s row, only while its state is one of ``if_state`` when given;
-        whether a row was written."""
+    def update_job(self, job_id: str, *, if_state: Iterable[str] | None = None, if_owner: str | None = None,
+                   **values: Any) -> bool:
+        """Write ``values`` into job ``job_id``'s row, only while its state is one of ``if_state`` and its owner is
+        ``if_owner`` when given (a worker writes only the jobs it still runs); whether a row was written."""
         if "result" in values and values["result"] is not None:
             values["result"] = json.dumps(values["result"])
         values["updated_at"] = time.time()
         query = update(jobs_table).where(jobs_table.c.id == job_id)
         if if_state is not None:
             query = query.where(jobs_table.c.state.in_(list(if_state)))
+        if if_owner is not None:
+            query = query.where(jobs_table.c.owner == if_owner)
         with self._writing() as conn:
             return bool(conn.execute(query.values(**values)).rowcount)
+
+    def claim_job(self, job_id: str, owner: str) -> JobRecord | None:
+        """``queued`` -> ``running`` for ``owner``, its count reset, in one statement: of workers fetching the same
+        job (a job queued twice), one claims it; the job as claimed, or None if it was not queued (cancelled,
+        finished, or taken)."""
+        now = time.time()
+        with self._writing() as conn:
+            row = conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "queued")
+                               .values(state="running", owner=owner, started_at=now, updated_at=now, done=0, total=0)
+                               .returning(*jobs_table.c)).first()
+        return job_from_row(row) if row is not None else None
 
     def start_job(self, job_id: str, owner: str) -> JobRecord | None:
         """``queued`` -> ``running`` for ``owner``, in one statement (a cancel cannot slip in between the check and
