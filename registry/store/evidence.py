@@ -15,7 +15,7 @@ import math
 import threading
 import warnings
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from registry.core.collector import collection_paused
 from registry.core.context import Context
@@ -25,21 +25,11 @@ from registry.core.sources import source_hashes
 from registry.core.stacks import format_stack
 from registry.core.status import FAILING, worst
 from registry.store.connection import default_store_exists, default_url
+from registry.store.records import MatrixEntry
 
-__all__ = ["FAILING", "SOURCE", "Evidence", "StoreEvidence", "Timing", "clear", "evidence", "set_entries",
+__all__ = ["FAILING", "SOURCE", "Evidence", "StoreEvidence", "Timing", "clear", "evidence", "reload", "set_entries",
            "set_profiles", "stored_entries", "stored_profiles", "timings", "use_loader", "use_profile_loader",
            "use_store"]
-
-
-class EntryLike(Protocol):
-    op: str
-    composite: str
-    stack: tuple[str, ...]
-    pattern: str
-    dtype: str
-    status: str
-    detail: str
-    max_abs_error: float | None
 
 
 _lock = threading.Lock()
@@ -50,7 +40,7 @@ _profiles: dict[tuple[str, tuple[str, ...]], list[Any]] | None = None
 _profile_loader: Any = None
 
 
-def set_entries(entries: Iterable[EntryLike]) -> None:
+def set_entries(entries: Iterable[MatrixEntry]) -> None:
     """Index ``entries`` as the evidence (replacing what was there)."""
     global _index
     index: dict[tuple[str, str, tuple[str, ...]], list[Any]] = {}
@@ -132,6 +122,15 @@ def use_loader(loader: Any) -> None:
     _changed()
 
 
+def reload() -> None:
+    """Drop the loaded entries and timings, keeping where they come from: the next decision reads them again (after
+    this process wrote the store, so that its own decisions see what it wrote)."""
+    global _index, _profiles
+    with _lock:
+        _index, _profiles = None, None
+    _changed()
+
+
 def _changed() -> None:
     clear_cache()
 
@@ -140,7 +139,8 @@ _warned: list[bool] = []  # the missing-SQLAlchemy warning was given
 
 
 def _read_default_store(read: str) -> list[Any]:
-    """``Store.<read>`` of the entries fresh for this torch and these composites' sources, from the default store.
+    """``registry.store.fresh.<read>``: the entries fresh for this torch and these composites' sources, from the
+    default store.
 
     Nothing is created: without a store (no ``MULTICOMPOSITE_DB`` and no SQLite file yet) there is no evidence, and
     SQLAlchemy is not imported; nor is it for a SQLite store at the newest schema (``sqlite_reader``, the standard
@@ -155,10 +155,11 @@ def _read_default_store(read: str) -> list[Any]:
 
     url = default_url()
     read_fresh = getattr(sqlite_reader, read)
-    fresh = read_fresh(url, source_hashes=source_hashes(), torch_version=torch.__version__)
-    if fresh is not None:
-        return fresh
+    stored = read_fresh(url, source_hashes=source_hashes(), torch_version=torch.__version__)
+    if stored is not None:
+        return stored
     try:
+        from registry.store import fresh
         from registry.store.db import Store
     except ModuleNotFoundError as error:
         if not _warned:  # once a process: the matrix and the profiles are read apart
@@ -168,17 +169,17 @@ def _read_default_store(read: str) -> list[Any]:
         return []
     store = Store(url)
     try:
-        return getattr(store, read)(source_hashes=source_hashes(), torch_version=torch.__version__)
+        return getattr(fresh, read)(store)
     finally:
         store.close()
 
 
 def use_store(store: Any) -> None:
     """Read evidence from ``store`` (an open Store) from now on: reloaded lazily at the next decision."""
-    import torch
+    from registry.store.fresh import fresh_entries, fresh_profiles
 
-    use_loader(lambda: store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__))
-    use_profile_loader(lambda: store.fresh_profiles(source_hashes=source_hashes(), torch_version=torch.__version__))
+    use_loader(lambda: fresh_entries(store))
+    use_profile_loader(lambda: fresh_profiles(store))
 
 
 def stored_entries() -> list[Any]:
