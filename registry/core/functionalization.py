@@ -68,7 +68,8 @@ def function_key(func: Callable[..., Any]) -> tuple[object, ...]:
     """What identifies a vmapped function across calls: its code and the code of the functions it wraps.
 
     ``grad(f)`` and ``jacfwd``'s inner function are closures of torch.func shared by every user: the wrapped function
-    (``__wrapped__``, closure cells, ``functools.partial``) tells them apart. A module stands for its class.
+    (``__wrapped__``, closure cells, ``functools.partial``) tells them apart. A module stands for its class; a
+    builtin or a torch op for itself.
     """
     found: list[object] = []
     seen: set[int] = set()
@@ -93,7 +94,11 @@ def function_key(func: Callable[..., Any]) -> tuple[object, ...]:
                     continue
                 if callable(content) and not isinstance(content, type):
                     visit(content, depth + 1)
-        elif callable(obj) and not isinstance(obj, types.BuiltinFunctionType):
+        elif isinstance(obj, (types.BuiltinFunctionType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            # One wrapper around many ops (``lambda *a: op(*a)``) is as many functions: one that writes into a fresh
+            # buffer must not have the others functionalized too.
+            found.append(obj)
+        elif callable(obj):
             found.append(type(obj))
         wrapped = getattr(obj, "__wrapped__", None)
         if wrapped is not None:

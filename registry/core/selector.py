@@ -167,6 +167,17 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
         valid = [(c, p) for c, p in judged if p is None]
         if not valid:
             listed = ", ".join(f"{c.name} [{p.status}]" for c, p in judged)
+            slow_native = next((c for c, p in judged if c.kind == "native" and p is not None and p.status == "slow"),
+                               None)
+            if slow_native is not None:
+                # PyTorch's own op runs here, in vmap's per-sample loop, with the right values: what the call does
+                # without use(). Refusing it would break code that works natively (a function functionalized
+                # automatically meets an op whose only batched composite is a primitive, which functionalize
+                # cannot run).
+                return Decision(op=op, composite=slow_native.name, kind="native",
+                                reason=f"no composite is valid under {where} ({listed}); PyTorch's own {op} runs, in "
+                                       "vmap's per-sample loop, as it does without use().",
+                                alternatives=_alternatives(judged, slow_native), context=ctx, policy=policy)
             raise SelectionError(
                 f"select({op}): no composite is valid under {where}; registered: {listed}. Register a functional "
                 "or primitive composite, or run this op outside the transform"

@@ -288,3 +288,32 @@ def test_functionalization_module_patches_one_function() -> None:
     import torch._functorch.vmap as functorch_vmap
 
     assert functorch_vmap._flat_vmap is functionalization.functionalizing_flat_vmap
+
+
+def test_one_wrapper_around_several_ops_is_remembered_per_op() -> None:
+    # A wrapper called with a builtin that writes into a fresh buffer is remembered; the same wrapper around
+    # another builtin is another function (the survey and the harness wrap every op alike).
+    def wrapping(op):
+        return lambda *args: op(*args)
+
+    assert function_key(wrapping(torch.special.log_ndtr)) != function_key(wrapping(torch.special.airy_ai))
+    assert function_key(wrapping(torch.ops.aten.sin.default)) != function_key(wrapping(torch.ops.aten.cos.default))
+    assert function_key(wrapping(torch.sin)) == function_key(wrapping(torch.sin))
+
+
+def test_a_functionalized_function_reaching_an_op_only_a_primitive_batches_runs_native() -> None:
+    # ldl_solve batches through its primitive, which functionalize cannot run; functionalized for its write into a
+    # fresh buffer, the function still runs (PyTorch's own ldl_solve in vmap's loop) and equals the loop.
+    a = torch.randn(4, 3, 3)
+    ld, pivots = torch.linalg.ldl_factor(a @ a.mT + 3 * torch.eye(3))
+    b = torch.randn(4, 3, 2)
+
+    def solve(ld: torch.Tensor, pivots: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        buffer = torch.zeros(3, 2).index_add_(0, torch.arange(3), b)
+        return torch.linalg.ldl_solve(ld, pivots, buffer)
+
+    expected = torch.stack([solve(ld[i], pivots[i], b[i]) for i in range(4)])
+    with warnings.catch_warnings(), registry.use():
+        warnings.simplefilter("ignore")  # the loop's fallback warning: native runs there
+        for _ in range(2):  # detected, then remembered
+            torch.testing.assert_close(func.vmap(solve)(ld, pivots, b), expected)

@@ -109,3 +109,13 @@ def test_decisions_are_cached_per_context() -> None:
     first = registry.select("index_fill", stack="vmap,grad", dtype="float32")
     assert registry.select("index_fill", stack="vmap,grad", dtype=torch.float32) is first
     assert registry.select("index_fill", stack="vmap,grad", dtype="float64") is not first
+
+
+def test_no_valid_composite_where_native_only_loops_runs_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under vmap(functionalize) linalg_ldl_solve's primitive cannot run and native loops: PyTorch's own op runs, as
+    # without use(), instead of an error (a function functionalized automatically reaches it).
+    decision = registry.select("linalg_ldl_solve", stack="vmap,functionalize", batched=["LD"])
+    assert (decision.composite, decision.kind) == ("native", "native")
+    assert decision.reason.startswith("no composite is valid under vmap(functionalize) with LD batched (native [slow], "
+                                      "primitive [error]); PyTorch's own linalg_ldl_solve runs, in vmap's per-sample "
+                                      "loop, as it does without use().")
