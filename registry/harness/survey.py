@@ -501,13 +501,36 @@ class _Mismatch(Exception):  # noqa: N818 -- an outcome, not a failure
     pass
 
 
-def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
-    """(rtol, atol): gradients go through different kernels than the reference, so looser than assert_close's."""
-    return (1e-4, 1e-4) if dtype == torch.float32 else (1e-5, 1e-6)
+@dataclass(frozen=True)
+class Tolerance:
+    """Where a result is rounding rather than wrong: every element within ``atol + rtol * scale`` of the reference,
+    ``scale`` the reference tensor's largest finite magnitude (a Jacobian projected on ``u`` sums terms of that size,
+    so its small entries carry the rounding of the large ones)."""
+
+    rtol: float
+    atol: float
+
+
+# Keyed by the dtype of the tensor compared (a float64 sample may hold a float32 tensor: cov's aweights). Measured
+# over the float32 cases of the survey's mismatching entries against the same case cast to float64
+# (docs/verification.md, Survey, tolerances): float32 rounding reached 0.0087 of the scale
+# (multi_head_attention_forward, whose float32 reference is itself 0.0056 from float64's) and 2.4e-4 absolute where
+# the reference is 0 (layer_norm); every wrong result was at least 1.4 of the scale. float64 keeps its earlier
+# bounds, written norm-wise.
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(rtol=3e-2, atol=1e-3),
+    torch.float64: Tolerance(rtol=1e-5, atol=1e-6),
+}
+_REAL = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def tolerance_for(tensor_dtype: torch.dtype, case_dtype: torch.dtype) -> Tolerance:
+    """The tolerance of a tensor of ``tensor_dtype`` in a case of ``case_dtype`` (half precision: the case's)."""
+    return TOLERANCES.get(_REAL.get(tensor_dtype, tensor_dtype)) or TOLERANCES[case_dtype]
 
 
 def compare(actual: Any, expected: Any, dtype: torch.dtype, where: str = "output") -> Outcome | None:
-    """None when equal within tolerance, else a mismatch naming where and by how much."""
+    """None when equal within tolerance (TOLERANCES), else a mismatch naming where and by how much."""
     if isinstance(expected, torch.Tensor):
         if not isinstance(actual, torch.Tensor):
             return Outcome("mismatch", f"{where}: expected a tensor, got {type(actual).__name__}")
@@ -517,17 +540,18 @@ def compare(actual: Any, expected: Any, dtype: torch.dtype, where: str = "output
             return Outcome("mismatch", f"{where}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
         if actual.dtype != expected.dtype:
             return Outcome("mismatch", f"{where}: dtype {actual.dtype} != {expected.dtype}")
-        rtol, atol = _tolerances(dtype)
-        if actual.dtype.is_floating_point:
-            # Where the reference is inf or nan it has no value to check against (a Jacobian projected on u turns an
-            # inf into nan through 0 * inf; a double vjp overflows where the jvp does not): compare the rest.
-            unchecked = ~expected.isfinite()
-            actual, expected = actual.masked_fill(unchecked, 0), expected.masked_fill(unchecked, 0)
-        try:
-            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
-        except AssertionError:
-            a, e = actual.detach().double(), expected.detach().double()
-            diff = (a - e).abs().nan_to_num(nan=math.inf)
+        a, e = actual.detach(), expected.detach()
+        if not (e.dtype.is_floating_point or e.dtype.is_complex):
+            return None if torch.equal(a, e) else Outcome("mismatch", f"{where}: values differ")
+        # Where the reference is inf or nan it has no value to check against (a Jacobian projected on u turns an
+        # inf into nan through 0 * inf; a double vjp overflows where the jvp does not): compare the rest.
+        unchecked = ~e.isfinite()
+        wide = torch.complex128 if e.dtype.is_complex else torch.float64
+        a, e = a.masked_fill(unchecked, 0).to(wide), e.masked_fill(unchecked, 0).to(wide)
+        diff = (a - e).abs().nan_to_num(nan=math.inf)
+        scale = e.abs().max().item() if e.numel() else 0.0
+        tolerance = tolerance_for(expected.dtype, dtype)
+        if e.numel() and bool((diff > tolerance.atol + tolerance.rtol * scale).any()):
             rel = diff / e.abs().clamp_min(1e-12)
             max_abs, max_rel = diff.max().item(), rel.max().item()
             return Outcome("mismatch", f"{where}: max abs error {max_abs:.3g}, max rel error {max_rel:.3g}",
