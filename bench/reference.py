@@ -21,6 +21,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,12 @@ def _case(op: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
     return (lambda s, v: torch.index_fill(s, 0, index, v)), (self, torch.randn(BATCH))
 
 
-def check(rounds: int, min_run_time: float) -> list[dict[str, Any]]:
-    """Auto's time over the fastest valid composite's, per checked op, on an empty store."""
+def check(rounds: int, min_run_time: float, cpu_time: bool = False) -> list[dict[str, Any]]:
+    """Auto's time over the fastest valid composite's, per checked op, on an empty store; ``cpu_time``: one
+    thread, timed in the calling thread's CPU time (time spent descheduled by other processes does not count)."""
+    clock = time.thread_time if cpu_time else time.perf_counter
+    if cpu_time:
+        torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         os.environ["MULTICOMPOSITE_DB"] = f"sqlite:///{folder}/empty.db"
         import registry
@@ -116,7 +121,7 @@ def check(rounds: int, min_run_time: float) -> list[dict[str, Any]]:
                 runners[alternative] = routed({op: alternative})
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time)
+                timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time, clock=clock)
             # The fastest pinned composite by its median per-round ratio to the others (noise.relative), then auto
             # over it per round: a ratio within a round is what a load on the machine cannot bias.
             pinned = noise.relative({n: t for n, t in timed.items() if n != "auto"})
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     checking = actions.add_parser("check", help="auto on an empty store against the fastest valid composite")
     checking.add_argument("--rounds", type=int, default=7)
     checking.add_argument("--min-run-time", type=float, default=1.0)
+    checking.add_argument("--cpu-time", action="store_true",
+                          help="one thread, timed in thread CPU time (time spent descheduled does not count)")
     args = parser.parse_args(argv)
     if args.action == "measure":
         from registry.core import reference
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         document = measure(args.out or reference.PATH, args.min_run_time, args.workload or list(DEFAULT_WORKLOADS))
         print(f"{len(document['contexts'])} contexts measured on {document['machine']}")
         return 0
-    results = check(args.rounds, args.min_run_time)
+    results = check(args.rounds, args.min_run_time, args.cpu_time)
     for result in results:
         print(f"{result['op']:16s} auto -> {result['auto_choice']:11s} fastest {result['fastest']:11s} "
               f"auto/fastest {result['auto_over_fastest']:.3f}  medians ms {result['medians_ms']}")

@@ -1,4 +1,4 @@
-"""Shared dependencies: settings, the app-scoped store, the job runner, and the bearer-token check.
+"""Shared dependencies: settings, the app-scoped store, the job backend, and the bearer-token check.
 
 Which routes need the token (when MULTICOMPOSITE_TOKEN is set): those that write the store or start work on the
 machine, POST /verify, POST /profiles and DELETE /jobs/{id} (``Authorized``). Every read needs none: the GET routes
@@ -14,18 +14,18 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from registry.store.db import Store
-from service.jobs import JobRunner
+from service.jobs.backend import JobBackend
 from service.settings import Settings
 from service.state import StoreState
-from service.worker import QueuedJobs
 
 
 def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_runner(request: Request) -> JobRunner | QueuedJobs:
-    """The job runner, whose jobs live in the store: StoreUnavailableError (503) while it cannot be read."""
+def get_job_backend(request: Request) -> JobBackend:
+    """The job backend the app picked at startup, whose jobs live in the store: StoreUnavailableError (503) while
+    it cannot be read."""
     request.app.state.store_state.require()
     return request.app.state.runner
 
@@ -58,7 +58,7 @@ def require_token(settings: Annotated[Settings, Depends(get_settings)],
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-RunnerDep = Annotated[JobRunner | QueuedJobs, Depends(get_runner)]
+JobsDep = Annotated[JobBackend, Depends(get_job_backend)]
 StateDep = Annotated[StoreState, Depends(get_state)]
 StoreDep = Annotated[Store, Depends(get_store)]
 Authorized = Depends(require_token)

@@ -1,4 +1,4 @@
-"""``create_app(settings)``: the FastAPI app. The store, the store watcher and the job worker live as long as the
+"""``create_app(settings)``: the FastAPI app. The store, the store watcher and the job backend live as long as the
 app: opened in its lifespan, closed after it."""
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import registry
 from registry.core.stacks import shorten
 from registry.store.db import StoreUnavailableError
 from service import dashboard
-from service.job_work import make_job_runner
-from service.jobs import JobRunner
+from service.jobs.startup import job_backend
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.models import ErrorPublic
@@ -29,7 +28,6 @@ from service.routers import jobs, meta, ops, select, store
 from service.settings import Settings
 from service.state import StoreState
 from service.validation import InputError
-from service.worker import QueuedJobs
 
 
 def docs_assets() -> Path:
@@ -68,23 +66,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.open()  # StoreUnavailableError: the server does not start
-        runner: JobRunner | QueuedJobs
-        postgres = state.require().engine.dialect.name == "postgresql"
-        if settings.jobs == "workers" or (settings.jobs == "auto" and postgres):
-            # Jobs go to procrastinate's queues and run on `multicomposite worker` processes (service/worker.py).
-            runner = QueuedJobs(state.require(), settings.queue_size, settings.job_retention_s,
-                                on_finished=state.poll)
-        else:
-            runner = JobRunner(make_job_runner(state.require(), on_written=state.poll), state.require(),
-                               settings.queue_size,
-                               settings.job_timeout_s, settings.job_retention_s)
+        runner = job_backend(settings, state)  # once: the routers call it through the JobBackend protocol
         app.state.runner = runner
         app.state.metrics.runner = runner
         runner.start()
         try:
             yield
         finally:
-            runner.stop()
+            runner.shutdown()
             state.close()
 
     app = FastAPI(title="multicomposite", description="Which decomposition of a PyTorch op fits a transform stack",

@@ -10,11 +10,11 @@ from fastapi import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from registry.store.db import JOB_STATES
-from service.jobs import JobRunner
+from service.jobs.backend import JobBackend
 
 
 class Metrics:
-    def __init__(self, runner: JobRunner | None = None) -> None:
+    def __init__(self, runner: JobBackend | None = None) -> None:
         self.registry = CollectorRegistry()  # one per app: tests create many apps
         self.requests = Counter("multicomposite_requests_total", "HTTP requests", ["route", "method", "status"],
                                 registry=self.registry)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from registry.core.stacks import format_stack, shorten
+from registry.store.records import MatrixEntry, ProfileEntry
 from service.timestamps import ISO_EXAMPLE, iso_utc
 
 if TYPE_CHECKING:
@@ -120,39 +123,30 @@ def Timestamp(what: str, *, nullable: str = "") -> Any:  # noqa: N802 -- a Field
                  f"{'; null ' + nullable if nullable else ''}", json_schema_extra={"format": "date-time"})
 
 
-class MatrixEntryPublic(BaseModel):
-    op: str
-    composite: str
-    kind: str
-    stack: str = Field(description=STACK_DOC)
-    pattern: str
-    dtype: str
-    status: str
-    detail: str
-    max_abs_error: float | None
-    max_rel_error: float | None
-    torch_version: str
-    device: str
-    measured_at: str | None = Timestamp("when it was measured",
-                                        nullable="for entries stored before the store kept it")
+def record_model(name: str, record: type, *, overrides: dict[str, tuple[Any, Any]]) -> type[BaseModel]:
+    """The public model of a stored record (``registry.store.records``), built from its declaration: its public
+    fields in their order, typed as declared and described by their ``doc``; ``overrides`` (name to annotation and
+    Field) replaces a field whose public form differs (a stack as its spelling, a time in ISO 8601)."""
+    hints = typing.get_type_hints(record)
+    fields: dict[str, Any] = {}
+    for spec in dataclasses.fields(record):
+        if not spec.metadata["public"]:
+            continue
+        doc = spec.metadata["doc"]
+        fields[spec.name] = overrides.get(spec.name) or (hints[spec.name], Field(description=doc or None))
+    return create_model(name, **fields)
 
 
-class ProfilePublic(BaseModel):
-    op: str
-    composite: str
-    kind: str
-    stack: str = Field(description="the stack the op sees, spelled vmap(grad)")
-    workload: str = Field(description="the transform the timing ran under: vmap, grad, vmap(grad), jacrev, ...")
-    dtype: str
-    device: str
-    device_name: str
-    numel_bucket: int
-    batch_size: int
-    valid: bool
-    detail: str
-    median_us: float | None
-    iqr_us: float | None
-    runs: int
+# The matrix's cells as GET /matrix lists them.
+MatrixEntryPublic = record_model("MatrixEntryPublic", MatrixEntry, overrides={
+    "stack": (str, Field(description=STACK_DOC)),
+    "measured_at": (str | None, Timestamp("when it was measured",
+                                          nullable="for entries stored before the store kept it")),
+})
+# The timings as GET /profiles lists them.
+ProfilePublic = record_model("ProfilePublic", ProfileEntry, overrides={
+    "stack": (str, Field(description="the stack the op sees, spelled vmap(grad)")),
+})
 
 
 class MatrixPage(BaseModel):

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from registry.core.stacks import shorten
 from registry.store.db import MatrixEntry, ProfileEntry
 from service.state import StoreState
@@ -46,19 +44,18 @@ def _listing(items: list[Any], key: Callable[[Any], tuple]) -> Listing:
 
 def fresh_matrix(state: StoreState) -> Listing:
     """The store's entries fresh for this torch and these composites' sources (one read per generation)."""
-    from registry.core.sources import source_hashes
+    from registry.store import fresh
 
     store = state.require()
-    return state.listings.get(state.generation, "matrix", lambda: _listing(
-        store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__), matrix_key))
+    return state.listings.get(state.generation, "matrix", lambda: _listing(fresh.fresh_entries(store), matrix_key))
 
 
 def fresh_profiles(state: StoreState) -> Listing:
-    from registry.core.sources import source_hashes
+    from registry.store import fresh
 
     store = state.require()
-    return state.listings.get(state.generation, "profiles", lambda: _listing(
-        store.fresh_profiles(source_hashes=source_hashes(), torch_version=torch.__version__), profile_key))
+    return state.listings.get(state.generation, "profiles", lambda: _listing(fresh.fresh_profiles(store),
+                                                                             profile_key))
 
 
 def encode_cursor(key: list) -> str:

@@ -1,16 +1,15 @@
 import os
 import tempfile
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 # Tests never touch the user's store: every run gets an empty SQLite file of its own.
 os.environ["MULTICOMPOSITE_DB"] = f"sqlite:///{tempfile.mkdtemp(prefix='multicomposite-tests-')}/store.db"
 
 import registry
+from registry.harness import fallback
 from tests.pgserver import PostgresServer, PostgresUnavailableError, require_server
 
 
@@ -26,13 +25,8 @@ def _no_leftover_routing():
 @pytest.fixture
 def fallback_warnings():
     """vmap's per-sample fallback warning, switched on and recorded (the tests that assert no fallback share it)."""
-    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield caught
-    finally:
-        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    with fallback.watch() as caught:
+        yield caught
 
 
 # PostgreSQL ------------------------------------------------------------------------------------------------------

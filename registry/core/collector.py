@@ -3,8 +3,9 @@
 Registering the routing kernels makes a few thousand long-lived objects (deciders, Python kernels, their closures)
 and no garbage. Right after ``import torch`` and ``import registry`` the collector owes a full collection of that
 whole heap (about 40 ms on 2-core x86_64, torch 2.13.0 CPU); those allocations would trigger it inside the first
-``use()``, although registration adds nothing for it to free. Pausing the collector while registering leaves that
-collection where it would have come without routing: at the program's own later allocations.
+``use()``, although registration adds nothing for it to free. Pausing the collector while registering (and while
+the first decision loads the store's evidence, as many long-lived records), then collecting the young generation
+alone, leaves that collection where it would have come without routing: at the program's own later allocations.
 """
 
 from __future__ import annotations
@@ -23,4 +24,8 @@ def collection_paused() -> Iterator[None]:
         yield
     finally:
         if enabled:
+            # The block's allocations passed the young generation's threshold: collected here alone (about a
+            # millisecond), they leave the older generations' counts as they were, so the first allocation after
+            # the block does not start the cascade into the full collection that the imports left owing.
+            gc.collect(0)
             gc.enable()

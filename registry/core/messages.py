@@ -9,8 +9,9 @@ from __future__ import annotations
 DETAIL_LIMIT = 300  # characters of an error's first line that a detail keeps
 
 
-def first_line(error: BaseException, limit: int = DETAIL_LIMIT) -> str:
-    """The first line of ``error``'s message, at most ``limit`` characters; ``""`` when it has no message."""
+def first_line(error: BaseException | Warning | str, limit: int = DETAIL_LIMIT) -> str:
+    """The first line of ``error``'s message (an exception, a warning or text), at most ``limit`` characters; ``""``
+    when it has no message."""
     return (str(error).strip().splitlines() or [""])[0][:limit]
 
 

@@ -1,10 +1,10 @@
 """The conformance suite: functorch's OpInfo checks over every covered op, natively and inside ``registry.use()``.
 
 In the image of PyTorch's own functorch tests (``test_ops.py``'s vjp, jvp, vmapvjp, vjpvmap, vmapjvp, jvpvjp and
-``test_vmap.py``'s exhaustive vmap), built on the survey's interpreter (``survey.run_stack`` under torch.func,
-``survey.reference`` outside any transform, ``survey.compare``). For every op_db entry of a covered op
-(``define_op(..., opinfo=...)``), every OpInfo sample (degenerate ones included: empty tensors, 0-d, size-1 and
-zero-size dimensions) and both dtypes, each check runs once natively and once inside ``use()``:
+``test_vmap.py``'s exhaustive vmap), built on the interpreter of OpInfo cases (``registry.harness.case_stacks``:
+``run_stack`` under the stack, ``reference`` outside any transform, ``compare``). For every op_db entry of a
+covered op (``define_op(..., opinfo=...)``), every OpInfo sample (degenerate ones included: empty tensors, 0-d,
+size-1 and zero-size dimensions) and both dtypes, each check runs once natively and once inside ``use()``:
 
 - ``vjp``: the gradient of ``sum(w * y)`` (survey stack ``grad``), per batching variant (which arguments are
   differentiated: ``sample.input``'s tensors, or the others');
@@ -33,7 +33,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from registry.core.messages import described
-from registry.harness import survey
+from registry.harness import case_stacks, deadline, fork_pool, outcomes
+from registry.harness import opinfo_cases as cases
 
 # check -> the interpreter's stack
 CHECKS: dict[str, str] = {
@@ -65,8 +66,8 @@ class Verdict:
     check: str
     sample: int
     how: str  # the batching variant, or the batched arguments and the batch dimension for vmap
-    native: survey.Outcome
-    used: survey.Outcome
+    native: outcomes.Outcome
+    used: outcomes.Outcome
 
 
 @dataclass
@@ -95,7 +96,7 @@ class ConformanceRow:
 class ConformanceConfig:
     checks: tuple[str, ...] = ALL_CHECKS
     sample_limit: int = DEFAULT_SAMPLE_LIMIT
-    case_timeout_s: float = survey.DEFAULT_CASE_TIMEOUT_S
+    case_timeout_s: float = deadline.DEFAULT_CASE_TIMEOUT_S
 
 
 def covered_entries(ops: Iterable[str] | None = None) -> list[tuple[str, Any]]:
@@ -152,22 +153,22 @@ def _vmap_layouts(case_leaves: Sequence[Any]) -> list[tuple[tuple[int, ...], boo
     return layouts
 
 
-def _cases(entry: Any, sample: Any, check: str, random: bool) -> list[tuple[str, survey.SurveyCase | survey.Outcome]]:
+def _cases(entry: Any, sample: Any, check: str, random: bool) -> list[tuple[str, cases.SurveyCase | outcomes.Outcome]]:
     if check == "vmap":
         leaves, _ = tree_flatten((sample.input, sample.args, sample.kwargs))
         made = []
         for subset, last in _vmap_layouts(leaves):
             how = f"in_dims={'-1' if last else '0'} on leaves {','.join(map(str, subset))}"
             try:
-                case: survey.SurveyCase | survey.Outcome = survey.SurveyCase(entry, sample, "input", BATCH,
+                case: cases.SurveyCase | outcomes.Outcome = cases.SurveyCase(entry, sample, "input", BATCH,
                                                                              leaves=subset, last_dim=last)
                 case.random = random
-                case.dynamic = survey.is_dynamic(entry, sample, case.batched)
+                case.dynamic = cases.is_dynamic(entry, sample, case.batched)
             except Exception as error:
-                case = survey.Outcome("unsupported", f"cannot build per-sample arguments: {described(error)}")
+                case = outcomes.Outcome("unsupported", f"cannot build per-sample arguments: {described(error)}")
             made.append((how, case))
         return made
-    return [(batching, survey.prepare_case(entry, sample, batching, BATCH, random)) for batching in survey.BATCHINGS]
+    return [(batching, cases.prepare_case(entry, sample, batching, BATCH, random)) for batching in cases.BATCHINGS]
 
 
 def check_entry(entry: Any, dtype_name: str, config: ConformanceConfig) -> tuple[list[Verdict], list[Any]]:
@@ -178,33 +179,33 @@ def check_entry(entry: Any, dtype_name: str, config: ConformanceConfig) -> tuple
         return [], []
     with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
         warnings.simplefilter("ignore")
-        torch.manual_seed(survey.SEED)
+        torch.manual_seed(cases.SEED)
         samples = samples_of(entry, dtype, config.sample_limit)
         verdicts = []
         for index, sample in enumerate(samples):
-            random = survey.sample_is_random(entry, sample)
+            random = cases.sample_is_random(entry, sample)
             for check in config.checks:
                 if check == NO_FALLBACK:
                     continue
                 stack = CHECKS[check]
                 for how, case in _cases(entry, sample, check, random):
-                    if isinstance(case, survey.Outcome):
+                    if isinstance(case, outcomes.Outcome):
                         verdicts.append(Verdict(check, index, how, case, case))
                         continue
-                    reference = survey.Reference(case)
-                    outcomes = [survey.dynamic_outcome(case, stack, survey.check_case(
+                    reference = case_stacks.Reference(case)
+                    results = [case_stacks.dynamic_outcome(case, stack, case_stacks.check_case(
                         stack, case, reference, dtype, inside_use=inside, timeout_s=config.case_timeout_s))
                         for inside in (False, True)]
-                    verdicts.append(Verdict(check, index, how, outcomes[0], outcomes[1]))
+                    verdicts.append(Verdict(check, index, how, results[0], results[1]))
         return verdicts, samples
 
 
-def value_pass(outcome: survey.Outcome) -> bool | None:
+def value_pass(outcome: outcomes.Outcome) -> bool | None:
     """Whether the values were right (None: not checked)."""
     return None if outcome.status == "unsupported" else outcome.status in ("ok", "slow")
 
 
-def warning_pass(outcome: survey.Outcome) -> bool | None:
+def warning_pass(outcome: outcomes.Outcome) -> bool | None:
     """Whether a check with right values ran without vmap's fallback warning (None: not checked)."""
     return None if outcome.status not in ("ok", "slow") else outcome.status == "ok"
 
@@ -226,7 +227,7 @@ def rows_of(op: str, entry: Any, dtype_name: str, verdicts: Sequence[Verdict], s
             f"#{shown.sample} {shown.check} {shown.how}: native {shown.native.status} {shown.native.detail[:200]}; "
             f"use() {shown.used.status} {shown.used.detail[:200]}")
         rows.append(ConformanceRow(
-            op=op, entry=survey.entry_id(entry), check=check, dtype=dtype_name, cases=len(both),
+            op=op, entry=cases.entry_id(entry), check=check, dtype=dtype_name, cases=len(both),
             native_passed=sum(bool(n) for _, n, _ in both), use_passed=sum(bool(u) for _, _, u in both),
             newly_passing=sum(1 for _, n, u in both if not n and u), newly_failing=len(newly_failing),
             degenerate_cases=sum(1 for v, _, _ in both if degenerate(samples[v.sample])), detail=detail,
@@ -247,7 +248,7 @@ def _crash_rows(job: tuple[str, Any], dtype_name: str, config: ConformanceConfig
     op, entry = job
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     # Nothing was measured: a crash counts as one newly failing case, so that it cannot pass unseen.
-    return [ConformanceRow(op=op, entry=survey.entry_id(entry), check=check, dtype=dtype_name, cases=1,
+    return [ConformanceRow(op=op, entry=cases.entry_id(entry), check=check, dtype=dtype_name, cases=1,
                            native_passed=1, use_passed=0, newly_passing=0, newly_failing=1, degenerate_cases=0,
                            detail=f"conformance worker: {why}", torch_version=torch.__version__, timestamp=stamp)
             for check in config.checks]
@@ -265,8 +266,8 @@ def run_conformance(jobs: Sequence[tuple[str, Any]], dtypes: Sequence[str], conf
     """Every (covered op, entry) of ``jobs`` at ``dtypes``; ``workers`` > 0 forks that many processes (the survey's
     pool: a crashed or hung job becomes rows that count as newly failing)."""
     for dtype_name in dtypes:
-        if dtype_name not in survey.DTYPES:
-            raise ConformanceError(f"unknown dtype {dtype_name!r}; valid: {', '.join(survey.DTYPES)}")
+        if dtype_name not in cases.DTYPES:
+            raise ConformanceError(f"unknown dtype {dtype_name!r}; valid: {', '.join(cases.DTYPES)}")
     work = [(index, dtype_name) for index in range(len(jobs)) for dtype_name in dtypes]
     result = ConformanceRun()
     done = 0
@@ -283,10 +284,10 @@ def run_conformance(jobs: Sequence[tuple[str, Any]], dtypes: Sequence[str], conf
         for index, dtype_name in work:
             finished(conform_entry(jobs[index], dtype_name, config))
     else:
-        survey.run_forked(jobs, work, config, workers, job_timeout_s, finished, work=conform_entry,
+        fork_pool.run_forked(jobs, work, config, workers, job_timeout_s, finished, work=conform_entry,
                            crash=_crash_rows)
     result.seconds = time.perf_counter() - start
-    order = {(op, survey.entry_id(entry)): i for i, (op, entry) in enumerate(jobs)}
+    order = {(op, cases.entry_id(entry)): i for i, (op, entry) in enumerate(jobs)}
     result.rows.sort(key=lambda r: (order.get((r.op, r.entry), len(order)), dtypes.index(r.dtype),
                                     ALL_CHECKS.index(r.check)))
     return result

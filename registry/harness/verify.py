@@ -2,15 +2,9 @@
 PyTorch outside any transform. The matrix it returns is what the store keeps and what policy ``auto`` trusts.
 
 Stacks are generated, not listed: every nesting of depth 1 to 3 over ``vmap``, ``grad`` and ``jvp``, plus
-``functionalize`` and ``compile`` as the outermost layer of the depth-1 and depth-2 ones. Each transform maps a
-function of tensors to a function of tensors, so a stack is built (and its reference computed) by composing layers:
-
-- ``vmap``: ``torch.func.vmap`` / a Python loop over the batch;
-- ``grad``: the gradient of ``sum(w * y * y)`` with respect to the first differentiable argument /
-  ``torch.autograd.grad`` with ``create_graph`` so that outer layers can differentiate it again;
-- ``jvp``: ``torch.func.jvp`` along a fixed tangent / ``torch.autograd.forward_ad`` where it is the only
-  differentiating layer, else the double-vjp identity J t = d/du <J^T u, t> (forward AD has one level only);
-- ``functionalize``, ``compile`` (``aot_eager``, ``fullgraph=True``): the whole stack below them / nothing.
+``functionalize`` and ``compile`` as the outermost layer of the depth-1 and depth-2 ones. The harness's interpreter
+(``registry.harness.interpreter``) builds each stack and its reference layer by layer: grad differentiates
+``sum(w * y * y)`` with respect to the first differentiable argument, jvp pushes a fixed tangent forward.
 
 Invalid inputs count too: an entry of a base stack (vmap, grad, jvp nestings) is ``mismatch`` when its composite
 accepts, in that context, a fault sample (``registry.harness.samples.fault_samples``) that native PyTorch rejects
@@ -27,12 +21,9 @@ import signal
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import func
-from torch.autograd import forward_ad
 
 from registry.core.messages import described
 from registry.core.model import Composite
@@ -41,9 +32,11 @@ from registry.core.registration import COMPOSITES, RegistrationError, load
 from registry.core.sources import source_hash
 from registry.core.stacks import format_stack, parse_stack
 from registry.core.status import RANK  # an entry aggregates its samples worst last: "unsupported" only when none ran
-from registry.harness import opinfo
+from registry.harness import fallback, opinfo
 from registry.harness.audit import audit
-from registry.harness.checks import FALLBACK_WARNING, entry_call, native_call
+from registry.harness.checks import batched_names, entry_call, native_call
+from registry.harness.comparison import compare, errors
+from registry.harness.interpreter import Fn, Layout, differentiates, reference, transformed
 from registry.harness.samples import SAMPLES, Args, Sample, fault_name, fault_samples
 from registry.store.db import MatrixEntry
 
@@ -60,152 +53,15 @@ def default_stacks() -> list[tuple[str, ...]]:
     return nested + outer
 
 
-# --- the layers --------------------------------------------------------------------------------------------------
-
-
-def _weight(y: torch.Tensor) -> torch.Tensor:
-    # Deterministic, built from the shape alone: the same under any transform and in the reference.
-    return torch.linspace(0.5, 1.5, y.numel(), dtype=y.dtype, device=y.device).reshape(y.shape)
-
-
-def _tangent(x: torch.Tensor) -> torch.Tensor:
-    return torch.linspace(-1.0, 1.0, x.numel(), dtype=x.dtype, device=x.device).reshape(x.shape)
-
-
-def _loss(y: torch.Tensor) -> torch.Tensor:
-    return (_weight(y) * y * y).sum()
-
-
-Fn = Callable[..., torch.Tensor]
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """How inputs are batched: per vmap layer (outermost first), each input's batch dim or None."""
-
-    in_dims: tuple[tuple[int | None, ...], ...]
-    wrt: int  # the input that grad and jvp differentiate with respect to
-
-
-def _transformed(stack: Sequence[str], f: Fn, layout: _Layout) -> Fn:
-    vmap_layer = sum(1 for t in stack if t == "vmap")
-    for transform in reversed(stack):
-        if transform == "vmap":
-            vmap_layer -= 1
-            f = func.vmap(f, layout.in_dims[vmap_layer])
-        elif transform == "grad":
-            f = _func_grad(f, layout.wrt)
-        elif transform == "jvp":
-            f = _func_jvp(f, layout.wrt)
-        elif transform == "functionalize":
-            f = func.functionalize(f)
-        elif transform == "compile":
-            torch._dynamo.reset()  # each case compiles the same wrappers: without a reset they hit the limit
-            f = torch.compile(f, backend="aot_eager", fullgraph=True)
-        else:
-            raise ValueError(f"unknown transform {transform!r}")
-    return f
-
-
-def _func_grad(f: Fn, wrt: int) -> Fn:
-    return func.grad(lambda *xs: _loss(f(*xs)), argnums=wrt)
-
-
-def _func_jvp(f: Fn, wrt: int) -> Fn:
-    def jvp_f(*xs: torch.Tensor) -> torch.Tensor:
-        def along(x: torch.Tensor) -> torch.Tensor:
-            return f(*xs[:wrt], x, *xs[wrt + 1:])
-
-        return func.jvp(along, (xs[wrt],), (_tangent(xs[wrt]),))[1]
-
-    return jvp_f
-
-
-def _reference(stack: Sequence[str], f: Fn, layout: _Layout) -> Fn:
-    vmap_layer = sum(1 for t in stack if t == "vmap")
-    # Forward AD has one level and does not mix reliably with reverse mode around or inside it: it is the reference
-    # only for a jvp that is the stack's one differentiating layer; otherwise the double-vjp identity is.
-    alone = sum(1 for t in stack if t in ("grad", "jvp")) == 1
-    for transform in reversed(stack):
-        if transform == "vmap":
-            vmap_layer -= 1
-            f = _loop(f, layout.in_dims[vmap_layer])
-        elif transform == "grad":
-            f = _autograd_grad(f, layout.wrt)
-        elif transform == "jvp":
-            f = _forward_ad_jvp(f, layout.wrt) if alone else _autograd_jvp(f, layout.wrt)
-    return f
-
-
-def _loop(f: Fn, in_dims: tuple[int | None, ...]) -> Fn:
-    def looped(*xs: torch.Tensor) -> torch.Tensor:
-        size = next(x.shape[d] for x, d in zip(xs, in_dims, strict=True) if d is not None)
-        return torch.stack([
-            f(*(x if d is None else x.select(d, b) for x, d in zip(xs, in_dims, strict=True))) for b in range(size)
-        ])
-
-    return looped
-
-
-def _leaf(x: torch.Tensor) -> torch.Tensor:
-    return x if x.requires_grad else x.detach().requires_grad_()
-
-
-def _autograd_grad(f: Fn, wrt: int) -> Fn:
-    def grad_f(*xs: torch.Tensor) -> torch.Tensor:
-        x = _leaf(xs[wrt])
-        loss = _loss(f(*xs[:wrt], x, *xs[wrt + 1:]))
-        if not loss.requires_grad:  # an inner derivative of a linear op: constant in x
-            return torch.zeros_like(x)
-        (g,) = torch.autograd.grad(loss, x, create_graph=True, allow_unused=True, materialize_grads=True)
-        return g
-
-    return grad_f
-
-
-def _forward_ad_jvp(f: Fn, wrt: int) -> Fn:
-    def jvp_f(*xs: torch.Tensor) -> torch.Tensor:
-        with forward_ad.dual_level():
-            dual = forward_ad.make_dual(xs[wrt], _tangent(xs[wrt]))
-            out = f(*xs[:wrt], dual, *xs[wrt + 1:])
-            tangent = forward_ad.unpack_dual(out).tangent
-        return torch.zeros_like(out) if tangent is None else tangent
-
-    return jvp_f
-
-
-def _autograd_jvp(f: Fn, wrt: int) -> Fn:
-    def jvp_f(*xs: torch.Tensor) -> torch.Tensor:
-        x = _leaf(xs[wrt])
-        y = f(*xs[:wrt], x, *xs[wrt + 1:])
-        if not y.requires_grad:  # an inner derivative of a linear op: constant in x
-            return torch.zeros_like(y)
-        u = torch.zeros_like(y, requires_grad=True)
-        (vjp,) = torch.autograd.grad(y, x, u, create_graph=True, allow_unused=True, materialize_grads=True)
-        (jvp,) = torch.autograd.grad(vjp, u, _tangent(x), create_graph=True, allow_unused=True,
-                                     materialize_grads=True)
-        return jvp
-
-    return jvp_f
-
-
 # --- inputs --------------------------------------------------------------------------------------------------------
 
 
-def _batched(sample: Sample, pattern: str) -> tuple[str, ...]:
-    if pattern == "self":
-        return ("self",)
-    if pattern == "others":
-        return tuple(name for name in sample.batchable if name != "self")
-    return sample.batchable
-
-
-def _inputs(sample: Sample, stack: Sequence[str], pattern: str, seed: int) -> tuple[Args, tuple[Any, ...], _Layout]:
+def _inputs(sample: Sample, stack: Sequence[str], pattern: str, seed: int) -> tuple[Args, tuple[Any, ...], Layout]:
     """The fixed arguments, the physical tensor inputs (with a batch dim per vmap layer), and their layout."""
     names = sample.batchable
     base = sample.build(seed)
     n_vmaps = sum(1 for t in stack if t == "vmap")
-    batched = _batched(sample, pattern) if n_vmaps else ()
+    batched = batched_names(sample, pattern) if n_vmaps else ()
     sizes = [3, 2, 2][:n_vmaps]
     counter = itertools.count(seed + 1)
 
@@ -234,25 +90,16 @@ def _inputs(sample: Sample, stack: Sequence[str], pattern: str, seed: int) -> tu
     if pattern == "in_dims1" and n_vmaps:
         tensors = [t.movedim(0, 1) if in_dims[0][i] == 1 else t for i, t in enumerate(tensors)]
     wrt = names.index(sample.differentiable[0]) if sample.differentiable else 0
-    return base, tuple(tensors), _Layout(tuple(in_dims), wrt)
+    return base, tuple(tensors), Layout(tuple(in_dims), wrt)
 
 
 # --- one check -----------------------------------------------------------------------------------------------------
 
 
-def _errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
-    if actual.numel() == 0:
-        return 0.0, 0.0
-    diff = (actual.double() - expected.double()).abs()
-    rel = diff / expected.double().abs().clamp_min(1e-12)
-    return diff.max().item(), rel.max().item()
-
-
 def check_stack(sample: Sample, stack: tuple[str, ...], pattern: str, call: Callable[[Args], Any],
                 seed: int = 0) -> tuple[str, str, float | None, float | None]:
     """(status, detail, max abs error, max rel error) of ``call`` under ``stack`` against the native loop."""
-    needs_grad = any(t in ("grad", "jvp") for t in stack)
-    if needs_grad and not sample.differentiable:
+    if differentiates(stack) and not sample.differentiable:
         return "unsupported", f"{sample.dtype} has no gradients", None, None
     base, tensors, layout = _inputs(sample, stack, pattern, seed)
     names = sample.batchable
@@ -261,31 +108,20 @@ def check_stack(sample: Sample, stack: tuple[str, ...], pattern: str, call: Call
         return lambda *xs: target({**base, **dict(zip(names, xs, strict=True))})
 
     try:
-        expected = _reference(stack, with_tensors(native_call(sample.op, sample)), layout)(*tensors)
+        expected = reference(stack, with_tensors(native_call(sample.op, sample)), layout)(*tensors)
     except Exception as error:  # the reference itself cannot be computed: nothing to judge against
         return "unsupported", f"reference: {described(error, 200)}", None, None
     expected = expected.detach()
-    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                actual = _transformed(stack, with_tensors(call), layout)(*tensors)
-            except Exception as error:  # a transform's failure is this check's result
-                return "error", described(error, 200), None, None
-    finally:
-        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
-    if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        return ("mismatch", f"shape/dtype {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} "
-                f"{expected.dtype}", None, None)
-    abs_error, rel_error = _errors(actual.detach(), expected)
-    try:
-        torch.testing.assert_close(actual.detach(), expected, equal_nan=True)
-    except AssertionError:
-        return "mismatch", f"max abs error {abs_error:.3g}, max rel error {rel_error:.3g}", abs_error, rel_error
-    slow = [str(w.message) for w in caught if FALLBACK_WARNING in str(w.message)]
-    if slow:
-        return "slow", slow[0].splitlines()[0][:200], abs_error, rel_error
+    with fallback.watch() as caught:
+        try:
+            actual = transformed(stack, with_tensors(call), layout)(*tensors)
+        except Exception as error:  # a transform's failure is this check's result
+            return "error", described(error, 200), None, None
+    if (mismatch := compare(actual, expected, where="")) is not None:
+        return "mismatch", mismatch.detail, mismatch.max_abs_error, mismatch.max_rel_error
+    abs_error, rel_error = errors(actual, expected)
+    if (note := fallback.fallback_note(caught, 200)) is not None:
+        return "slow", note, abs_error, rel_error
     return "ok", "", abs_error, rel_error
 
 
@@ -311,7 +147,7 @@ def native_rejection(sample: Sample) -> BaseException | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _fault_inputs(sample: Sample, n_vmaps: int, pattern: str, seed: int) -> tuple[Args, tuple[Any, ...], _Layout]:
+def _fault_inputs(sample: Sample, n_vmaps: int, pattern: str, seed: int) -> tuple[Args, tuple[Any, ...], Layout]:
     # Built once per fault and batching, shared by every composite and stack with as many vmaps: building batched
     # inputs costs more than running a composite that rejects them. Nothing writes to them (mutating composites
     # clone first).
@@ -326,7 +162,7 @@ def rejection(sample: Sample, stack: Sequence[str], pattern: str, call: Callable
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # vmap's fallback warning and native's deprecations are not the result here
         try:
-            _transformed(stack, lambda *xs: call({**base, **dict(zip(names, xs, strict=True))}), layout)(*tensors)
+            transformed(stack, lambda *xs: call({**base, **dict(zip(names, xs, strict=True))}), layout)(*tensors)
         except Exception as error:  # the error is the result
             return error
     return None
@@ -384,10 +220,6 @@ def _patterns_for(sample: Sample, stack: tuple[str, ...], patterns: Sequence[str
     return chosen
 
 
-def _stack_tuple(stack: str | Sequence[str]) -> tuple[str, ...]:
-    return parse_stack(stack) if isinstance(stack, str) else tuple(stack)
-
-
 def verify(
     ops: Iterable[str] | None = None,
     stacks: Iterable[str | Sequence[str]] | None = None,
@@ -407,7 +239,7 @@ def verify(
     """
     load()
     op_names = list(ops) if ops is not None else list(OPS)
-    stack_list = [_stack_tuple(s) for s in stacks] if stacks is not None else default_stacks()
+    stack_list = [parse_stack(s) for s in stacks] if stacks is not None else default_stacks()
     pattern_list = tuple(patterns) if patterns is not None else PATTERNS
     wanted = set(composites) if composites is not None else None
     work = []

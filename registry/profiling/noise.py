@@ -10,7 +10,10 @@ On a machine kept busy by another process, absolute times swing from round to ro
 composite runs under the same load: the ratio of two composites' times in the same round holds where their medians
 do not. So composites are ranked by their per-round ratios to the fastest one (``relative``), and a context is
 refused only when that ranking itself is unstable (``unstable``): the two fastest are told apart by their median
-ratio, yet the leader is not faster in most of the rounds they share.
+ratio, yet the leader is not faster in most of the rounds they share; or when the load did not fall on every
+composite alike (``uneven``: the share of each block's wall time the profiling thread ran, from its CPU time,
+differs between composites, as it does when another thread of the process holds the GIL), so that the ratios
+themselves moved.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ NATIVE_DRIFT_LIMIT = 1.5
 ROUNDS = 5
 # The leader of a ranking must be faster than the runner-up in at least this share of the rounds they share.
 WIN_SHARE = 0.75
+# The composites of a context ran shares of their timed blocks this far apart (largest over smallest median share):
+# the load did not fall on them alike. Measured on 2-core x86_64, torch 2.13.0 CPU (masked_fill, index_fill under
+# vmap, b=64): quiet 1.03-1.11, two busy processes on both cores 1.04-1.25, a busy Python thread in the profiling
+# process 2.3-4.4.
+UNEVEN_LIMIT = 1.5
 
 
 @dataclass
@@ -41,6 +49,9 @@ class Timed:
     rounds_us: list[float] = field(default_factory=list)
     calls: int = 0
     first_call_us: float = 0.0  # the first call, which includes any compilation (fused kernels, Inductor)
+    # Per round, the share of the block's wall time the calling thread ran (its CPU time over the wall time): what
+    # other processes and other threads holding the GIL took from it. Empty when no CPU clock was given.
+    ran: list[float] = field(default_factory=list)
 
     @property
     def median_us(self) -> float:
@@ -59,18 +70,25 @@ class Timed:
         return self.iqr_us / self.median_us if self.median_us > 0 else 0.0
 
 
-def _per_call(run: Callable[[], Any], number: int, clock: Callable[[], float]) -> float:
+def _per_call(run: Callable[[], Any], number: int, clock: Callable[[], float],
+              cpu_clock: Callable[[], float] | None = None) -> tuple[float, float | None]:
+    """(microseconds per call, the share of the wall time the thread ran, or None without ``cpu_clock``)."""
+    cpu = cpu_clock() if cpu_clock is not None else 0.0
     start = clock()
     for _ in range(number):
         run()
-    return (clock() - start) / number * 1e6
+    wall = clock() - start
+    ran = None if cpu_clock is None or wall <= 0 else (cpu_clock() - cpu) / wall
+    return wall / number * 1e6, ran
 
 
 def interleaved(runners: Mapping[str, Callable[[], Any]], *, rounds: int = ROUNDS, min_run_time: float = 0.1,
-                clock: Callable[[], float] = time.perf_counter,
+                clock: Callable[[], float] = time.perf_counter, cpu_clock: Callable[[], float] | None = None,
                 timed: Mapping[str, Timed] | None = None) -> dict[str, Timed]:
     """Each runner's per-call time in ``rounds`` interleaved rounds (the order rotated every round), each round a
-    block of calls lasting about ``min_run_time / rounds`` seconds. ``timed`` (earlier rounds) is extended."""
+    block of calls lasting about ``min_run_time / rounds`` seconds. ``timed`` (earlier rounds) is extended. With
+    ``cpu_clock`` (the calling thread's CPU time, in the unit of ``clock``) each round also records the share of its
+    wall time the thread ran (``Timed.ran``)."""
     names = list(runners)
     results = {name: Timed(name) for name in names} if timed is None else dict(timed)
     block = max(min_run_time / max(rounds, 1), 1e-4)
@@ -81,11 +99,14 @@ def interleaved(runners: Mapping[str, Callable[[], Any]], *, rounds: int = ROUND
         first = clock() - start
         if timed is None:
             results[name].first_call_us = first * 1e6
-        single = _per_call(runners[name], 1, clock) / 1e6
+        single = _per_call(runners[name], 1, clock)[0] / 1e6
         numbers[name] = max(1, int(block / max(single, 1e-7)))
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            results[name].rounds_us.append(_per_call(runners[name], numbers[name], clock))
+            per_call_us, ran = _per_call(runners[name], numbers[name], clock, cpu_clock)
+            results[name].rounds_us.append(per_call_us)
+            if ran is not None:
+                results[name].ran.append(ran)
             results[name].calls += numbers[name]
     return results
 
@@ -124,7 +145,7 @@ def relative(timings: Mapping[str, Timed]) -> dict[str, Timed]:
     leader = leader_of(timings)
     scale = leader.median_us
     return {name: Timed(name, [scale * r for r in _shared_ratios(t, leader)] or list(t.rounds_us), t.calls,
-                        t.first_call_us)
+                        t.first_call_us, list(t.ran))
             for name, t in timings.items()}
 
 
@@ -149,6 +170,22 @@ def unstable(timings: Mapping[str, Timed]) -> list[str]:
     return [f"the ranking of {leader.name} and {runner.name} is unstable ({leader.name} {median:.2f}x faster by the "
             f"median ratio, yet faster in only {wins} of {len(ratios)} rounds): re-run with a longer --min-run-time "
             "(more calls per round), or where fewer processes compete for the cores"]
+
+
+def uneven(timings: Mapping[str, Timed]) -> list[str]:
+    """Why the per-round ratios cannot be trusted (empty when they can): the composites ran shares of their timed
+    blocks more than UNEVEN_LIMIT apart. Other processes on the cores take time from every composite of a round
+    alike; a busy thread of this process, holding the GIL, delays every call that releases it, so a composite of
+    more calls loses more, and the ratios move with the load."""
+    shares = {t.name: statistics.median(t.ran) for t in timings.values() if t.ran}
+    if len(shares) < 2 or min(shares.values()) <= 0:
+        return []
+    low, high = min(shares, key=shares.__getitem__), max(shares, key=shares.__getitem__)
+    if shares[high] / shares[low] <= UNEVEN_LIMIT:
+        return []
+    return [f"the load fell unevenly on the composites ({low} ran {shares[low]:.0%} of the time it was timed, "
+            f"{high} {shares[high]:.0%}): another busy thread of this process holds the GIL; re-run with no other "
+            "busy thread in the profiling process"]
 
 
 def noise(*timings: Timed) -> float:

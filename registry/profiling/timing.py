@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import func
 
 from registry.core import context
 from registry.core.messages import described
@@ -30,6 +29,8 @@ from registry.core.registration import COMPOSITES, load
 from registry.core.routing import use
 from registry.core.sources import source_hash
 from registry.core.stacks import parse_stack
+from registry.harness.comparison import compare
+from registry.harness.interpreter import Layout, transformed
 from registry.harness.samples import SAMPLES
 from registry.profiling import noise
 from registry.store.db import ProfileEntry
@@ -82,25 +83,28 @@ def workload_case(op: str, call: Callable[..., torch.Tensor], numel: int, batch:
     raise ValueError(f"profile: no workload for op {op!r}")
 
 
-def _loss(y: torch.Tensor) -> torch.Tensor:
+# Each workload as the interpreter's layers (registry.harness.interpreter), every tensor batched along dim 0.
+PROGRAMS: dict[str, tuple[str, ...]] = {
+    "vmap": ("vmap",),
+    "grad": ("grad", "vmap"),  # the gradient of a loss over the whole batch, the op mapped over the samples
+    "vmap(grad)": ("vmap", "grad"),
+    "jacrev": ("vmap", "jacrev"),
+    "jacfwd": ("vmap", "jacfwd"),
+    "hessian": ("vmap", "hessian"),
+}
+
+
+def _square_sum(y: torch.Tensor) -> torch.Tensor:
     return (y * y).sum()
 
 
 def workload_runner(workload: str, case: WorkloadCase) -> Callable[[], Any]:
-    fn, tensors = case.fn, case.tensors
-    if workload == "vmap":
-        return lambda: func.vmap(fn)(*tensors)
-    if workload == "grad":  # the gradient of a loss over the whole batch, the op mapped over the samples
-        return lambda: func.grad(lambda *t: _loss(func.vmap(fn)(*t)))(*tensors)
-    if workload == "vmap(grad)":
-        return lambda: func.vmap(func.grad(lambda *t: _loss(fn(*t))))(*tensors)
-    if workload == "jacrev":
-        return lambda: func.vmap(func.jacrev(fn))(*tensors)
-    if workload == "jacfwd":
-        return lambda: func.vmap(func.jacfwd(fn))(*tensors)
-    if workload == "hessian":
-        return lambda: func.vmap(func.hessian(lambda *t: _loss(fn(*t))))(*tensors)
-    raise ValueError(f"unknown workload {workload!r}; workloads are {', '.join(WORKLOADS)}")
+    if workload not in PROGRAMS:
+        raise ValueError(f"unknown workload {workload!r}; workloads are {', '.join(WORKLOADS)}")
+    layers = PROGRAMS[workload]
+    layout = Layout(in_dims=((0,) * len(case.tensors),) * layers.count("vmap"), wrt=0, loss=_square_sum)
+    run = transformed(layers, case.fn, layout)
+    return lambda: run(*case.tensors)
 
 
 def seen_by_op(workload: str, case: WorkloadCase) -> tuple[tuple[str, ...], int]:
@@ -117,11 +121,7 @@ def seen_by_op(workload: str, case: WorkloadCase) -> tuple[tuple[str, ...], int]
 
 
 def _close(a: Any, b: Any) -> bool:
-    try:
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-        return True
-    except AssertionError:
-        return False
+    return compare(a, b, tolerance="profile") is None
 
 
 def _earlier_profiles() -> list[ProfileEntry]:
@@ -143,7 +143,7 @@ _PROFILE_CANDIDATES = 8  # OpInfo samples looked at for the first one vmap does 
 
 def _random_under_vmap(op: str, workload: str, case: Any) -> bool:
     """Whether one of ``op``'s composites, pinned, raises vmap's randomness error on ``case``."""
-    from registry.harness import survey
+    from registry.harness import case_stacks
 
     if workload != "vmap":
         case.weights()  # the loss's weights are drawn on first use: here, outside vmap
@@ -151,9 +151,9 @@ def _random_under_vmap(op: str, workload: str, case: Any) -> bool:
         try:
             with warnings.catch_warnings(), use(pins={op: name}):
                 warnings.simplefilter("ignore")
-                survey.run_stack(workload, case)
+                case_stacks.run_stack(workload, case)
         except RuntimeError as error:
-            if survey.RANDOM_UNDER_VMAP in str(error):
+            if case_stacks.RANDOM_UNDER_VMAP in str(error):
                 return True
         except Exception:  # any other failure is the profile's to record, not a reason to skip a sample
             continue
@@ -187,14 +187,15 @@ def _opinfo_sample(op: str, workload: str, dtype: torch.dtype) -> tuple[Any, Any
     """(op_db entry, sample) a workload of ``op`` is profiled on: OpInfo's first sample that vmap does not call
     random. A random one (rrelu in training; OpInfo seeds it, so only vmap's randomness check tells) cannot be
     compared with a per-sample loop under vmap (rrelu's eval sample is timed instead)."""
-    from registry.harness import opinfo, survey
+    from registry.harness import opinfo
+    from registry.harness import opinfo_cases as cases
 
     entry = opinfo.entries(op)[0]
-    samples = survey.pick_samples(entry, dtype, _PROFILE_CANDIDATES)
+    samples = cases.pick_samples(entry, dtype, _PROFILE_CANDIDATES)
     if not samples:
-        raise _NoCase(f"OpInfo has no {dtype} sample of {survey.entry_id(entry)}")
+        raise _NoCase(f"OpInfo has no {dtype} sample of {cases.entry_id(entry)}")
     sample = next((s for s in samples
-                   if not _random_under_vmap(op, workload, survey.SurveyCase(entry, s, "input", 2))), None)
+                   if not _random_under_vmap(op, workload, cases.SurveyCase(entry, s, "input", 2))), None)
     if sample is None:
         raise _NoCase(f"vmap calls its first {len(samples)} samples random (randomness='error')")
     return entry, sample
@@ -205,7 +206,8 @@ def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype,
     """The same from OpInfo's sample (``_opinfo_sample``, found once per op, workload and dtype in ``chosen``)
     through the survey's interpreter: native outside ``use()``, every other composite pinned inside it (so the
     router's own cost is in its time); the reference is the per-sample loop of native outside any transform."""
-    from registry.harness import survey
+    from registry.harness import case_stacks
+    from registry.harness import opinfo_cases as cases
 
     key = (op, workload, dtype)
     if key not in chosen:
@@ -217,26 +219,26 @@ def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype,
     if isinstance(found, _NoCase):
         raise found
     entry, sample = found
-    case = survey.SurveyCase(entry, sample, "input", batch)
+    case = cases.SurveyCase(entry, sample, "input", batch)
     if workload == "vmap(grad)" and not case.diff:
         raise _NoCase("nothing to differentiate in its first sample")
-    why_not = survey.static_reason(case, workload, dtype)  # no float output, random under vmap, ...
+    why_not = cases.static_reason(case, workload, dtype)  # no float output, random under vmap, ...
     if why_not is not None:
         raise _NoCase(f"the survey cannot check it: {why_not}")
     if workload == "vmap(grad)" and not case.differentiable_outputs(case.call(case.per_sample[0])):
         raise _NoCase("no real floating output to differentiate (complex or integer outputs only)")
     try:
-        reference = survey.reference(workload, survey.Reference(case))
+        reference = case_stacks.reference(workload, case_stacks.Reference(case))
     except Exception as error:  # e.g. an integer output (hash_tensor) has no gradient to compare under vmap(grad)
         raise _NoCase(f"no reference outside the transform ({described(error)})") from None
 
     def calls(composite: Composite) -> Callable[[], Any]:
         if composite.kind == "native":
-            return lambda: survey.run_stack(workload, case)
+            return lambda: case_stacks.run_stack(workload, case)
 
         def pinned() -> Any:
             with use(pins={op: composite.name}):
-                return survey.run_stack(workload, case)
+                return case_stacks.run_stack(workload, case)
 
         return pinned
 
@@ -272,10 +274,10 @@ def profile(
     to the fastest (``noise.relative``: what is stored is the fastest one's median times each one's median ratio,
     with the ratio's spread), so a load on the machine that every composite of a round shares moves no decision. A
     context whose ranking is unstable (``noise.unstable``: the two fastest told apart by the median ratio, yet the
-    leader faster in fewer than ``noise.WIN_SHARE`` of their rounds) is re-measured up to ``retries`` times, and so
-    is one whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times slower than its ``earlier`` profile (default: the
-    store's); one that many times faster is re-measured once (its entries say so in ``detail``). One still unstable,
-    or still that much slower, after that is not returned at all, so it is never stored (the earlier profile stands),
+    leader faster in fewer than ``noise.WIN_SHARE`` of their rounds), or on whose composites the load fell unevenly
+    (``noise.uneven``: the share of its time each one ran differs), is re-measured up to ``retries`` times, and one
+    whose native time is ``noise.NATIVE_DRIFT_LIMIT`` times off its ``earlier`` profile (default: the store's) once
+    (its entries say so in ``detail``); one still disturbed after that is not returned at all, so it is never stored,
     and ``refused`` (if given, else a RuntimeWarning) gets a line saying why and what to change.
     ``spread_limit=math.inf`` keeps every timing (tests of what is stored).
     """
@@ -374,31 +376,29 @@ def _measure(runners: dict[str, Callable[[], Any]], native: str | None, earlier_
     notes: list[str] = []
     if not runners:
         return {}, notes
+    # The calling thread's CPU time beside each block's wall time says which share of it the composite ran; an
+    # injected clock (tests) has no CPU time to match.
+    cpu_clock = time.thread_time if clock is time.perf_counter else None
     for attempt in range(retries + 1):
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time, clock=clock)
+        timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time, clock=clock, cpu_clock=cpu_clock)
         # The two fastest get as many rounds again, side by side: the ranking between them is what auto acts on.
         top = sorted(timed.values(), key=lambda t: t.median_us)[:2]
         if len(top) == 2:
             noise.interleaved({t.name: runners[t.name] for t in top}, rounds=rounds, clock=clock,
-                              min_run_time=min_run_time, timed={t.name: t for t in top})
+                              cpu_clock=cpu_clock, min_run_time=min_run_time, timed={t.name: t for t in top})
         # Ranked by per-round ratios (noise.relative): a load that every composite of a round shares moves none
-        # of them. Native far from its earlier profile is re-measured: faster than before, once (the earlier
-        # profile was the disturbed one); slower, up to ``retries`` times, then refused. A machine several times
-        # slower than when it was profiled shares its cores with other work, and that reorders composites whose
-        # kernels split across threads (one waits for the core another process holds): the earlier profile stands.
-        ranking = noise.unstable(timed) if spread_limit != math.inf else []
+        # of them, unless it fell unevenly on them (noise.uneven: another busy thread of this process, holding the
+        # GIL, delays each call, so the composite of more calls loses more). Native far from its earlier profile is
+        # re-measured once (the earlier profile may be the odd one); only a ranking that stays unstable, or a load
+        # that stays uneven, is refused.
+        ranking = noise.unstable(timed) + noise.uneven(timed) if spread_limit != math.inf else []
         drift = noise.disturbed(timed, native=native, earlier_native_us=earlier_native_us, spread_limit=math.inf)
-        slower = bool(drift) and native is not None and earlier_native_us is not None \
-            and timed[native].median_us > earlier_native_us
         reasons = ranking + drift
-        if not ranking and (not drift or (attempt > 0 and not slower)):
+        if not ranking and (not drift or attempt > 0):
             return noise.relative(timed), notes
         if attempt == retries:
-            if slower:
-                reasons.append("the machine is busier than when the earlier profile was taken, so that one stands: "
-                               "re-run where fewer processes compete for the cores")
             notes.append("; ".join(reasons))
             return None, notes
         notes.append("; ".join(reasons))

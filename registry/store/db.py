@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import sqlite3
 import threading
 import time
+import typing
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,12 +42,20 @@ from sqlalchemy.engine import Row, make_url
 from sqlalchemy.exc import OperationalError
 
 from registry.core.messages import first_line
-from registry.core.stacks import format_stack, split_stack
+from registry.core.stacks import format_stack
 from registry.core.status import STATUSES
 from registry.store.connection import (
     StoreUnavailableError,
     default_url,
     sqlite_pragmas,
+)
+from registry.store.records import (
+    MATRIX_KEY,
+    PROFILE_KEY,
+    MatrixEntry,
+    ProfileEntry,
+    matrix_entry_from_mapping,
+    profile_from_mapping,
 )
 
 # cancelling: a running job asked to stop; its runner stops at the next case boundary and marks it cancelled.
@@ -55,102 +65,33 @@ FINISHED_JOB_STATES: tuple[str, ...] = ("done", "failed", "cancelled", "interrup
 CHECK_TIMEOUT_S = 5.0  # a readiness check waits this long for a lock, not a writer's 30 s
 
 
-@dataclass(frozen=True)
-class MatrixEntry:
-    """One verified cell: how ``composite`` of ``op`` fared under ``stack`` for one batching pattern and dtype."""
-
-    op: str
-    composite: str
-    kind: str
-    stack: tuple[str, ...]  # transform names, outermost first; () is eager
-    pattern: str
-    dtype: str
-    status: str
-    detail: str
-    max_abs_error: float | None
-    max_rel_error: float | None
-    source_hash: str
-    torch_version: str
-    device: str
-    measured_at: float | None = None  # when the harness judged it, epoch seconds (UTC); None in rows before 0003
+def record_table(name: str, record: type, key: tuple[str, ...], constraint: str, metadata: MetaData) -> Table:
+    """The table of a record (``records.stored`` says how each field is stored): an ``id`` primary key, one
+    column per field, and a unique constraint on ``key``."""
+    hints = typing.get_type_hints(record)
+    columns = [Column("id", Integer, primary_key=True, autoincrement=True)]
+    for spec in dataclasses.fields(record):
+        stored, hint = spec.metadata, hints[spec.name]
+        nullable = type(None) in typing.get_args(hint)
+        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) if nullable else hint
+        base = typing.get_origin(base) or base
+        if base in (str, tuple):  # a stack is stored as its spelling
+            column_type: Any = String(stored["limit"]) if stored["limit"] else Text
+        elif base is float:
+            column_type = Float
+        elif base in (int, bool):  # a bool as 0 or 1
+            column_type = BigInteger if stored["wide"] else Integer
+        else:
+            raise TypeError(f"{record.__name__}.{spec.name}: no column type for {hint}; use str, int, float or bool")
+        columns.append(Column(spec.name, column_type, nullable=nullable, index=stored["index"] or None))
+    return Table(name, metadata, *columns, UniqueConstraint(*key, name=constraint))
 
 
 METADATA = MetaData()
-_matrix = Table(
-    "matrix_entries",
-    METADATA,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("op", String(200), nullable=False, index=True),
-    Column("composite", String(200), nullable=False),
-    Column("kind", String(100), nullable=False),
-    Column("stack", String(400), nullable=False),
-    Column("pattern", String(100), nullable=False),
-    Column("dtype", String(50), nullable=False),
-    Column("status", String(20), nullable=False),
-    Column("detail", Text, nullable=False),
-    Column("max_abs_error", Float, nullable=True),
-    Column("max_rel_error", Float, nullable=True),
-    Column("source_hash", String(200), nullable=False),
-    Column("torch_version", String(100), nullable=False),
-    Column("device", String(50), nullable=False),
-    Column("measured_at", Float, nullable=True),
-    UniqueConstraint("op", "composite", "stack", "pattern", "dtype", "device", "torch_version", name="uq_matrix_key"),
-)
-_KEY = ("op", "composite", "stack", "pattern", "dtype", "device", "torch_version")
-
-
-@dataclass(frozen=True)
-class ProfileEntry:
-    """One timing: ``composite`` of ``op`` under ``stack`` (as the op sees it) at one size, batch and dtype."""
-
-    op: str
-    composite: str
-    kind: str
-    stack: tuple[str, ...]
-    workload: str  # the user-level transform the timing ran under: "vmap(grad)", "jacrev", ...
-    dtype: str
-    device: str
-    device_name: str
-    numel_bucket: int  # the op's element count (per sample under vmap), rounded up to a power of two
-    batch_size: int
-    valid: bool
-    detail: str  # why it is invalid, or ""
-    median_us: float | None
-    iqr_us: float | None
-    runs: int
-    peak_memory: int | None  # bytes, on CUDA
-    source_hash: str
-    torch_version: str
-
-
-_profiles = Table(
-    "profiles",
-    METADATA,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("op", String(200), nullable=False, index=True),
-    Column("composite", String(200), nullable=False),
-    Column("kind", String(100), nullable=False),
-    Column("stack", String(400), nullable=False),
-    Column("workload", String(100), nullable=False),
-    Column("dtype", String(50), nullable=False),
-    Column("device", String(50), nullable=False),
-    Column("device_name", String(200), nullable=False),
-    # 64 bits: a CUDA tensor's element count or peak memory passes 2**31 (PostgreSQL's INTEGER is 32 bits).
-    Column("numel_bucket", BigInteger, nullable=False),
-    Column("batch_size", Integer, nullable=False),
-    Column("valid", Integer, nullable=False),
-    Column("detail", Text, nullable=False),
-    Column("median_us", Float, nullable=True),
-    Column("iqr_us", Float, nullable=True),
-    Column("runs", Integer, nullable=False),
-    Column("peak_memory", BigInteger, nullable=True),
-    Column("source_hash", String(200), nullable=False),
-    Column("torch_version", String(100), nullable=False),
-    UniqueConstraint("op", "composite", "workload", "dtype", "device", "device_name", "numel_bucket", "batch_size",
-                     "torch_version", name="uq_profile_key"),
-)
-_PROFILE_KEY = ("op", "composite", "workload", "dtype", "device", "device_name", "numel_bucket", "batch_size",
-                "torch_version")
+_matrix = record_table("matrix_entries", MatrixEntry, MATRIX_KEY, "uq_matrix_key", METADATA)
+_KEY = MATRIX_KEY
+_profiles = record_table("profiles", ProfileEntry, PROFILE_KEY, "uq_profile_key", METADATA)
+_PROFILE_KEY = PROFILE_KEY
 
 
 # One row per key. ``generation`` counts the writes of evidence (matrix, profiles): a reader compares it with the
@@ -282,11 +223,6 @@ def _encode_stack(stack: tuple[str, ...]) -> str:
     return format_stack(stack)
 
 
-def _decode_stack(value: str) -> tuple[str, ...]:
-    """Either spelling: rows written before schema 2 say vmap,grad."""
-    return tuple(split_stack(value))
-
-
 def data_dir(url: str) -> Path:
     """The folder beside a SQLite store, else the user data dir: where the benchmark lock lives."""
     if url.startswith("sqlite:///") and url.removeprefix("sqlite:///") not in ("", ":memory:"):
@@ -334,29 +270,11 @@ def _to_row(entry: MatrixEntry) -> dict[str, Any]:
 
 
 def _from_row(row: Row[Any]) -> MatrixEntry:
-    m = row._mapping
-    return MatrixEntry(
-        op=m["op"],
-        composite=m["composite"],
-        kind=m["kind"],
-        stack=_decode_stack(m["stack"]),
-        pattern=m["pattern"],
-        dtype=m["dtype"],
-        status=m["status"],
-        detail=m["detail"],
-        max_abs_error=m["max_abs_error"],
-        max_rel_error=m["max_rel_error"],
-        source_hash=m["source_hash"],
-        torch_version=m["torch_version"],
-        device=m["device"],
-        measured_at=m["measured_at"],
-    )
+    return matrix_entry_from_mapping(row._mapping)
 
 
 def _profile_from_row(row: Row[Any]) -> ProfileEntry:
-    values = dict(row._mapping)
-    values.pop("id")
-    return ProfileEntry(**{**values, "stack": _decode_stack(values["stack"]), "valid": bool(values["valid"])})
+    return profile_from_mapping(row._mapping)
 
 
 class Store:
@@ -617,17 +535,31 @@ class Store:
         with self._writing() as conn:
             conn.execute(jobs_table.insert(), [_job_row(job)])
 
-    def update_job(self, job_id: str, *, if_state: Iterable[str] | None = None, **values: Any) -> bool:
-        """Write ``values`` into job ``job_id``'s row, only while its state is one of ``if_state`` when given;
-        whether a row was written."""
+    def update_job(self, job_id: str, *, if_state: Iterable[str] | None = None, if_owner: str | None = None,
+                   **values: Any) -> bool:
+        """Write ``values`` into job ``job_id``'s row, only while its state is one of ``if_state`` and its owner is
+        ``if_owner`` when given (a worker writes only the jobs it still runs); whether a row was written."""
         if "result" in values and values["result"] is not None:
             values["result"] = json.dumps(values["result"])
         values["updated_at"] = time.time()
         query = update(jobs_table).where(jobs_table.c.id == job_id)
         if if_state is not None:
             query = query.where(jobs_table.c.state.in_(list(if_state)))
+        if if_owner is not None:
+            query = query.where(jobs_table.c.owner == if_owner)
         with self._writing() as conn:
             return bool(conn.execute(query.values(**values)).rowcount)
+
+    def claim_job(self, job_id: str, owner: str) -> JobRecord | None:
+        """``queued`` -> ``running`` for ``owner``, its count reset, in one statement: of workers fetching the same
+        job (a job queued twice), one claims it; the job as claimed, or None if it was not queued (cancelled,
+        finished, or taken)."""
+        now = time.time()
+        with self._writing() as conn:
+            row = conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "queued")
+                               .values(state="running", owner=owner, started_at=now, updated_at=now, done=0, total=0)
+                               .returning(*jobs_table.c)).first()
+        return job_from_row(row) if row is not None else None
 
     def start_job(self, job_id: str, owner: str) -> JobRecord | None:
         """``queued`` -> ``running`` for ``owner``, in one statement (a cancel cannot slip in between the check and

@@ -15,8 +15,9 @@ import math
 import threading
 import warnings
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
+from registry.core.collector import collection_paused
 from registry.core.context import Context
 from registry.core.evidence import Evidence, Timing
 from registry.core.selector import clear_cache
@@ -24,21 +25,11 @@ from registry.core.sources import source_hashes
 from registry.core.stacks import format_stack
 from registry.core.status import FAILING, worst
 from registry.store.connection import default_store_exists, default_url
+from registry.store.records import MatrixEntry
 
-__all__ = ["FAILING", "SOURCE", "Evidence", "StoreEvidence", "Timing", "clear", "evidence", "set_entries",
+__all__ = ["FAILING", "SOURCE", "Evidence", "StoreEvidence", "Timing", "clear", "evidence", "reload", "set_entries",
            "set_profiles", "stored_entries", "stored_profiles", "timings", "use_loader", "use_profile_loader",
            "use_store"]
-
-
-class EntryLike(Protocol):
-    op: str
-    composite: str
-    stack: tuple[str, ...]
-    pattern: str
-    dtype: str
-    status: str
-    detail: str
-    max_abs_error: float | None
 
 
 _lock = threading.Lock()
@@ -49,7 +40,7 @@ _profiles: dict[tuple[str, tuple[str, ...]], list[Any]] | None = None
 _profile_loader: Any = None
 
 
-def set_entries(entries: Iterable[EntryLike]) -> None:
+def set_entries(entries: Iterable[MatrixEntry]) -> None:
     """Index ``entries`` as the evidence (replacing what was there)."""
     global _index
     index: dict[tuple[str, str, tuple[str, ...]], list[Any]] = {}
@@ -94,7 +85,8 @@ def timings(op: str, ctx: Context, candidates: Iterable[str]) -> dict[str, Timin
     """Measured scores of ``candidates`` at the profiled size nearest to ``ctx.numel`` (same dtype and device)."""
     global _profiles
     if _profiles is None:
-        loaded = list((_profile_loader or stored_profiles)())
+        with collection_paused():  # long-lived records and no garbage, as registration (core/collector.py)
+            loaded = list((_profile_loader or stored_profiles)())
         set_profiles(loaded)
     stack = tuple(t for t in ctx.stack if t != "autograd")
     dtype = str(ctx.dtype).removeprefix("torch.") if ctx.dtype is not None else None
@@ -130,6 +122,15 @@ def use_loader(loader: Any) -> None:
     _changed()
 
 
+def reload() -> None:
+    """Drop the loaded entries and timings, keeping where they come from: the next decision reads them again (after
+    this process wrote the store, so that its own decisions see what it wrote)."""
+    global _index, _profiles
+    with _lock:
+        _index, _profiles = None, None
+    _changed()
+
+
 def _changed() -> None:
     clear_cache()
 
@@ -138,17 +139,27 @@ _warned: list[bool] = []  # the missing-SQLAlchemy warning was given
 
 
 def _read_default_store(read: str) -> list[Any]:
-    """``Store.<read>`` of the entries fresh for this torch and these composites' sources, from the default store.
+    """``registry.store.fresh.<read>``: the entries fresh for this torch and these composites' sources, from the
+    default store.
 
     Nothing is created: without a store (no ``MULTICOMPOSITE_DB`` and no SQLite file yet) there is no evidence, and
-    SQLAlchemy is not imported. With a store but without SQLAlchemy (the library installed without its ``service``
+    SQLAlchemy is not imported; nor is it for a SQLite store at the newest schema (``sqlite_reader``, the standard
+    library's driver). With a store but without SQLAlchemy (the library installed without its ``service``
     extra) the rules decide, and a warning says how to read the store.
     """
     import torch
 
     if not default_store_exists():
         return []
+    from registry.store import sqlite_reader
+
+    url = default_url()
+    read_fresh = getattr(sqlite_reader, read)
+    stored = read_fresh(url, source_hashes=source_hashes(), torch_version=torch.__version__)
+    if stored is not None:
+        return stored
     try:
+        from registry.store import fresh
         from registry.store.db import Store
     except ModuleNotFoundError as error:
         if not _warned:  # once a process: the matrix and the profiles are read apart
@@ -156,19 +167,19 @@ def _read_default_store(read: str) -> list[Any]:
             warnings.warn(f"the store at {default_url()} is not read: {error.name} is not installed, so the rules "
                           "alone decide; pip install 'multicomposite[service]' to use its evidence", stacklevel=2)
         return []
-    store = Store(default_url())
+    store = Store(url)
     try:
-        return getattr(store, read)(source_hashes=source_hashes(), torch_version=torch.__version__)
+        return getattr(fresh, read)(store)
     finally:
         store.close()
 
 
 def use_store(store: Any) -> None:
     """Read evidence from ``store`` (an open Store) from now on: reloaded lazily at the next decision."""
-    import torch
+    from registry.store.fresh import fresh_entries, fresh_profiles
 
-    use_loader(lambda: store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__))
-    use_profile_loader(lambda: store.fresh_profiles(source_hashes=source_hashes(), torch_version=torch.__version__))
+    use_loader(lambda: fresh_entries(store))
+    use_profile_loader(lambda: fresh_profiles(store))
 
 
 def stored_entries() -> list[Any]:
@@ -179,7 +190,8 @@ def stored_entries() -> list[Any]:
 def _entries(op: str, composite: str, stack: tuple[str, ...]) -> list[Any]:
     global _index
     if _index is None:
-        loaded = list((_loader or stored_entries)())
+        with collection_paused():  # long-lived records and no garbage, as registration (core/collector.py)
+            loaded = list((_loader or stored_entries)())
         index: dict[tuple[str, str, tuple[str, ...]], list[Any]] = {}
         for entry in loaded:
             index.setdefault((entry.op, entry.composite, tuple(entry.stack)), []).append(entry)

@@ -18,9 +18,7 @@ def run(args: argparse.Namespace) -> int:
     with out.progress("profile", "timings") as progress:
         import torch
 
-        from registry.profiling.timing import profile
-        from registry.store import evidence
-        from registry.store.benchlock import timed_run
+        from registry.profiling.stored_profile import profile_into
 
         def waiting(holder: str, path: object) -> None:
             out.note("profile", f"waiting for the benchmark of pid {holder} to finish ({path})")
@@ -30,19 +28,17 @@ def run(args: argparse.Namespace) -> int:
         refused: list[str] = []
         try:
             start = time.perf_counter()
-            entries = timed_run(store, "profile", lambda: profile(
-                ops=args.op or None, workloads=args.stack or None, batch_sizes=args.batch or (1, 32, 256),
-                dtypes=dtypes, device=args.device, min_run_time=args.min_run_time, progress=progress,
-                refused=refused), on_wait=waiting)
+            entries = profile_into(store, ops=args.op or None, workloads=args.stack or None,
+                                   batch_sizes=args.batch or (1, 32, 256), dtypes=dtypes, device=args.device,
+                                   min_run_time=args.min_run_time, progress=progress, refused=refused,
+                                   on_wait=waiting)
             elapsed = time.perf_counter() - start
-            store.write_profiles(entries)
         except KeyboardInterrupt:
             raise KeyboardInterrupt("nothing of this run was stored") from None
         except (ValueError, KeyError) as error:
             raise UsageError(str(error)) from None
         finally:
             store.close()
-    evidence.use_profile_loader(None)
     if args.json:
         out.print_json({"seconds": round(elapsed, 1), "profiles": [entry_json(e) for e in entries],
                         "refused": refused})

@@ -28,15 +28,11 @@ def open_store() -> Store:
 
 def fresh(store: Store, *, entries: bool = True,
           profiles: bool = True) -> tuple[list[MatrixEntry], list[ProfileEntry]]:
-    """The matrix entries and profiles still valid for this torch and these composites' sources; a table not
-    asked for is not read (an empty list)."""
-    import torch
+    """The matrix entries and profiles still valid for this torch and these composites' sources
+    (``registry.store.fresh``); a table not asked for is not read (an empty list)."""
+    from registry.store.fresh import fresh_entries, fresh_profiles
 
-    from registry.core.sources import source_hashes
-
-    hashes = source_hashes()
-    return (store.fresh_entries(source_hashes=hashes, torch_version=torch.__version__) if entries else [],
-            store.fresh_profiles(source_hashes=hashes, torch_version=torch.__version__) if profiles else [])
+    return (fresh_entries(store) if entries else [], fresh_profiles(store) if profiles else [])
 
 
 def entry_json(entry: Any) -> dict[str, Any]:

@@ -56,26 +56,23 @@ def run(args: argparse.Namespace) -> int:
         import registry
         from registry.core.stacks import format_stack
         from registry.harness.claims import claim_failures
-        from registry.harness.verify import verify
-        from registry.store import evidence
-        from registry.store.benchlock import recorded_run
+        from registry.harness.stored_verify import verify_into
 
         dtypes = [getattr(torch, name) for name in (args.dtype or ["float32", "float64"])]  # names from RUN_DTYPES
         store = open_store()
         try:
             start = time.perf_counter()
-            with recorded_run(store, "verify"):
-                entries = verify(ops=args.op or None, stacks=[list(s) for s in args.stack] if args.stack else None,
-                                 dtypes=dtypes, progress=progress)
+            # Written when done (running servers reload within a second); this process's next decision reads them.
+            entries = verify_into(store, ops=args.op or None,
+                                  stacks=[list(s) for s in args.stack] if args.stack else None, dtypes=dtypes,
+                                  progress=progress)
             elapsed = time.perf_counter() - start
-            store.write_entries(entries)  # bumps the store's generation: running servers reload within a second
         except KeyboardInterrupt:
             raise KeyboardInterrupt("nothing of this run was stored") from None
         except (registry.SelectionError, ValueError, KeyError) as error:
             raise UsageError(str(error)) from None
         finally:
             store.close()
-    evidence.use_loader(None)  # the next decision reads the fresh store
     failures = claim_failures(entries)
     if args.json:
         out.print_json([entry_json(e) for e in entries])

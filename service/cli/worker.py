@@ -1,4 +1,4 @@
-"""``multicomposite worker``: its arguments and what it runs (the worker itself is ``service/worker.py``)."""
+"""``multicomposite worker``: its arguments and what it runs (the worker itself is ``service/jobs/worker.py``)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,9 @@ from typing import Any
 from registry.store.db import StoreUnavailableError
 from service.cli.arguments import positive_int, positive_seconds  # one wording for every command
 from service.cli_output import UsageError
-from service.worker import (
-    NEEDS_POSTGRES,
-    Worker,
-    WorkerOptions,
-    WorkerSetupError,
-    check_kind,
-    detect_device_kinds,
-    is_postgres,
-    log,
-    queue_for,
-)
+from service.jobs.kinds import check_kind, detect_device_kinds, queue_for
+from service.jobs.tasks import is_postgres
+from service.jobs.worker import NEEDS_POSTGRES, Worker, WorkerOptions, WorkerSetupError, log
 
 
 def _kind_arg(value: str) -> str:

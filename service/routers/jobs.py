@@ -12,11 +12,11 @@ import registry
 from registry.core.selector import unknown_op_message
 from registry.core.stacks import canonical_workload, format_stack, shorten
 from registry.profiling.timing import WORKLOADS
-from service.deps import Authorized, RunnerDep, SettingsDep, StoreDep
-from service.jobs import Job, QueueFullError
+from service.deps import Authorized, JobsDep, SettingsDep
+from service.jobs.backend import Job, QueueFullError
+from service.jobs.kinds import DEFAULT_KIND, resolve_kind
 from service.models import JobPublic, StrictBody
-from service.validation import InputError, host_device_types, parse_stack_input
-from service.worker import DEFAULT_KIND, QueuedJobs, available_kinds, kind_device_type, resolve_kind
+from service.validation import InputError, parse_stack_input
 
 router = APIRouter(tags=["jobs"])
 
@@ -80,9 +80,9 @@ def _check_ops(ops: list[str] | None) -> list[str]:
     return ops or list(registry.OPS)
 
 
-def _submit(runner: RunnerDep, kind: str, params: dict, response: Response) -> JobPublic:
+def _submit(backend: JobsDep, kind: str, params: dict, response: Response) -> JobPublic:
     try:
-        job = runner.submit(kind, params)
+        job = backend.submit(kind, params)
     except QueueFullError:
         raise HTTPException(status_code=429, detail="the job queue is full; retry later",
                             headers={"Retry-After": "30"}) from None
@@ -92,7 +92,7 @@ def _submit(runner: RunnerDep, kind: str, params: dict, response: Response) -> J
 
 
 @router.post("/verify", status_code=202, dependencies=[Authorized])
-def post_verify(body: VerifyCreate, runner: RunnerDep, settings: SettingsDep, response: Response) -> JobPublic:
+def post_verify(body: VerifyCreate, backend: JobsDep, settings: SettingsDep, response: Response) -> JobPublic:
     """Start a verify job: 202 with the job and Location: /jobs/{id} (needs the token when the server sets one)."""
     ops = _check_ops(body.ops)
     # One spelling in the job's params, as in every output: vmap(grad) (verify parses it back).
@@ -102,21 +102,17 @@ def post_verify(body: VerifyCreate, runner: RunnerDep, settings: SettingsDep, re
         raise HTTPException(status_code=422, detail=f"{contexts} (op, stack, dtype) contexts is over the limit of "
                                                     f"{settings.max_contexts} per job; name fewer ops or stacks")
     params = {"ops": ops, "stacks": stacks, "dtypes": body.dtypes, "device_kind": DEFAULT_KIND}
-    return _submit(runner, "verify", params, response)
+    return _submit(backend, "verify", params, response)
 
 
 @router.post("/profiles", status_code=202, dependencies=[Authorized])
-def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep, store: StoreDep,
-                  response: Response) -> JobPublic:
+def post_profiles(body: ProfileCreate, backend: JobsDep, settings: SettingsDep, response: Response) -> JobPublic:
     """Start a profile job: 202 with the job and Location: /jobs/{id} (needs the token when the server sets one)."""
     ops = _check_ops(body.ops)
-    on_workers = isinstance(runner, QueuedJobs)
-    kinds = available_kinds(store, on_workers=on_workers)
     # With workers, a device type is available when a worker runs it; in process, when this host has it.
-    device_types = tuple(dict.fromkeys(kind_device_type(k) for k in kinds)) if on_workers else host_device_types()
+    kinds, device_types = backend.device_kinds(), backend.device_types()
     if body.device not in device_types:
-        where = "on any worker" if on_workers else "on this host"
-        raise InputError(f"device {shorten(body.device, 16)!r} is not {where}; profile on "
+        raise InputError(f"device {shorten(body.device, 16)!r} is not {backend.where}; profile on "
                          f"{', '.join(device_types)}")
     try:
         device_kind = resolve_kind(body.device_kind, body.device, kinds)
@@ -147,16 +143,16 @@ def post_profiles(body: ProfileCreate, runner: RunnerDep, settings: SettingsDep,
     params = {"ops": ops, "workloads": workloads, "batch_sizes": body.batch_sizes, "numels": body.numels,
               "dtypes": body.dtypes, "device": body.device, "min_run_time": body.min_run_time,
               "device_kind": device_kind}
-    return _submit(runner, "profile", params, response)
+    return _submit(backend, "profile", params, response)
 
 
 JobId = Annotated[str, FastAPIPath(description="the id POST /verify or POST /profiles answered")]
 
 
 @router.get("/jobs/{job_id}")
-def get_job(job_id: JobId, runner: RunnerDep) -> JobPublic:
+def get_job(job_id: JobId, backend: JobsDep) -> JobPublic:
     """A job's state, progress, parameters, result or error, and its times."""
-    job = runner.get(job_id)
+    job = backend.status(job_id)
     if job is None:
         raise HTTPException(status_code=404, detail=f"no job {shorten(job_id)!r}")
     return _public(job)
@@ -164,11 +160,11 @@ def get_job(job_id: JobId, runner: RunnerDep) -> JobPublic:
 
 @router.delete("/jobs/{job_id}", dependencies=[Authorized],
                responses={202: {"model": JobPublic, "description": "running: it stops at its next case boundary"}})
-def delete_job(job_id: JobId, runner: RunnerDep, response: Response) -> JobPublic:
+def delete_job(job_id: JobId, backend: JobsDep, response: Response) -> JobPublic:
     """Cancel a job (needs the token when the server sets one): a queued one at once (200, cancelled), a running
     one at its next case boundary (202, cancelling; GET /jobs/{id} says cancelled once it stopped). A finished job
     cannot be cancelled (409)."""
-    job = runner.cancel(job_id)
+    job = backend.cancel(job_id)
     if job is None:
         raise HTTPException(status_code=404, detail=f"no job {shorten(job_id)!r}")
     if job.state == "cancelling":

@@ -53,14 +53,25 @@ def test_import_and_first_routed_call_load_nothing_heavy(tmp_path: Path) -> None
     assert loaded == {"after_import": [], "after_first_call": []}
 
 
-def test_a_store_is_read_without_the_harness(tmp_path: Path) -> None:
-    # With a store, the first decision reads its evidence (SQLAlchemy loads then), but still no harness, OpInfo,
-    # Dynamo or service.
+def test_a_store_at_the_newest_schema_is_read_without_sqlalchemy(tmp_path: Path) -> None:
+    # With a SQLite store at the newest revision, the first decision reads its evidence with the standard library.
     pytest.importorskip("sqlalchemy")
     from registry.store.db import Store
 
     url = f"sqlite:///{tmp_path / 'store.db'}"
     Store(url).close()
+    loaded = _probe(tmp_path, MULTICOMPOSITE_DB=url)
+    assert loaded == {"after_import": [], "after_first_call": []}
+
+
+def test_an_older_store_is_migrated_without_the_harness(tmp_path: Path) -> None:
+    # A store below the newest revision is opened through Store, which migrates it: SQLAlchemy and Alembic load
+    # then, but still no harness, OpInfo, Dynamo or service.
+    pytest.importorskip("sqlalchemy")
+    from registry.store import migrate
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    migrate.upgrade(url, migrate.revisions()[-2])
     loaded = _probe(tmp_path, MULTICOMPOSITE_DB=url)
     assert loaded["after_import"] == []
     assert "sqlalchemy" in loaded["after_first_call"]

@@ -24,7 +24,8 @@ from fastapi.testclient import TestClient
 
 from registry.store import connection
 from registry.store.db import Store, StoreUnavailableError
-from service import jobs
+from service.jobs import running
+from service.jobs.backend import Job
 
 BODY = {"ops": ["masked_fill"], "stacks": ["vmap"]}
 
@@ -48,7 +49,7 @@ def locking_store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[C
     """A SQLite store whose writers give up after 0.1 s of waiting for a lock (30 s otherwise), and ``locked()``: a
     context in which another connection holds the write lock, as another process writing for a long time would."""
     monkeypatch.setattr(connection, "BUSY_TIMEOUT_MS", 100)
-    monkeypatch.setattr(jobs, "RETRY_MAX_S", 0.5)
+    monkeypatch.setattr(running, "RETRY_MAX_S", 0.5)
     path = tmp_path / "store.db"
 
     @contextmanager
@@ -69,7 +70,7 @@ def test_a_job_whose_progress_and_failure_writes_are_refused_ends_failed_with_it
     client = serve()
     lock_taken, progressed = threading.Event(), threading.Event()
 
-    def run(job: jobs.Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
+    def run(job: Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
         progress(1, 3)
         progressed.set()
         assert lock_taken.wait(10)
@@ -93,7 +94,7 @@ def test_a_job_whose_end_is_refused_ends_done_once_the_store_takes_it(serve, loc
     client = serve()
     lock_taken, progressed = threading.Event(), threading.Event()
 
-    def run(job: jobs.Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
+    def run(job: Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
         progress(1, 2)
         progressed.set()
         assert lock_taken.wait(10)
@@ -141,13 +142,13 @@ def test_a_job_that_cannot_be_started_stays_queued_and_runs_once_the_store_answe
 
 
 def _stepping_run(reached: threading.Event, proceed: threading.Event,
-                  cases: int = 10) -> Callable[[jobs.Job, Callable[[int, int], None]], dict[str, Any]]:
-    def run(job: jobs.Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
+                  cases: int = 10) -> Callable[[Job, Callable[[int, int], None]], dict[str, Any]]:
+    def run(job: Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
         for case in range(1, cases + 1):
             progress(case, cases)  # a case boundary
             reached.set()
             assert proceed.wait(10)
-            time.sleep(jobs.PROGRESS_EVERY_S)  # each report is written
+            time.sleep(running.PROGRESS_EVERY_S)  # each report is written
         return {"cases": cases}
 
     return run

@@ -146,11 +146,11 @@ def _ended(servers: list[Server], job_id: str, timeout: float) -> dict[str, Any]
 def _registered(url: str, count: int) -> list[dict[str, Any]]:
     from sqlalchemy import create_engine
 
-    from service.worker import workers
+    from registry.store.workers import registered_workers
 
     engine = create_engine(url)
     try:
-        rows = workers(engine)
+        rows = registered_workers(engine)
     except Exception:  # not created yet: no worker has started
         rows = []
     finally:

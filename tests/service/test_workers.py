@@ -18,12 +18,15 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, func, select, text
 
+from registry.store import workers as worker_rows
 from registry.store.db import JobRecord, Store
-from service import worker as workers_module
+from registry.store.workers import workers_table
 from service.cli import main
+from service.jobs import running
+from service.jobs.kinds import detect_device_kinds, queue_for, resolve_kind
+from service.jobs.worker import Worker, WorkerOptions
 from service.main import create_app
 from service.settings import Settings
-from service.worker import Worker, WorkerOptions, detect_device_kinds, queue_for, resolve_kind, workers_table
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"ops": ["masked_fill"], "stacks": ["vmap"], "dtypes": ["float32"]}
@@ -81,7 +84,7 @@ def two_workers(pg_store_url: str, tmp_path: Path) -> Iterator[list[subprocess.P
 def _registered(url: str) -> list[dict[str, Any]]:
     engine = create_engine(url)
     try:
-        return workers_module.workers(engine)
+        return worker_rows.registered_workers(engine)
     except Exception:  # the table is not created yet: no worker has started
         return []
     finally:
@@ -202,34 +205,34 @@ def _running(store: Store, job_id: str, owner: str) -> None:
 def test_a_stale_workers_job_is_requeued_with_the_reason_then_failed_after_max_attempts(worker_here: Worker) -> None:
     store = worker_here.store
     _running(store, "first-run", "gone:1:abcdef")
-    assert worker_here.requeue_or_fail("first-run", attempts=0) == "retry"
+    assert worker_here.reaper.requeue_or_fail("first-run", attempts=0) == "retry"
     job = store.job("first-run")
     assert (job.state, job.done, job.total, job.started_at) == ("queued", 0, 0, None)
     assert job.error == ("retry 2 of 2: worker gone:1:abcdef stopped sending heartbeats while running this job (at "
                          "3/8); none for over 2 s")
 
     _running(store, "second-run", "gone:2:abcdef")
-    assert worker_here.requeue_or_fail("second-run", attempts=1) == "fail"
+    assert worker_here.reaper.requeue_or_fail("second-run", attempts=1) == "fail"
     job = store.job("second-run")
     assert job.state == "failed"
     assert job.error == ("worker gone:2:abcdef stopped sending heartbeats while running this job (at 3/8); none for "
                          "over 2 s; not retried: it ran 2 of max_attempts 2 times")
     assert job.finished_at is not None
     # Already final, or never claimed: the row is left as it is.
-    assert worker_here.requeue_or_fail("second-run", attempts=1) == "finish"
+    assert worker_here.reaper.requeue_or_fail("second-run", attempts=1) == "finish"
     store.add_job(JobRecord(id="never-claimed", kind="verify", params={}))
-    assert worker_here.requeue_or_fail("never-claimed", attempts=0) == "retry"
+    assert worker_here.reaper.requeue_or_fail("never-claimed", attempts=0) == "retry"
     assert store.job("never-claimed").state == "queued"
-    assert worker_here.requeue_or_fail("no-such-job", attempts=0) == "finish"
+    assert worker_here.reaper.requeue_or_fail("no-such-job", attempts=0) == "finish"
     # Its own job, or one of a worker that beats in the workers table: procrastinate's heartbeat only lagged.
     _running(store, "mine", worker_here.id)
-    assert worker_here.requeue_or_fail("mine", attempts=0) == "alive"
+    assert worker_here.reaper.requeue_or_fail("mine", attempts=0) == "alive"
     with store.engine.begin() as conn:
         conn.execute(workers_table.insert().values(id="busy:5:abcdef", host="busy", pid=5, kinds="cpu",
                                                    started_at=func.extract("epoch", func.now()),
                                                    heartbeat=func.extract("epoch", func.now())))
     _running(store, "busy", "busy:5:abcdef")
-    assert worker_here.requeue_or_fail("busy", attempts=0) == "alive"
+    assert worker_here.reaper.requeue_or_fail("busy", attempts=0) == "alive"
     assert store.job("busy").state == store.job("mine").state == "running"
 
 
@@ -240,10 +243,10 @@ def test_the_reason_names_the_last_heartbeat_when_the_dead_workers_row_is_still_
                                                    started_at=1_000_000_000.0, heartbeat=1_000_000_000.0))
     _running(store, "stale", "gone:3:abcdef")
     # Its row stays while its job is still running: the reaper has not taken the job yet.
-    assert worker_here.prune_stale_workers() == []
-    assert worker_here.requeue_or_fail("stale", attempts=0) == "retry"
+    assert worker_here.reaper.prune_stale_workers() == []
+    assert worker_here.reaper.requeue_or_fail("stale", attempts=0) == "retry"
     assert store.job("stale").error.endswith("none for over 2 s (last at 2001-09-09 01:46:40 UTC)")
-    assert worker_here.prune_stale_workers() == ["gone:3:abcdef"]
+    assert worker_here.reaper.prune_stale_workers() == ["gone:3:abcdef"]
     with store.engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(workers_table)).scalar() == 1  # this worker
 
@@ -285,7 +288,7 @@ def test_a_running_job_cancelled_on_a_worker_stops_at_its_next_case_boundary(wor
     def execute(job: JobRecord, progress: Callable[[int, int], None]) -> dict[str, Any]:
         progress(1, 4)
         assert store.cancel_job(job.id).state == "cancelling"  # as DELETE /jobs/{id} from any server
-        time.sleep(workers_module.PROGRESS_EVERY_S)
+        time.sleep(running.PROGRESS_EVERY_S)
         progress(2, 4)
         raise AssertionError("progress should have stopped the job")
 
@@ -297,7 +300,7 @@ def test_a_running_job_cancelled_on_a_worker_stops_at_its_next_case_boundary(wor
 
     store.add_job(JobRecord(id="cancelling", kind="verify", params={}, state="cancelling", done=1, total=4,
                             owner="gone:4:abcdef"))
-    assert worker_here.requeue_or_fail("cancelling", attempts=0) == "finish"
+    assert worker_here.reaper.requeue_or_fail("cancelling", attempts=0) == "finish"
     job = store.job("cancelling")
     assert (job.state, job.error) == ("cancelled", "cancelled while running, at 1/4 (its worker gone:4:abcdef "
                                                    "stopped)")
@@ -309,7 +312,7 @@ def test_a_worker_skips_refused_progress_writes_and_retries_the_end_until_stored
     stayed running)."""
     from sqlalchemy.exc import OperationalError
 
-    monkeypatch.setattr(workers_module, "RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(running, "RETRY_FIRST_S", 0.01)
     store = worker_here.store
     update_owned = worker_here._update_owned
     refused: list[dict[str, Any]] = []
@@ -333,7 +336,7 @@ def test_a_job_whose_server_died_before_queueing_it_is_queued_again(worker_here:
     store.add_job(JobRecord(id="never-queued", kind="verify", params={"device_kind": "cpu"},
                             created_at=time.time() - 60))
     store.add_job(JobRecord(id="just-added", kind="verify", params={"device_kind": "cpu"}))
-    assert worker_here.orphaned_jobs() == [("never-queued", "cpu")]
+    assert worker_here.reaper.orphaned_jobs() == [("never-queued", "cpu")]
 
 
 # Without a PostgreSQL server -----------------------------------------------------------------------------------------

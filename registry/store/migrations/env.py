@@ -7,7 +7,8 @@ from alembic import context
 from sqlalchemy import Connection, text
 
 import registry.store.conformance
-import registry.store.survey  # noqa: F401  (defines the survey table on the same metadata)
+import registry.store.survey
+import registry.store.workers  # noqa: F401  (these define their tables on the same metadata)
 from registry.store.db import METADATA
 from registry.store.migrate import MIGRATION_LOCK_KEY
 

@@ -102,17 +102,6 @@ TRANSFORMS: dict[str, Callable[[Callable[..., torch.Tensor]], Callable[..., torc
 X = torch.tensor([[0.3, -1.2, 0.8], [1.1, 0.4, -0.6], [-0.9, 0.2, 1.7], [0.05, -0.3, -1.4]])
 
 
-@pytest.fixture
-def fallback_warnings() -> Iterator[list[warnings.WarningMessage]]:
-    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield caught
-    finally:
-        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
-
-
 @pytest.fixture(autouse=True)
 def _forget_functionalized() -> Iterator[None]:
     """Each test starts with no function remembered as needing functionalization."""

@@ -52,20 +52,6 @@ def add_spy():
     unregister("index_add", "test-add-spy")
 
 
-@pytest.fixture
-def fallback_warnings():
-    """Turns on vmap's fallback warning and yields the warnings caught."""
-    import warnings
-
-    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield caught
-    finally:
-        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
-
-
 def _loop(fn, *batched):
     return torch.stack([fn(*row) for row in zip(*batched, strict=True)])
 

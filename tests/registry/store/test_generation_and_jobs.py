@@ -72,3 +72,26 @@ def test_job_rows(store_url: str) -> None:
     assert store.prune_jobs(time.time() + 1) == 2
     assert store.jobs() == []
     store.close()
+
+
+def test_a_job_is_claimed_once_and_written_only_by_its_owner(store_url: str) -> None:
+    """What a worker does with a job's row: claim it (queued -> running, its count reset), then write it only while
+    it still owns it."""
+    with Store(store_url) as store:
+        store.add_job(JobRecord(id="q", kind="verify", params={}, done=3, total=8, error="retry 2 of 2: ..."))
+        claimed = store.claim_job("q", "w1")
+        assert claimed is not None
+        assert (claimed.state, claimed.owner, claimed.done, claimed.total, claimed.error) == (
+            "running", "w1", 0, 0, "retry 2 of 2: ...")
+        assert claimed.started_at is not None
+        assert store.claim_job("q", "w2") is None  # taken already
+        assert not store.update_job("q", if_state=("running",), if_owner="w2", done=1)
+        assert store.update_job("q", if_state=("running",), if_owner="w1", done=1, total=2)
+        assert store.update_job("q", if_owner="w1", state="done", result={"ran": "q"})
+        job = store.job("q")
+        assert (job.state, job.done, job.total, job.owner, job.result) == ("done", 1, 2, "w1", {"ran": "q"})
+        assert store.claim_job("q", "w1") is None  # finished
+        store.add_job(JobRecord(id="c", kind="verify", params={}))
+        store.cancel_job("c")
+        assert store.claim_job("c", "w1") is None  # cancelled before it was fetched
+        assert store.job("c").state == "cancelled"

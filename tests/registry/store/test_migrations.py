@@ -26,8 +26,9 @@ from service.cli import main
 from tests.registry.store.test_store import entry
 
 LEGACY_DDL = (Path(__file__).parent / "data" / "schema_before_migrations.sql").read_text()
-HEAD = "0004"
-TABLES = {"matrix_entries", "profiles", "store_meta", "jobs", "bench_runs", "survey_results", "conformance_results"}
+HEAD = "0005"
+TABLES = {"matrix_entries", "profiles", "store_meta", "jobs", "bench_runs", "survey_results", "conformance_results",
+          "workers"}
 
 
 def _execute(url: str, *statements: str) -> list[tuple[object, ...]]:
@@ -156,7 +157,7 @@ def test_a_fresh_store_has_exactly_the_schema_of_the_models(empty_url: str) -> N
 
 def test_revisions_go_down_and_up_again(empty_url: str) -> None:
     url = empty_url
-    assert migrate.revisions() == ["0001", "0002", "0003", HEAD]
+    assert migrate.revisions() == ["0001", "0002", "0003", "0004", HEAD]
     assert migrate.upgrade(url, "0001") == (None, "0001")
     assert _execute(url, "SELECT key, value FROM store_meta ORDER BY key") == [("generation", 0),
                                                                                ("schema_version", 2)]
@@ -185,6 +186,43 @@ def test_revisions_go_down_and_up_again(empty_url: str) -> None:
     with Store(url) as store:
         store.write_entries([entry()])
         assert store.entries() == [entry()]
+
+
+def test_a_workers_table_made_by_create_all_is_kept_by_the_upgrade(empty_url: str) -> None:
+    """Before revision 0005 the service and each worker made ``workers`` with ``create_all`` when they started: a
+    store at 0004 with that table (and a worker's row in it) upgrades to head keeping both, and then has exactly the
+    schema of the models."""
+    from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text
+
+    url = empty_url
+    assert migrate.upgrade(url, "0004") == (None, "0004")
+    assert "workers" not in _tables(url)
+    made_then = MetaData()
+    Table("workers", made_then, Column("id", String(300), primary_key=True),
+          Column("host", String(300), nullable=False), Column("pid", Integer, nullable=False),
+          Column("kinds", Text, nullable=False), Column("current_job", Text, nullable=True),
+          Column("started_at", Float, nullable=False), Column("heartbeat", Float, nullable=False))
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            made_then.create_all(conn)
+            conn.execute(text("INSERT INTO workers (id, host, pid, kinds, current_job, started_at, heartbeat) VALUES "
+                              "('vm:7:abcdef', 'vm', 7, 'cpu', NULL, 1.0, 2.0)"))
+    finally:
+        engine.dispose()
+    assert migrate.upgrade(url) == ("0004", HEAD)
+    assert _tables(url) == TABLES | {"alembic_version"}
+    assert _execute(url, "SELECT id, host, pid, kinds, started_at, heartbeat FROM workers") == [
+        ("vm:7:abcdef", "vm", 7, "cpu", 1.0, 2.0)]
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            differences = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), METADATA)
+    finally:
+        engine.dispose()
+    assert [d for d in differences if "workers" in repr(d)] == []
+    assert migrate.downgrade(url, "0004") == (HEAD, "0004")
+    assert "workers" not in _tables(url)
 
 
 def _upgrade_in_child(url: str, go: Any, results: Any) -> None:
@@ -291,7 +329,7 @@ def test_db_commands(empty_url: str, capsys: pytest.CaptureFixture[str]) -> None
     assert json.loads(capsys.readouterr().out) == {"url": shown, "current": HEAD, "head": HEAD, "up_to_date": True}
     assert main(["db", "upgrade", "--url", url, "--revision", "9"]) == 2
     assert capsys.readouterr().err == ("multicomposite db: cannot upgrade to '9': Can't locate revision identified "
-                                       "by '9'; known revisions: 0001, 0002, 0003, 0004\n")
+                                       "by '9'; known revisions: 0001, 0002, 0003, 0004, 0005\n")
 
 
 def test_db_commands_name_an_unreachable_server_without_its_password(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,111 @@
+"""The stored evidence records, declared once: a verified matrix cell and a timing, and how a row of their table
+becomes one. No database library here, so the hot path's reader (``sqlite_reader``) and the SQLAlchemy store
+(``db``) share them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field
+from typing import Any
+
+from registry.core.stacks import split_stack
+
+
+def stored(limit: int | None = None, *, index: bool = False, wide: bool = False, public: bool = True,
+           doc: str = "", default: Any = MISSING) -> Any:
+    """A record field and how it is stored and shown, declared once: ``limit`` characters (text without one),
+    ``index``ed, ``wide`` (a 64-bit integer), ``public`` (in the HTTP API's models) and what it means (``doc``).
+    The store's tables (``db``) and the service's models are built from these."""
+    metadata = {"limit": limit, "index": index, "wide": wide, "public": public, "doc": doc}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class MatrixEntry:
+    """One verified cell: how ``composite`` of ``op`` fared under ``stack`` for one batching pattern and dtype."""
+
+    op: str = stored(200, index=True)
+    composite: str = stored(200)
+    kind: str = stored(100)
+    stack: tuple[str, ...] = stored(400, doc="transforms, outermost first; () is eager")
+    pattern: str = stored(100)
+    dtype: str = stored(50)
+    status: str = stored(20)
+    detail: str = stored()
+    max_abs_error: float | None = stored()
+    max_rel_error: float | None = stored()
+    source_hash: str = stored(200, public=False)
+    torch_version: str = stored(100)
+    device: str = stored(50)
+    # When the harness judged it, epoch seconds (UTC); None in rows stored before revision 0003.
+    measured_at: float | None = stored(default=None)
+
+
+# A matrix cell's identity: a later entry with the same key replaces the stored one.
+MATRIX_KEY = ("op", "composite", "stack", "pattern", "dtype", "device", "torch_version")
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One timing: ``composite`` of ``op`` under ``stack`` (as the op sees it) at one size, batch and dtype."""
+
+    op: str = stored(200, index=True)
+    composite: str = stored(200)
+    kind: str = stored(100)
+    stack: tuple[str, ...] = stored(400, doc="the stack the op sees")
+    workload: str = stored(100, doc="the transform the timing ran under: vmap, grad, vmap(grad), jacrev, ...")
+    dtype: str = stored(50)
+    device: str = stored(50)
+    device_name: str = stored(200)
+    # 64 bits: a CUDA tensor's element count or peak memory passes 2**31 (PostgreSQL's INTEGER is 32 bits).
+    numel_bucket: int = stored(wide=True, doc="the op's element count (per sample under vmap), rounded up to a "
+                                              "power of two")
+    batch_size: int = stored()
+    valid: bool = stored()
+    detail: str = stored(doc='why it is invalid, or ""')
+    median_us: float | None = stored()
+    iqr_us: float | None = stored()
+    runs: int = stored()
+    peak_memory: int | None = stored(wide=True, public=False, doc="bytes, on CUDA")
+    source_hash: str = stored(200, public=False)
+    torch_version: str = stored(100, public=False)
+
+
+# A timing's identity: a later timing with the same key replaces the stored one.
+PROFILE_KEY = ("op", "composite", "workload", "dtype", "device", "device_name", "numel_bucket", "batch_size",
+               "torch_version")
+
+
+def decode_stack(value: str) -> tuple[str, ...]:
+    """Either spelling: rows written before schema 2 say vmap,grad."""
+    return tuple(split_stack(value))
+
+
+def matrix_entry_from_mapping(row: Mapping[str, Any]) -> MatrixEntry:
+    """A ``matrix_entries`` row (column name to value) as its record."""
+    return MatrixEntry(
+        op=row["op"],
+        composite=row["composite"],
+        kind=row["kind"],
+        stack=decode_stack(row["stack"]),
+        pattern=row["pattern"],
+        dtype=row["dtype"],
+        status=row["status"],
+        detail=row["detail"],
+        max_abs_error=row["max_abs_error"],
+        max_rel_error=row["max_rel_error"],
+        source_hash=row["source_hash"],
+        torch_version=row["torch_version"],
+        device=row["device"],
+        measured_at=row["measured_at"],
+    )
+
+
+PROFILE_FIELDS = tuple(ProfileEntry.__dataclass_fields__)
+
+
+def profile_from_mapping(row: Mapping[str, Any]) -> ProfileEntry:
+    """A ``profiles`` row (column name to value) as its record."""
+    values = {name: row[name] for name in PROFILE_FIELDS}
+    return ProfileEntry(**{**values, "stack": decode_stack(values["stack"]), "valid": bool(values["valid"])})

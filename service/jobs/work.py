@@ -1,0 +1,47 @@
+"""``make_job_work(store)``: what a verify or a profile job does, the same whether the service's own runner
+(``local``) or a ``multicomposite worker`` (``worker``) runs it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from registry.store.db import Store
+    from service.jobs.backend import Job, JobWork, Progress
+
+
+def make_job_work(store_: Store, on_written: Callable[[], None] = lambda: None) -> JobWork:
+    """``on_written``: called after a job writes the store and before it is reported done, so that a client that
+    sees the job done never reads a response cached before the write (the watcher would notice only at its poll)."""
+
+    def run_job(job: Job, progress: Progress) -> dict[str, Any]:
+        import torch
+
+        from registry.harness.stored_verify import verify_into
+        from registry.profiling.stored_profile import profile_into
+
+        params = job.params
+        dtypes = [getattr(torch, name) for name in params["dtypes"]]  # names checked against a closed Literal
+
+        def report(done: int, total: int, _label: str = "") -> None:
+            progress(done, total)
+
+        if job.kind == "verify":
+            # One process: forking a threaded server is unsafe. Writing bumps the generation: watchers reload.
+            entries = verify_into(store_, ops=params["ops"], stacks=params["stacks"], dtypes=dtypes, progress=report,
+                                  workers=1)
+            on_written()
+            counts: dict[str, int] = {}
+            for entry in entries:
+                counts[entry.status] = counts.get(entry.status, 0) + 1
+            return {"entries": len(entries), "statuses": counts}
+        refused: list[str] = []
+        profiles = profile_into(store_, ops=params["ops"], workloads=params["workloads"], numels=params["numels"],
+                                batch_sizes=params["batch_sizes"], dtypes=dtypes, device=params["device"],
+                                min_run_time=params["min_run_time"], progress=report, refused=refused)
+        on_written()
+        # Contexts whose timings stayed disturbed are not stored: the result says which, and why.
+        return {"profiles": len(profiles), "timed": sum(p.valid for p in profiles), "refused": refused}
+
+    return run_job
