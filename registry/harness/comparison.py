@@ -46,15 +46,20 @@ TOLERANCES: dict[str, Tolerance] = {
         torch.float64: (1e-7, 1e-7), torch.complex32: (1e-3, 1e-5), torch.complex64: (1.3e-6, 1e-5),
         torch.complex128: (1e-7, 1e-7), OTHER: (0.0, 0.0),
     }),
-    # OpInfo cases (the survey, the conformance suite, the matrix's OpInfo ops): gradients, double vjps and projected
-    # Jacobians go through other kernels than the reference, so looser, and relative to the largest value; a Jacobian
-    # projected on a cotangent turns an inf into nan (0 * inf), and a double vjp overflows where the jvp does not, so
-    # the reference's non-finite entries are not checked. float32 measured (docs/verification.md, Survey:
-    # tolerances) over the float32 cases of the survey's mismatching entries against the same cases cast to
-    # float64: rounding (float64 agrees) reached 0.0087 of the largest value (multi_head_attention_forward, whose
-    # float32 reference is itself 0.0056 from float64's) and 2.4e-4 absolute where the reference is 0 (layer_norm);
-    # every wrong result (float64 wrong too) was at least 1.4 of the largest value. float64 keeps its earlier bounds.
-    "derivatives": Tolerance({torch.float32: (3e-2, 1e-3), torch.complex64: (3e-2, 1e-3), OTHER: (1e-5, 1e-6)},
+    # OpInfo cases under vmap alone (the survey, the conformance suite, the matrix's OpInfo ops): the op's own kernels
+    # on batched memory, per entry. A sample mixed up with its neighbour differs by 5% of the value (the survey's
+    # per-sample variation): per entry that is caught on the smallest entries too.
+    "batched values": Tolerance({torch.float32: (1e-4, 1e-4), torch.complex64: (1e-4, 1e-4), OTHER: (1e-5, 1e-6)},
+                                finite_only=True, tensor_dtype=True),
+    # OpInfo cases under a stack that differentiates: gradients, double vjps and projected Jacobians go through other
+    # kernels than the reference and sum terms of the size of the largest value, so relative to that value; a
+    # Jacobian projected on a cotangent turns an inf into nan (0 * inf), and a double vjp overflows where the jvp does
+    # not, so the reference's non-finite entries are not checked. float32 measured (docs/verification.md, Survey:
+    # tolerances; ``python -m bench.survey_rounding``) against the same cases cast to float64: rounding (float64
+    # agrees) reached 0.0087 of the largest value (multi_head_attention_forward, whose float32 reference is itself
+    # 0.0056 from float64's) and 2.4e-4 absolute where the reference is 0 (layer_norm); a sample mixed up with its
+    # neighbour differs by 0.05 of the value. float64 keeps its earlier bounds.
+    "derivatives": Tolerance({torch.float32: (2e-2, 1e-3), torch.complex64: (2e-2, 1e-3), OTHER: (1e-5, 1e-6)},
                              finite_only=True, of_largest=True, tensor_dtype=True),
     # A profiled composite against the functional composite's result (either may reorder a reduction).
     "profile": Tolerance({OTHER: (1e-4, 1e-5)}),
