@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from registry.core.stacks import format_stack, shorten
-from registry.store.records import MatrixEntry, ProfileEntry
+from registry.store.records import JobRecord, MatrixEntry, ProfileEntry
 from service.timestamps import ISO_EXAMPLE, iso_utc
 
 if TYPE_CHECKING:
@@ -170,26 +170,20 @@ def public_params(params: dict[str, Any]) -> dict[str, Any]:
     return {**params, "stacks": [s if isinstance(s, str) else format_stack(s) for s in stacks]}
 
 
-class JobPublic(BaseModel):
-    id: str = Field(description="the job's id: GET /jobs/{id} follows it")
-    kind: str = Field(description="verify or profile")
-    state: str = Field(description="queued, running, cancelling (asked to stop: it stops at its next case "
-                       "boundary), done, failed, cancelled or interrupted")
-    done: int = Field(description="work items finished so far")
-    total: int = Field(description="work items in all (0 until the job starts)")
-    params: dict = Field(description="what the job runs, as checked and completed from the request: ops, stacks "
-                                     "(spelled vmap(grad)) or workloads, dtypes, sizes, device_kind")
-    result: dict | None = Field(description="when done: counts of what it wrote, and (profile) the contexts refused "
-                                            "as too noisy; null before")
-    error: str | None = Field(description="why it failed or was interrupted; null otherwise")
-    created_at: str = Timestamp("when it was submitted")
-    started_at: str | None = Timestamp("when it started", nullable="while queued")
-    finished_at: str | None = Timestamp("when it finished", nullable="until it finishes")
+def _doc(record: type, name: str) -> str:
+    return next(spec.metadata["doc"] for spec in dataclasses.fields(record) if spec.name == name)
 
-    @classmethod
-    def of(cls, job: Any) -> JobPublic:
-        """The public form of a stored job (``registry.store.db.JobRecord``)."""
-        return cls(id=job.id, kind=job.kind, state=job.state, done=job.done, total=job.total,
-                   params=public_params(job.params), result=job.result, error=job.error,
-                   created_at=iso_utc(job.created_at), started_at=iso_utc(job.started_at),
-                   finished_at=iso_utc(job.finished_at))
+
+# A job as POST /verify, POST /profiles and GET /jobs/{id} answer it: its times in ISO 8601.
+JobPublic = record_model("JobPublic", JobRecord, overrides={
+    "created_at": (str, Timestamp(_doc(JobRecord, "created_at"))),
+    "started_at": (str | None, Timestamp(_doc(JobRecord, "started_at"), nullable="while queued")),
+    "finished_at": (str | None, Timestamp(_doc(JobRecord, "finished_at"), nullable="until it finishes")),
+})
+
+
+def job_public(job: JobRecord) -> BaseModel:
+    """The public form of a stored job: its public fields, stacks spelled vmap(grad), times in ISO 8601."""
+    values = {name: getattr(job, name) for name in JobPublic.model_fields}
+    times = {name: iso_utc(values[name]) for name in ("created_at", "started_at", "finished_at")}
+    return JobPublic(**{**values, **times, "params": public_params(job.params)})

@@ -13,8 +13,8 @@ from torch.utils.benchmark import Timer
 
 import registry
 from bench.models import Setup, Workload, all_workloads
-
-FALLBACK_TEXT = "There is a performance drop"
+from registry.core.messages import described
+from registry.harness.fallback import FALLBACK_WARNING
 
 
 def _ms(stmt: Callable[[], object], min_run_time: float) -> float:
@@ -29,8 +29,8 @@ def _attempt(stmt: Callable[[], Any]) -> tuple[Any, int, str | None]:
         try:
             result = stmt()
         except Exception as error:  # a workload that fails is reported, not a crash of the whole bench
-            return None, 0, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:120]
-    return result, sum(FALLBACK_TEXT in str(w.message) for w in caught), None
+            return None, 0, described(error)[:120]
+    return result, sum(FALLBACK_WARNING in str(w.message) for w in caught), None
 
 
 def _matches(result: Any, reference: Any, setup: Setup) -> bool:

@@ -23,6 +23,7 @@ from registry.core.messages import described
 from registry.harness import comparison, fallback
 from registry.harness.deadline import CaseTimeout, deadline
 from registry.harness.interpreter import Layout, program, transformed
+from registry.harness.interpreter import reference as interpreted_reference  # this module's reference is per case
 from registry.harness.opinfo_cases import (
     BATCHED_STACKS,
     FORWARD_STACKS,
@@ -100,12 +101,14 @@ class Reference:
         leaves = tuple(values[s].detach().clone().requires_grad_() for s in self.case.diff_slots())
         return values, leaves
 
+    def _outputs_of(self, *values: Any) -> tuple[torch.Tensor, ...]:
+        return self.case.differentiable_outputs(self.case.call(values))
+
     def grads(self, b: int) -> tuple[torch.Tensor, ...]:
+        """The loss's gradient on sample ``b``: the interpreter's grad reference (``torch.autograd.grad``)."""
         if b not in self._grads:
-            values, leaves = self._leaves(b)
-            outputs = self.case.differentiable_outputs(self.case.call(values, leaves))
-            self._grads[b] = torch.autograd.grad(self.case.loss(outputs), leaves, allow_unused=True,
-                                                 materialize_grads=True)
+            layout = Layout(wrt=self.case.diff_slots(), loss=self.case.loss)
+            self._grads[b] = interpreted_reference(("grad",), self._outputs_of, layout)(*self.case.per_sample[b])
         return self._grads[b]
 
     def vjp(self, b: int, cotangents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -131,34 +134,15 @@ class Reference:
         return tuple(g.detach() for g in grads), tuple(products)
 
     def jvp(self, b: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """(outputs, ``J t``) for sample ``b``'s tangents ``t``.
+        """(outputs, ``J t``) for sample ``b``'s tangents ``t``: the interpreter's jvp reference.
 
         ``J t`` is a double vjp where the op has a double backward (``u -> J^T u`` is linear, its vjp with ``t`` is
         ``J t``), independent of the op's forward-mode formula; else ``torch.autograd.forward_ad``.
         """
-        tangents = self.case.tangents[b]
-        values, leaves = self._leaves(b)
-        if self.case.opinfo.supports_gradgrad:
-            outputs = self.case.differentiable_outputs(self.case.call(values, leaves))
-            cotangents = tuple(torch.zeros_like(y, requires_grad=True) for y in outputs)
-            vjps = torch.autograd.grad(outputs, leaves, cotangents, create_graph=True, allow_unused=True,
-                                       materialize_grads=True)
-            used = [(g, t) for g, t in zip(vjps, tangents, strict=True) if g.requires_grad]
-            if used:
-                tangent_outputs = torch.autograd.grad([g for g, _ in used], cotangents, [t for _, t in used],
-                                                      allow_unused=True, materialize_grads=True)
-            else:  # the vjp does not depend on u: J is zero
-                tangent_outputs = tuple(torch.zeros_like(y) for y in outputs)
-            return tuple(y.detach() for y in outputs), tuple(tangent_outputs)
-        import torch.autograd.forward_ad as fwad
-
-        with fwad.dual_level():
-            duals = tuple(fwad.make_dual(leaf.detach(), t) for leaf, t in zip(leaves, tangents, strict=True))
-            outputs = self.case.differentiable_outputs(self.case.call(values, duals))
-            unpacked = [fwad.unpack_dual(y) for y in outputs]
-            return (tuple(u.primal.clone() for u in unpacked),
-                    tuple(u.tangent.clone() if u.tangent is not None else torch.zeros_like(u.primal)
-                          for u in unpacked))
+        layout = Layout(wrt=self.case.diff_slots(), tangent=None, with_primal=True,
+                        forward_ad=not self.case.opinfo.supports_gradgrad)
+        jvp = interpreted_reference(("jvp",), self._outputs_of, layout)
+        return jvp(*self.case.per_sample[b], *self.case.tangents[b])
 
 
 class _Unsupported(Exception):  # noqa: N818 -- an outcome, not a failure

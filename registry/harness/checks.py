@@ -4,7 +4,6 @@ outside any transform: the evidence behind every claim that a composite works so
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from registry.core.routing import use
 from registry.harness import fallback
 from registry.harness.comparison import compare
 from registry.harness.interpreter import Layout, differentiates, program, reference, transformed
+from registry.harness.outcomes import Outcome
 from registry.harness.samples import Args, Sample
 
 STACKS: tuple[str, ...] = (
@@ -25,12 +25,6 @@ GRAD_STACKS = frozenset(stack for stack in STACKS if differentiates(program(stac
 PATTERNS: tuple[str, ...] = ("self", "others", "in_dims1")
 
 Call = Callable[[Args], Any]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    status: str  # ok | slow | error | mismatch
-    detail: str = ""
 
 
 def entry_call(op: str, sample: Sample, *, entry: str = "method") -> Call:
@@ -170,7 +164,7 @@ def check(sample: Sample, stack: str, pattern: str, call: Call | None = None, *,
         except Exception as error:  # the outcome of an op under a transform is data here, not a crash
             return Outcome("error", described(error))
     if (problem := compare(actual, expected)) is not None:
-        return Outcome("mismatch", problem.detail)
+        return Outcome("mismatch", problem.detail, problem.max_abs_error, problem.max_rel_error)
     if (note := fallback.fallback_note(caught)) is not None:
         return Outcome("slow", note)
     return Outcome("ok")

@@ -24,9 +24,10 @@ The differentiating layers differentiate with respect to ``layout.wrt`` (one arg
 of results, as torch.func's ``argnums``). A reference layer keeps its graph (``create_graph``) only where a layer
 outside it differentiates again.
 
-Used by ``checks`` (the test suite's named stacks), ``verify`` (the matrix's generated stacks) and the profiles'
-workloads; the OpInfo cases of the survey and the conformance suite run through ``registry.harness.case_stacks``,
-which builds on the same comparison (``registry.harness.comparison``).
+Used by ``checks`` (the test suite's named stacks), ``verify`` (the matrix's generated stacks), the profiles'
+workloads, and ``case_stacks`` (the OpInfo cases of the survey, the conformance suite and the matrix's OpInfo ops:
+their stacks, and the gradients and jvps of their per-sample reference). Results are compared with
+``registry.harness.comparison``.
 """
 
 from __future__ import annotations
@@ -82,13 +83,16 @@ class Layout:
     what the differentiating layers differentiate (``wrt``), the scalar that grad and hessian differentiate
     (``loss``) and the tangent jvp pushes forward from an input (``tangent``; None: the function's last
     ``len(wrt)`` arguments are the tangents, so that vmap can batch them). ``with_primal``: jvp gives
-    (outputs, tangents), as ``torch.func.jvp`` does, rather than the tangents alone."""
+    (outputs, tangents), as ``torch.func.jvp`` does, rather than the tangents alone. ``forward_ad``: the jvp
+    reference is forward AD (True) or the double vjp (False, independent of the op's forward-mode formula); None:
+    forward AD exactly where jvp is the stack's one differentiating layer."""
 
     in_dims: tuple[tuple[int | None, ...], ...] = ()
     wrt: int | tuple[int, ...] = 0
     loss: Callable[[Any], torch.Tensor] = field(default=weighted_square)
     tangent: Callable[[torch.Tensor], torch.Tensor] | None = field(default=linspace_tangent)
     with_primal: bool = False
+    forward_ad: bool | None = None
 
     @property
     def argnums(self) -> tuple[int, ...]:
@@ -192,7 +196,8 @@ def reference(stack: Sequence[str], f: Fn, layout: Layout) -> Fn:
         elif layer == "grad":
             f = _autograd_grad(f, layout, outer)
         elif layer == "jvp":
-            f = _forward_ad_jvp(f, layout) if alone else _autograd_jvp(f, layout)
+            forward = alone if layout.forward_ad is None else layout.forward_ad
+            f = _forward_ad_jvp(f, layout) if forward else _autograd_jvp(f, layout)
         elif layer in ("jacrev", "jacfwd"):
             f = _autograd_jacobian(f, layout, outer, forward=layer == "jacfwd")
         elif layer == "hessian":
@@ -221,7 +226,8 @@ def _loop(f: Fn, in_dims: tuple[int | None, ...]) -> Fn:
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
-    return x if x.requires_grad else x.detach().requires_grad_()
+    # A copy: an op that writes to its input must not change the caller's samples.
+    return x if x.requires_grad else x.detach().clone().requires_grad_()
 
 
 def _leaves(xs: Sequence[Any], layout: Layout) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]]:
@@ -273,27 +279,43 @@ def _forward_ad_jvp(f: Fn, layout: Layout) -> Fn:
     def jvp_f(*args: Any) -> Any:
         xs, tangents = layout.split_tangents(args)
         with forward_ad.dual_level():
-            duals = [forward_ad.make_dual(xs[i], t) for i, t in zip(layout.argnums, tangents, strict=True)]
-            unpacked = forward_ad.unpack_dual(f(*_replaced(xs, layout.argnums, duals)))
-            out = unpacked.primal.clone()
-            tangent = torch.zeros_like(out) if unpacked.tangent is None else unpacked.tangent.clone()
-        return (out, tangent) if layout.with_primal else tangent
+            duals = [forward_ad.make_dual(xs[i].detach().clone(), t)
+                     for i, t in zip(layout.argnums, tangents, strict=True)]
+            y = f(*_replaced(xs, layout.argnums, duals))
+            unpacked = [forward_ad.unpack_dual(out) for out in _outputs(y)]
+            primals = [u.primal.clone() for u in unpacked]
+            pushed = [torch.zeros_like(u.primal) if u.tangent is None else u.tangent.clone() for u in unpacked]
+        return _jvp_result(y, primals, pushed, layout)
 
     return jvp_f
 
 
 def _autograd_jvp(f: Fn, layout: Layout) -> Fn:
+    """J t as d/du <J^T u, t>: the vjp is linear in u, so its vjp with t is the jvp, through reverse mode only."""
+
     def jvp_f(*args: Any) -> Any:
         xs, tangents = layout.split_tangents(args)
         inputs, leaves = _leaves(xs, layout)
         y = f(*inputs)
-        if not y.requires_grad:  # an inner derivative of a linear op: constant in x
-            jvp = torch.zeros_like(y)
-        else:
-            u = torch.zeros_like(y, requires_grad=True)
-            vjps = torch.autograd.grad(y, leaves, u, create_graph=True, allow_unused=True, materialize_grads=True)
-            (jvp,) = torch.autograd.grad(vjps, u, tangents, create_graph=True, allow_unused=True,
-                                         materialize_grads=True)
-        return (y, jvp) if layout.with_primal else jvp
+        outputs = _outputs(y)
+        if not any(out.requires_grad for out in outputs):  # an inner derivative of a linear op: constant in x
+            return _jvp_result(y, outputs, [torch.zeros_like(out) for out in outputs], layout)
+        cotangents = tuple(torch.zeros_like(out, requires_grad=True) for out in outputs)
+        vjps = torch.autograd.grad(outputs, leaves, cotangents, create_graph=True, allow_unused=True,
+                                   materialize_grads=True)
+        used = [(g, t) for g, t in zip(vjps, tangents, strict=True) if g.requires_grad]
+        if used:
+            pushed = torch.autograd.grad([g for g, _ in used], cotangents, [t for _, t in used], create_graph=True,
+                                         allow_unused=True, materialize_grads=True)
+        else:  # the vjp does not depend on u: J is zero
+            pushed = tuple(torch.zeros_like(out) for out in outputs)
+        return _jvp_result(y, outputs, pushed, layout)
 
     return jvp_f
+
+
+def _jvp_result(y: Any, primals: Sequence[torch.Tensor], pushed: Sequence[torch.Tensor], layout: Layout) -> Any:
+    """The pushed-forward tangents shaped as ``y`` (a tensor, or a tuple of them), with ``y`` where asked."""
+    if isinstance(y, torch.Tensor):
+        return (primals[0], pushed[0]) if layout.with_primal else pushed[0]
+    return (type(y)(primals), type(y)(pushed)) if layout.with_primal else type(y)(pushed)

@@ -1,4 +1,4 @@
-"""The outcome of one check of an OpInfo case, and how outcomes aggregate: the worst over samples wins."""
+"""The outcome of one check (``checks.check``, an OpInfo case), and how outcomes aggregate: the worst wins."""
 
 from __future__ import annotations
 

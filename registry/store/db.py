@@ -12,7 +12,7 @@ import time
 import typing
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -52,6 +52,7 @@ from registry.store.connection import (
 from registry.store.records import (
     MATRIX_KEY,
     PROFILE_KEY,
+    JobRecord,
     MatrixEntry,
     ProfileEntry,
     matrix_entry_from_mapping,
@@ -65,32 +66,38 @@ FINISHED_JOB_STATES: tuple[str, ...] = ("done", "failed", "cancelled", "interrup
 CHECK_TIMEOUT_S = 5.0  # a readiness check waits this long for a lock, not a writer's 30 s
 
 
-def record_table(name: str, record: type, key: tuple[str, ...], constraint: str, metadata: MetaData) -> Table:
-    """The table of a record (``records.stored`` says how each field is stored): an ``id`` primary key, one
-    column per field, and a unique constraint on ``key``."""
+def record_table(name: str, record: type, metadata: MetaData, key: tuple[str, ...] = (), constraint: str = ""
+                 ) -> Table:
+    """The table of a record (``records.stored`` says how each field is stored): one column per field, an ``id``
+    primary key unless a field is the primary key, and a unique constraint on ``key`` when given."""
     hints = typing.get_type_hints(record)
-    columns = [Column("id", Integer, primary_key=True, autoincrement=True)]
-    for spec in dataclasses.fields(record):
+    specs = dataclasses.fields(record)
+    columns = [] if any(spec.metadata["primary"] for spec in specs) else [
+        Column("id", Integer, primary_key=True, autoincrement=True)]
+    for spec in specs:
         stored, hint = spec.metadata, hints[spec.name]
         nullable = type(None) in typing.get_args(hint)
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) if nullable else hint
         base = typing.get_origin(base) or base
         if base in (str, tuple):  # a stack is stored as its spelling
             column_type: Any = String(stored["limit"]) if stored["limit"] else Text
+        elif base is dict:  # JSON
+            column_type = Text
         elif base is float:
             column_type = Float
         elif base in (int, bool):  # a bool as 0 or 1
             column_type = BigInteger if stored["wide"] else Integer
         else:
             raise TypeError(f"{record.__name__}.{spec.name}: no column type for {hint}; use str, int, float or bool")
-        columns.append(Column(spec.name, column_type, nullable=nullable, index=stored["index"] or None))
-    return Table(name, metadata, *columns, UniqueConstraint(*key, name=constraint))
+        columns.append(Column(spec.name, column_type, nullable=nullable, index=stored["index"] or None,
+                              primary_key=stored["primary"]))
+    return Table(name, metadata, *columns, *([UniqueConstraint(*key, name=constraint)] if key else []))
 
 
 METADATA = MetaData()
-_matrix = record_table("matrix_entries", MatrixEntry, MATRIX_KEY, "uq_matrix_key", METADATA)
+_matrix = record_table("matrix_entries", MatrixEntry, METADATA, MATRIX_KEY, "uq_matrix_key")
 _KEY = MATRIX_KEY
-_profiles = record_table("profiles", ProfileEntry, PROFILE_KEY, "uq_profile_key", METADATA)
+_profiles = record_table("profiles", ProfileEntry, METADATA, PROFILE_KEY, "uq_profile_key")
 _PROFILE_KEY = PROFILE_KEY
 
 
@@ -106,23 +113,19 @@ GENERATION = "generation"
 # The schema's version is Alembic's (the alembic_version table; registry/store/migrations). Before migrations it was
 # a "schema_version" row here: 2 when stacks were stored in the one spelling, vmap(grad) (1 wrote vmap,grad).
 
-jobs_table = Table(
-    "jobs",
-    METADATA,
-    Column("id", String(64), primary_key=True),
-    Column("kind", String(50), nullable=False),
-    Column("params", Text, nullable=False),  # JSON
-    Column("state", String(20), nullable=False, index=True),
-    Column("done", Integer, nullable=False),
-    Column("total", Integer, nullable=False),
-    Column("result", Text, nullable=True),  # JSON
-    Column("error", Text, nullable=True),
-    Column("owner", String(300), nullable=False),  # host:pid of the server that accepted or runs it
-    Column("created_at", Float, nullable=False),
-    Column("started_at", Float, nullable=True),
-    Column("finished_at", Float, nullable=True),
-    Column("updated_at", Float, nullable=False),
-)
+jobs_table = record_table("jobs", JobRecord, METADATA)
+
+
+def json_fields(record: type) -> tuple[str, ...]:
+    """The record's ``dict`` fields (optional or not): stored as JSON text."""
+    def is_dict(hint: Any) -> bool:
+        return (typing.get_origin(hint) or hint) is dict
+
+    return tuple(name for name, hint in typing.get_type_hints(record).items()
+                 if is_dict(hint) or any(is_dict(arg) for arg in typing.get_args(hint)))
+
+
+_JOB_JSON = json_fields(JobRecord)  # params, result
 
 # Benchmarking runs (profile, verify), so that a profile can tell whether another process ran while it timed.
 _runs = Table(
@@ -135,25 +138,6 @@ _runs = Table(
     Column("started_at", Float, nullable=False),
     Column("finished_at", Float, nullable=True),
 )
-
-
-@dataclass
-class JobRecord:
-    """A verification or profiling job as stored: what was asked, where it stands, and how it ended."""
-
-    id: str
-    kind: str
-    params: dict[str, Any]
-    state: str = "queued"
-    done: int = 0
-    total: int = 0
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    owner: str = ""
-    created_at: float = field(default_factory=time.time)
-    started_at: float | None = None
-    finished_at: float | None = None
-    updated_at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -235,15 +219,15 @@ def data_dir(url: str) -> Path:
 
 def _job_row(job: JobRecord) -> dict[str, Any]:
     values = vars(job).copy()
-    values["params"] = json.dumps(job.params)
-    values["result"] = json.dumps(job.result) if job.result is not None else None
+    for name in _JOB_JSON:
+        values[name] = json.dumps(values[name]) if values[name] is not None else None
     return values
 
 
 def job_from_row(row: Row[Any]) -> JobRecord:
     values = dict(row._mapping)
-    values["params"] = json.loads(values["params"])
-    values["result"] = json.loads(values["result"]) if values["result"] is not None else None
+    for name in _JOB_JSON:
+        values[name] = json.loads(values[name]) if values[name] is not None else None
     return JobRecord(**values)
 
 
@@ -539,8 +523,9 @@ class Store:
                    **values: Any) -> bool:
         """Write ``values`` into job ``job_id``'s row, only while its state is one of ``if_state`` and its owner is
         ``if_owner`` when given (a worker writes only the jobs it still runs); whether a row was written."""
-        if "result" in values and values["result"] is not None:
-            values["result"] = json.dumps(values["result"])
+        for name in _JOB_JSON:
+            if values.get(name) is not None:
+                values[name] = json.dumps(values[name])
         values["updated_at"] = time.time()
         query = update(jobs_table).where(jobs_table.c.id == job_id)
         if if_state is not None:

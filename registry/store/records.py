@@ -1,10 +1,11 @@
-"""The stored evidence records, declared once: a verified matrix cell and a timing, and how a row of their table
-becomes one. No database library here, so the hot path's reader (``sqlite_reader``) and the SQLAlchemy store
-(``db``) share them.
+"""The stored records, declared once: a verified matrix cell, a timing, a job and a worker, and how a row of the
+evidence tables becomes one. No database library here, so the hot path's reader (``sqlite_reader``) and the
+SQLAlchemy store (``db``) share them.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any
@@ -12,13 +13,14 @@ from typing import Any
 from registry.core.stacks import split_stack
 
 
-def stored(limit: int | None = None, *, index: bool = False, wide: bool = False, public: bool = True,
-           doc: str = "", default: Any = MISSING) -> Any:
+def stored(limit: int | None = None, *, index: bool = False, wide: bool = False, primary: bool = False,
+           public: bool = True, doc: str = "", default: Any = MISSING, default_factory: Any = MISSING) -> Any:
     """A record field and how it is stored and shown, declared once: ``limit`` characters (text without one),
-    ``index``ed, ``wide`` (a 64-bit integer), ``public`` (in the HTTP API's models) and what it means (``doc``).
-    The store's tables (``db``) and the service's models are built from these."""
-    metadata = {"limit": limit, "index": index, "wide": wide, "public": public, "doc": doc}
-    return field(default=default, metadata=metadata)
+    ``index``ed, ``wide`` (a 64-bit integer), the ``primary`` key (else the table has an ``id`` of its own),
+    ``public`` (in the HTTP API's models) and what it means (``doc``). A ``dict`` field is stored as JSON text. The
+    store's tables (``db``, ``workers``) and the service's models are built from these."""
+    metadata = {"limit": limit, "index": index, "wide": wide, "primary": primary, "public": public, "doc": doc}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,44 @@ class ProfileEntry:
 # A timing's identity: a later timing with the same key replaces the stored one.
 PROFILE_KEY = ("op", "composite", "workload", "dtype", "device", "device_name", "numel_bucket", "batch_size",
                "torch_version")
+
+
+@dataclass
+class JobRecord:
+    """A verification or profiling job as stored: what was asked, where it stands, and how it ended."""
+
+    id: str = stored(64, primary=True, doc="the job's id: GET /jobs/{id} follows it")
+    kind: str = stored(50, doc="verify or profile")
+    params: dict[str, Any] = stored(doc="what the job runs, as checked and completed from the request: ops, stacks "
+                                        "(spelled vmap(grad)) or workloads, dtypes, sizes, device_kind")
+    state: str = stored(20, index=True, default="queued",
+                        doc="queued, running, cancelling (asked to stop: it stops at its next case boundary), done, "
+                            "failed, cancelled or interrupted")
+    done: int = stored(default=0, doc="work items finished so far")
+    total: int = stored(default=0, doc="work items in all (0 until the job starts)")
+    result: dict[str, Any] | None = stored(default=None, doc="when done: counts of what it wrote, and (profile) the "
+                                                             "contexts refused as too noisy; null before")
+    error: str | None = stored(default=None, doc="why it failed or was interrupted; null otherwise")
+    # host:pid of the server that accepted or runs it, or the id of the worker that runs it
+    owner: str = stored(300, public=False, default="")
+    created_at: float = stored(default_factory=time.time, doc="when it was submitted")
+    started_at: float | None = stored(default=None, doc="when it started")
+    finished_at: float | None = stored(default=None, doc="when it finished")
+    updated_at: float = stored(public=False, default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """A running ``multicomposite worker`` process (``registry/store/workers.py``): which machine, what it can run,
+    when it last beat (the database server's clock, seconds since the epoch) and what it runs now."""
+
+    id: str = stored(300, primary=True)  # host:pid:suffix, also the owner of the jobs it runs
+    host: str = stored(300)
+    pid: int = stored()
+    kinds: str = stored()  # device kinds, comma separated: cpu,cuda:NVIDIA H200
+    current_job: str | None = stored()  # the store job ids it runs now, space separated; NULL when idle
+    started_at: float = stored()
+    heartbeat: float = stored()
 
 
 def decode_stack(value: str) -> tuple[str, ...]:

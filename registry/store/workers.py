@@ -1,4 +1,5 @@
-"""The workers table: one row per running ``multicomposite worker`` process, and what is read and written of it.
+"""The workers table: one row per running ``multicomposite worker`` process (``records.WorkerRecord``), and what is
+read and written of it.
 
 A row says which machine a worker runs on, the device kinds it takes jobs for, when it last beat and the store jobs
 it runs now. ``heartbeat`` and ``started_at`` are the database server's clock (seconds since the epoch), so machines
@@ -14,21 +15,12 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from sqlalchemy import Column, Engine, Float, Integer, String, Table, Text, delete, func, select, update
+from sqlalchemy import Engine, delete, func, select, update
 
-from registry.store.db import ACTIVE_JOB_STATES, METADATA, jobs_table
+from registry.store.db import ACTIVE_JOB_STATES, METADATA, jobs_table, record_table
+from registry.store.records import WorkerRecord
 
-workers_table = Table(
-    "workers",
-    METADATA,
-    Column("id", String(300), primary_key=True),  # host:pid:suffix, also the owner of the jobs it runs
-    Column("host", String(300), nullable=False),
-    Column("pid", Integer, nullable=False),
-    Column("kinds", Text, nullable=False),  # device kinds, comma separated: cpu,cuda:NVIDIA H200
-    Column("current_job", Text, nullable=True),  # the store job ids it runs now, space separated; NULL when idle
-    Column("started_at", Float, nullable=False),
-    Column("heartbeat", Float, nullable=False),
-)
+workers_table = record_table("workers", WorkerRecord, METADATA)
 
 
 def _database_now() -> Any:

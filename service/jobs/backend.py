@@ -12,6 +12,8 @@ Job = JobRecord
 Progress = Callable[[int, int], None]
 # What a job does: its work, reporting progress; returns the job's result (JSON).
 JobWork = Callable[[Job, Progress], dict[str, Any]]
+# Finished jobs older than the retention are deleted at most this often (when idle, or at a submit).
+PRUNE_EVERY_S = 60.0
 
 
 class QueueFullError(Exception):

@@ -9,6 +9,10 @@ progress report), ``cancelled``. Finished jobs are deleted after ``retention_s``
 
 The thread never dies of a store error: a job it could not start stays queued and is tried again; a progress write
 the store refuses is skipped, and the write that ends a job is retried until the store takes it (``running``).
+
+When the app stops (``shutdown``), a running job stops at its next case boundary, ``interrupted`` with the reason a
+restart would give it, and the thread ends with the app: it does not run on beside the next app of the process, nor
+into the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -21,17 +25,22 @@ from collections import deque
 from typing import Any, NoReturn
 
 from registry.store.db import ACTIVE_JOB_STATES, Store, this_process
-from service.jobs.backend import Job, JobWork, QueueFullError
+from service.jobs.backend import PRUNE_EVERY_S, Job, JobWork, QueueFullError
 from service.jobs.kinds import detect_device_kinds
 from service.jobs.running import JobCancelledError, ended, error_reason, is_store_error, progress_writer, until_stored
 
-PRUNE_EVERY_S = 60.0
+# How long shutdown waits for a running job to reach its next case boundary; past it the thread is left to end alone.
+SHUTDOWN_WAIT_S = 10.0
 
 log = logging.getLogger("multicomposite.jobs")
 
 
 def _cancelled() -> NoReturn:
     raise JobCancelledError  # cancelled through another process: the store says cancelling
+
+
+class RunnerStoppedError(Exception):
+    """The runner stops (the app shuts down): raised from the job's progress report, at a case boundary."""
 
 
 class LocalRunner:
@@ -67,6 +76,8 @@ class LocalRunner:
         with self._wake:
             self._stop.set()
             self._wake.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(SHUTDOWN_WAIT_S)
 
     def prune(self) -> int:
         return self._store.prune_jobs(time.time() - self._retention_s)
@@ -132,12 +143,23 @@ class LocalRunner:
                            log)
         if job is None:
             return  # not queued any more (cancelled, deleted), or the runner stops: it stays queued for the next
-        progress = progress_writer(
+        report = progress_writer(
             job, write=lambda done, total: self._store.update_job(job.id, if_state=("running",), done=done,
                                                                   total=total),
             not_running=_cancelled, timeout_s=self._timeout_s, log=log, cancelled=lambda: job.id in self._cancelled)
+
+        def progress(done: int, total: int) -> None:
+            if self._stop.is_set():
+                job.done, job.total = done, total
+                raise RunnerStoppedError
+            report(done, total)
+
         try:
             end = ended(job, result=self._run(job, progress))
+        except RunnerStoppedError:
+            end = {"state": "interrupted", "error": f"interrupted: the server running it ({self._owner}) stopped "
+                   f"before it finished, at {job.done}/{job.total}; submit it again", "done": job.done,
+                   "total": job.total, "finished_at": time.time()}
         except Exception as error:
             end = ended(job, error)
         finally:

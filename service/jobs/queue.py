@@ -12,15 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from registry.store.db import FINISHED_JOB_STATES, Store, StoreUnavailableError, this_process
 from registry.store.workers import registered_kinds
-from service.jobs.backend import Job, QueueFullError
+from service.jobs.backend import PRUNE_EVERY_S, Job, QueueFullError
 from service.jobs.kinds import DEFAULT_KIND, kind_device_type
 from service.jobs.tasks import defer, ensure_queue_schema, make_app
 
 if TYPE_CHECKING:
     import procrastinate
-
-# Finished jobs are pruned when a job is submitted at most this often.
-PRUNE_EVERY_S = 60.0
 
 
 class QueuedJobs:
@@ -41,7 +38,6 @@ class QueuedJobs:
         self._app: procrastinate.App | None = None
         self._lock = threading.Lock()
         self._last_prune = 0.0
-        self.recovered: tuple[list[str], list[str]] = ([], [])  # workers recover jobs; the service has none
 
     def start(self) -> None:
         ensure_queue_schema(self._store.engine)

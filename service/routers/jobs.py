@@ -15,7 +15,7 @@ from registry.profiling.timing import WORKLOADS
 from service.deps import Authorized, JobsDep, SettingsDep
 from service.jobs.backend import Job, QueueFullError
 from service.jobs.kinds import DEFAULT_KIND, resolve_kind
-from service.models import JobPublic, StrictBody
+from service.models import JobPublic, StrictBody, job_public
 from service.validation import InputError, parse_stack_input
 
 router = APIRouter(tags=["jobs"])
@@ -70,7 +70,7 @@ class ProfileCreate(StrictBody):
 
 
 def _public(job: Job) -> JobPublic:
-    return JobPublic.of(job)
+    return job_public(job)
 
 
 def _check_ops(ops: list[str] | None) -> list[str]:

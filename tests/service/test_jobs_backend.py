@@ -1,19 +1,21 @@
 """The job backends behind one protocol: each implements every member of ``JobBackend`` with its signature, and
 the app picks one when it starts (in process with SQLite, workers with PostgreSQL, unless MULTICOMPOSITE_JOBS says
-otherwise) and hands the routes that one."""
+otherwise) and hands the routes that one; the in-process runner's thread ends with its app."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from service.jobs.backend import JobBackend
+from service.jobs.backend import Job, JobBackend
 from service.jobs.local import LocalRunner
 from service.jobs.queue import QueuedJobs
 from service.jobs.startup import job_backend
+from service.main import create_app
 from service.settings import Settings
 from service.state import StoreState
 
@@ -75,3 +77,32 @@ def test_the_routes_get_the_backend_the_app_started(serve: Callable[..., TestCli
     assert response.status_code == 422
     assert response.json() == {"detail": f"device 'nope' is not on this host; profile on "
                                          f"{', '.join(backend.device_types())}"}
+
+
+def test_a_job_running_when_the_app_stops_ends_interrupted_at_its_next_case_boundary(db_url: str) -> None:
+    """The runner's thread ends with its app: it does not run on beside the next app of the process."""
+    import threading
+
+    from registry.store.db import Store, this_process
+
+    reached, proceed = threading.Event(), threading.Event()
+
+    def run(job: Job, progress: Callable[[int, int], None]) -> dict[str, Any]:
+        progress(1, 4)
+        reached.set()
+        assert proceed.wait(10)
+        progress(2, 4)  # the app stopped meanwhile: the job stops here
+        raise AssertionError("progress should have stopped the job")
+
+    with TestClient(create_app(Settings(db=db_url, jobs="in-process"))) as client:
+        runner = client.app.state.runner
+        runner._run = run
+        job_id = client.post("/verify", json={"ops": ["masked_fill"], "stacks": ["vmap"]}).json()["id"]
+        assert reached.wait(10)
+        threading.Timer(0.5, proceed.set).start()  # once shutdown waits for the thread
+    assert not runner._thread.is_alive()
+    with Store(db_url) as store:
+        job = store.job(job_id)
+    assert (job.state, job.done, job.total, job.result) == ("interrupted", 2, 4, None)
+    assert job.error == (f"interrupted: the server running it ({this_process()}) stopped before it finished, at 2/4; "
+                         "submit it again")

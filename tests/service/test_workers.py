@@ -390,3 +390,26 @@ def test_worker_command_refuses_bad_input_in_one_line(monkeypatch: pytest.Monkey
     assert main(["worker", "--list-kinds"]) == 0
     assert capsys.readouterr().out == "".join(f"{kind}\n" for kind in present)
     assert present[0] == "cpu"
+
+
+def test_a_worker_refuses_a_store_below_the_head_revision_saying_to_upgrade_it(postgres_empty_url: str) -> None:
+    """The workers table is the migrations' (revision 0005), no longer made by a worker when it starts: a store at
+    0004 is refused in one line until `multicomposite db upgrade`, and then the worker registers."""
+    from registry.store import migrate
+    from registry.store.db import safe_url
+    from service.jobs.worker import WorkerSetupError
+
+    migrate.upgrade(postgres_empty_url, "0004")
+    with pytest.raises(WorkerSetupError) as refused:
+        Worker(WorkerOptions(url=postgres_empty_url, kinds=("cpu",)))
+    assert str(refused.value) == (
+        f"the store at {safe_url(postgres_empty_url)} is at schema revision 0004, this multicomposite needs "
+        f"{migrate.head()}; run `multicomposite db upgrade` with MULTICOMPOSITE_DB set to this store, then start again")
+    migrate.upgrade(postgres_empty_url)
+    worker = Worker(WorkerOptions(url=postgres_empty_url, kinds=("cpu",)))
+    try:
+        worker.register()
+        assert [row["id"] for row in worker_rows.registered_workers(worker.store.engine)] == [worker.id]
+    finally:
+        worker.unregister()
+        worker.store.close()
