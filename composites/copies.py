@@ -294,3 +294,26 @@ define_op("_chunk_cat", "", tensors=("tensors",),
 def _chunk_cat_functional(tensors, dim, num_chunks):
     """PyTorch's own decomposition (torch._decomp): constant_pad_nd, reshape and cat, which batch."""
     return decompositions._chunk_cat(tensors, dim, num_chunks)
+
+
+# --- roll ----------------------------------------------------------------------------------------------------------
+
+# Measured on torch 2.13: with dims empty roll flattens self; its batching rule flattens the batch dimension with a 0-d
+# sample, so vmap rolls values across the samples (the survey's roll sample 16: a 0-d input, shifts (10,)) and returns
+# wrong values, silently. The composite flattens each sample itself.
+define_op("roll", "", tensors=("self",), doc="self's elements shifted by shifts along dims (the flattened self where "
+          "dims is empty)", opinfo=("roll",), inplace=False,
+          rules={"native": rules.fails_when(
+              lambda ctx: rules.under_vmap(ctx) and ("self" in ctx.batched or "compile" in ctx.stack
+                                                     or ctx.stack.count("vmap") > 1),
+              "mismatch", "aten::roll's batching rule, with dims empty, rolls a 0-d sample across the batch: wrong "
+              "values")})
+
+
+@register("roll", "functional")
+def roll_functional(self, shifts, dims=()):
+    """With dims empty, the roll of each sample flattened, viewed back (what the kernel does outside vmap); else
+    PyTorch's roll, whose batching rule is right where dims are given."""
+    if len(dims) == 0 and len(shifts) == 1:
+        return self.reshape(self.numel()).roll(shifts, 0).view(self.shape)  # numel, not -1: self may be empty
+    return aten.roll.default(self, shifts, dims)

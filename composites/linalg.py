@@ -15,6 +15,7 @@ import torch
 from torch.autograd import Function
 
 from registry.core import rules
+from registry.core.context import Context
 from registry.core.ops import overloads
 from registry.core.primitive import apply, batch_first
 from registry.core.registration import define_op, register
@@ -273,3 +274,31 @@ def stft_functional(self, n_fft, hop_length=None, win_length=None, window=None, 
     spectrum = torch.fft.fft(frames, norm=norm) if two_sided else torch.fft.rfft(frames, norm=norm)
     spectrum = spectrum.transpose(-1, -2)
     return spectrum if return_complex else torch.view_as_real(spectrum)
+
+
+# --- linalg.pinv with tensor tolerances -----------------------------------------------------------------------------
+
+def _empty_under_vmap_with_batched_tolerance(ctx: Context) -> bool:
+    return rules.under_vmap(ctx) and ctx.numel == 0 and ("atol" in ctx.batched or "rtol" in ctx.batched
+                                                         or "compile" in ctx.stack)
+
+
+# Measured on torch 2.13: vmap over atol or rtol of the pseudo-inverse of an empty matrix returns one sample's shape
+# ((0, 0) for three samples, not (3, 0, 0)): a wrong shape, silently.
+define_op("linalg_pinv", "atol_rtol_tensor", tensors=("self", "atol", "rtol"),
+          doc="the pseudo-inverse of self, singular values below max(atol, rtol * the largest) dropped",
+          opinfo=("linalg.pinv",), overloads=overloads("linalg_pinv", only=("linalg_pinv.atol_rtol_tensor",)),
+          rules={"native": rules.fails_when(
+              _empty_under_vmap_with_batched_tolerance, "mismatch",
+              "aten::linalg_pinv.atol_rtol_tensor under vmap over atol or rtol returns an empty self's pseudo-inverse "
+              "without the batch dimension: a wrong shape")})
+
+
+@register("linalg_pinv", "functional")
+def linalg_pinv_functional(self, *, atol=None, rtol=None, hermitian=False):
+    """PyTorch's pinv (its checks and its values); for an empty self, zeros of the transposed shape, which vmap
+    gives the batch dimension that PyTorch's batching rule drops."""
+    result = aten.linalg_pinv.atol_rtol_tensor(self, atol=atol, rtol=rtol, hermitian=hermitian)
+    if self.numel() == 0:
+        return self.new_zeros((*self.shape[:-2], self.shape[-1], self.shape[-2]))
+    return result

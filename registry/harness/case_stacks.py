@@ -203,10 +203,17 @@ class _Mismatch(Exception):  # noqa: N818 -- an outcome, not a failure
     pass
 
 
-def compare(actual: Any, expected: Any, dtype: torch.dtype, where: str = "output") -> Outcome | None:
-    """None when equal within the "derivatives" tolerance at the case's ``dtype``, else a mismatch naming where and
-    by how much (``registry.harness.comparison``)."""
-    found = comparison.compare(actual, expected, tolerance="derivatives", dtype=dtype, where=where)
+def tolerance_row(stack: str) -> str:
+    """The row of ``comparison.TOLERANCES`` a case under ``stack`` is judged by: values under vmap alone per entry,
+    whatever a stack differentiates relative to the largest value."""
+    return "batched values" if stack == "vmap" else "derivatives"
+
+
+def compare(actual: Any, expected: Any, dtype: torch.dtype, where: str = "output",
+            tolerance: str = "derivatives") -> Outcome | None:
+    """None when equal within the ``tolerance`` row (the compared tensor's dtype's entry, the case's ``dtype``'s for
+    the dtypes it does not name), else a mismatch naming where and by how much (``registry.harness.comparison``)."""
+    found = comparison.compare(actual, expected, tolerance=tolerance, dtype=dtype, where=where)
     return None if found is None else Outcome("mismatch", found.detail, found.max_abs_error, found.max_rel_error)
 
 
@@ -253,8 +260,8 @@ def check_case(stack: str, case: SurveyCase, ref: Reference, dtype: torch.dtype,
             actual = project_jacobian(actual, case)
         except _Mismatch as error:
             return Outcome("mismatch", str(error))
-    if (mismatch := compare(actual, expected, dtype, "u^T J" if stack in ("jacrev", "jacfwd") else "output")) \
-            is not None:
+    if (mismatch := compare(actual, expected, dtype, "u^T J" if stack in ("jacrev", "jacfwd") else "output",
+                            tolerance_row(stack))) is not None:
         return mismatch
     if (note := fallback.fallback_note(caught)) is not None:
         return Outcome("slow", note)

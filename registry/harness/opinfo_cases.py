@@ -329,7 +329,8 @@ def _is_random(opinfo: Any, sample: Any) -> bool:
         leaves, spec = tree_flatten((sample.input, sample.args, sample.kwargs))
         sample_input, args, kwargs = tree_unflatten([_clone_leaf(v) for v in leaves], spec)
         outputs.append(tree_flatten(opinfo.op(sample_input, *args, **kwargs))[0])
-    return comparison.compare(outputs[0], outputs[1], tolerance="derivatives", dtype=torch.float64) is not None
+    # One op run twice: the same kernels, so the strict row (a looser one would take a small random draw for none).
+    return comparison.compare(outputs[0], outputs[1], tolerance="values") is not None
 
 
 def _output_shapes(opinfo: Any, sample: Any, fill: Callable[[torch.Tensor], torch.Tensor] | None,

@@ -57,8 +57,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(repeatable; default: all)")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"),
                         help="float32 or float64 (repeatable; default: both)")
-    parser.add_argument("--limit-samples", type=int, default=2,
-                        help="OpInfo samples per entry and dtype (default 2; 0: every sample, any size)")
+    parser.add_argument("--limit-samples", type=int, default=25,
+                        help="OpInfo samples per entry and dtype (default 25; 0: every sample, any size)")
     parser.add_argument("--timeout", type=arguments.positive_seconds, default=20.0,
                         help="seconds per case (default 20)")
     parser.add_argument("--workers", type=arguments.non_negative_int, default=None,

@@ -30,9 +30,12 @@ def statuses(rows: list[survey.SurveyRow], dtype: str = "float32") -> dict[STATU
     return {(r.stack, r.batching): (r.native_status, r.use_status) for r in rows if r.dtype == dtype}
 
 
+FAST_SAMPLES = 2  # the unit tests' subset of an entry's samples (the survey's default is 25)
+
+
 def run_entry(database: list[Any], name: str, dtype: str = "float32", **config: Any) -> list[survey.SurveyRow]:
     (entry,) = survey.select_entries(database, [name])
-    return survey.survey_entry(entry, dtype, survey.SurveyConfig(**config))
+    return survey.survey_entry(entry, dtype, survey.SurveyConfig(**{"limit_samples": FAST_SAMPLES, **config}))
 
 
 def test_add_is_ok_everywhere(database: list[Any]) -> None:
@@ -99,7 +102,7 @@ def test_unique_refused_inside_use_is_as_unsupported_as_natively(database: list[
 
 def test_an_unsupported_dtype_is_reported_for_every_row(database: list[Any]) -> None:
     (entry,) = [o for o in database if torch.float32 not in o.supported_dtypes("cpu")][:1]
-    rows = survey.survey_entry(entry, "float32", survey.SurveyConfig(stacks=("vmap",)))
+    rows = survey.survey_entry(entry, "float32", survey.SurveyConfig(stacks=("vmap",), limit_samples=FAST_SAMPLES))
     assert [(r.native_status, r.native_detail) for r in rows] == [
         ("unsupported", "op does not support float32 on CPU")] * 2
 
@@ -148,7 +151,8 @@ def fake_entry(name: str, op: Callable[..., Any], **flags: Any) -> SimpleNamespa
 
 def test_a_wrong_forward_mode_formula_is_a_mismatch_under_the_forward_stacks_only() -> None:
     entry = fake_entry("square_wrong_jvp", _SquareWrongJvp.apply)
-    rows = survey.survey_entry(entry, "float64", survey.SurveyConfig(batchings=("input",), inside_use=False))
+    rows = survey.survey_entry(entry, "float64", survey.SurveyConfig(batchings=("input",), inside_use=False,
+                                                                          limit_samples=FAST_SAMPLES))
     assert {r.stack: r.native_status for r in rows} == {
         "vmap": "ok", "grad": "ok", "vmap(grad)": "ok", "jacrev": "ok", "jacfwd": "mismatch", "vmap(jvp)": "mismatch",
     }
@@ -160,14 +164,16 @@ def test_a_wrong_forward_mode_formula_is_a_mismatch_under_the_forward_stacks_onl
 
 def test_the_forward_ad_reference_is_used_without_double_backward() -> None:
     entry = fake_entry("square_wrong_jvp", _SquareWrongJvp.apply, supports_gradgrad=False)
-    config = survey.SurveyConfig(stacks=("vmap(jvp)",), batchings=("input",), inside_use=False)
+    config = survey.SurveyConfig(stacks=("vmap(jvp)",), batchings=("input",), inside_use=False,
+                                 limit_samples=FAST_SAMPLES)
     # forward_ad runs the same wrong formula as jvp: the reference agrees with it. Documented as the weaker check.
     assert survey.survey_entry(entry, "float64", config)[0].native_status == "ok"
 
 
 def test_an_item_call_is_an_error_with_its_first_line() -> None:
     entry = fake_entry("scaled_by_first", lambda x: x * x.flatten()[0].item())
-    rows = survey.survey_entry(entry, "float32", survey.SurveyConfig(stacks=("vmap",), batchings=("input",)))
+    rows = survey.survey_entry(entry, "float32", survey.SurveyConfig(stacks=("vmap",), batchings=("input",),
+                                                                          limit_samples=FAST_SAMPLES))
     assert rows[0].native_status == "error"
     assert rows[0].native_detail == ("RuntimeError: vmap: It looks like you're calling .item() on a Tensor. We don't "
                                      "support vmap over calling .item() on a Tensor, please try to rewrite what "

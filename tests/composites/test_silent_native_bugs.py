@@ -1,0 +1,138 @@
+"""Where PyTorch 2.13 returns wrong values or wrong shapes under a transform without raising (found by
+``multicomposite survey --limit-samples 25``), ``use()`` returns what a per-sample loop outside any transform returns.
+
+Each test first checks that native PyTorch really is wrong there, so it documents the bug: on torch 2.13 a native
+that agrees fails the test (the rule routing around it would be wrong); on a later torch that fixed it the test
+skips, saying which rule can go."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import func
+
+import registry
+
+PINNED = "2.13"
+
+
+def _native_is_wrong(wrong: bool, what: str) -> None:
+    if wrong:
+        return
+    if torch.__version__.startswith(PINNED):
+        raise AssertionError(f"{what}: native PyTorch {torch.__version__} is right here, the rule routing around it "
+                             "is not")
+    pytest.skip(f"{what}: fixed in PyTorch {torch.__version__}; the rule routing around it can go")
+
+
+def _loop(fn, *batched: torch.Tensor) -> torch.Tensor:
+    return torch.stack([fn(*values) for values in zip(*batched, strict=True)])
+
+
+def _grad_loop(loss, values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per sample, torch.autograd.grad of ``loss(value, weight)`` with respect to the value: outside any transform."""
+    grads = []
+    for value, weight in zip(values, weights, strict=True):
+        leaf = value.detach().clone().requires_grad_()
+        grads.append(torch.autograd.grad(loss(leaf, weight), leaf)[0])
+    return torch.stack(grads)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    return actual.shape == expected.shape and torch.allclose(actual, expected)
+
+
+# --- roll of a 0-d sample with dims empty: vmap rolls across the batch --------------------------------------------
+
+
+def _roll(x: torch.Tensor) -> torch.Tensor:
+    return torch.roll(x, 10)
+
+
+SCALARS = torch.tensor([1.0, -2.0, 3.5], dtype=torch.float64)
+
+
+def test_roll_under_vmap() -> None:
+    expected = _loop(_roll, SCALARS)
+    assert torch.equal(expected, SCALARS)  # a 0-d tensor rolled is itself
+    _native_is_wrong(not torch.equal(func.vmap(_roll)(SCALARS), expected), "roll under vmap")
+    with registry.use():
+        assert torch.equal(func.vmap(_roll)(SCALARS), expected)
+
+
+def test_roll_under_vmap_of_jvp_and_vmap_of_grad() -> None:
+    tangents = torch.tensor([0.5, 0.25, -1.0], dtype=torch.float64)
+    expected = torch.stack([torch.stack(func.jvp(_roll, (x,), (t,))) for x, t in zip(SCALARS, tangents, strict=True)])
+
+    def per_sample_jvp(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return torch.stack(func.jvp(_roll, (x,), (t,)))
+
+    _native_is_wrong(not torch.equal(func.vmap(per_sample_jvp)(SCALARS, tangents), expected), "roll under vmap(jvp)")
+    weights = torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64)
+
+    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * _roll(x)
+
+    with registry.use():
+        assert torch.equal(func.vmap(per_sample_jvp)(SCALARS, tangents), expected)
+        grads = func.vmap(func.grad(loss))(SCALARS, weights)
+    assert torch.equal(grads, _grad_loop(loss, SCALARS, weights))
+
+
+# --- linalg.pinv of an empty matrix, vmapped over rtol: the batch dimension is dropped ------------------------------
+
+
+EMPTY = torch.zeros(0, 0, dtype=torch.float64)
+TOLERANCES = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+
+
+def _pinv(matrix: torch.Tensor, rtol: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.pinv(matrix, rtol=rtol)
+
+
+def test_pinv_of_an_empty_matrix_under_vmap_over_rtol() -> None:
+    expected = _loop(lambda rtol: _pinv(EMPTY, rtol), TOLERANCES)
+    assert expected.shape == (3, 0, 0)
+    native = func.vmap(lambda rtol: _pinv(EMPTY, rtol))(TOLERANCES)
+    _native_is_wrong(native.shape != expected.shape, "linalg.pinv of an empty matrix under vmap over rtol")
+    with registry.use():
+        used = func.vmap(lambda rtol: _pinv(EMPTY, rtol))(TOLERANCES)
+        grads = func.vmap(func.grad(lambda matrix, rtol: _pinv(matrix, rtol).sum()), in_dims=(None, 0))(
+            EMPTY, TOLERANCES)
+    assert used.shape == expected.shape == (3, 0, 0)
+    assert grads.shape == (3, 0, 0)  # per sample, the gradient of an empty matrix
+    # Non-empty matrices still go through PyTorch's pinv: the same values as the loop.
+    matrices = torch.randn(3, 4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with registry.use():
+        assert _close(func.vmap(_pinv)(matrices, TOLERANCES), _loop(_pinv, matrices, TOLERANCES))
+
+
+# --- cdist under jacrev: _cdist_backward's batching rule, with only the cotangent batched ----------------------------
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0, 2.0, 3.0, float("inf")])
+def test_cdist_jacobians_under_jacrev(p: float) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x1 = torch.randn(3, 5, dtype=torch.float64, generator=generator)
+    x2 = torch.randn(4, 5, dtype=torch.float64, generator=generator)
+
+    def distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cdist(a, b, p=p)
+
+    # The loop: one autograd.grad per output element, outside any transform.
+    expected = torch.autograd.functional.jacobian(distances, (x1, x2))
+    native = func.jacrev(distances, argnums=(0, 1))(x1, x2)
+    _native_is_wrong(not all(_close(n, e) for n, e in zip(native, expected, strict=True)),
+                     f"cdist p={p} under jacrev")
+    weights = torch.randn(2, 3, 4, dtype=torch.float64, generator=generator)
+
+    def loss(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (w * distances(a, x2)).sum()
+
+    with registry.use():
+        used = func.jacrev(distances, argnums=(0, 1))(x1, x2)
+        # vmap(grad), where PyTorch's batching rule was already right, stays right.
+        per_sample = func.vmap(func.grad(loss), in_dims=(None, 0))(x1, weights)
+    for u, e in zip(used, expected, strict=True):
+        assert _close(u, e)
+    assert _close(per_sample, _grad_loop(loss, x1.expand(2, 3, 5), weights))
