@@ -208,7 +208,12 @@ def _renormed(rows: torch.Tensor, max_norm: float, norm_type: float) -> torch.Te
 def embedding_reads_recorded_renorm(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """PyTorch's lookup, then the renorms recorded for this weight at these indices applied to the rows it read, as
     values: the gradient is the lookup's own."""
-    rows = _LOOKUP(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    return with_recorded_renorms(_LOOKUP(weight, indices, padding_idx, scale_grad_by_freq, sparse), weight, indices)
+
+
+def with_recorded_renorms(rows: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``rows`` (``weight`` looked up at ``indices``) with the renorms recorded for that weight at those indices
+    applied, as values: what a lookup reads after ``embedding_renorm_`` (``embedding``, ``embedding_bag``)."""
     recorded = _recorded(indices, weight)
     if not recorded:
         return rows

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from composites.embedding import with_recorded_renorms
 from registry.core import rules
 from registry.core.ops import overloads
 from registry.core.registration import define_op, register
@@ -77,7 +78,9 @@ def embedding_bag_functional(weight, indices, offsets, scale_grad_by_freq, mode,
     # offset2bag empty. (With include_last_offset, indices past the last offset, which the documentation rules out,
     # go to the last bag as the other paths put them; the fast path's value leaves them out, its gradient does not.)
     fast = mode == _SUM and padding is None and weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    rows = weight[indices]
+    # F.embedding_bag(max_norm=...) renormed these rows first; under vmap with a weight the samples share, the
+    # renorm was recorded, not written (composites/embedding.py), and is read here.
+    rows = with_recorded_renorms(weight[indices], weight, indices)
     if scale_grad_by_freq and mode != _MAX:
         # The value is rows; the gradient of each row is divided by a frequency, chosen as PyTorch's CPU backward
         # chooses it (_embedding_bag_dense_backward_cpu_sum_mean): the i-th distinct index, in sorted order, takes

@@ -368,3 +368,30 @@ def test_module_per_sample_gradients_through_functional_call(norm_type: float, f
         torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
     assert (got["embedding.weight"][:, 0] == 0).all()
     _unchanged(model.embedding.weight, before, version)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_with_max_norm_reads_the_recorded_renorm(mode: str) -> None:
+    # F.embedding_bag(max_norm=...) renorms, then embedding_bag looks the rows up: under vmap with the weight shared,
+    # the renorm is recorded and embedding_bag's composite reads it (it read the unrenormed rows, silently).
+    weight, indices = _weight(), _indices().reshape(SAMPLES, -1)
+    offsets = torch.tensor([0, 2])
+
+    def bag(w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return F.embedding_bag(i, w, offsets, max_norm=MAX_NORM, mode=mode)
+
+    def bag_loss(w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return bag(w, i).pow(3).sum()
+
+    expected = torch.stack([bag(weight.clone(), indices[b]) for b in range(SAMPLES)])
+    expected_grads = []
+    for b in range(SAMPLES):
+        leaf = weight.clone().requires_grad_()
+        expected_grads.append(torch.autograd.grad(bag_loss(leaf, indices[b]), leaf)[0])
+    before, version = weight.clone(), weight._version
+    with registry.use():
+        outputs = vmap(bag, in_dims=(None, 0))(weight, indices)
+        grads = vmap(grad(bag_loss), in_dims=(None, 0))(weight, indices)
+    torch.testing.assert_close(outputs, expected)
+    torch.testing.assert_close(grads, torch.stack(expected_grads))
+    _unchanged(weight, before, version)
