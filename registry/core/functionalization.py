@@ -69,7 +69,7 @@ def function_key(func: Callable[..., Any]) -> tuple[object, ...]:
 
     ``grad(f)`` and ``jacfwd``'s inner function are closures of torch.func shared by every user: the wrapped function
     (``__wrapped__``, closure cells, ``functools.partial``) tells them apart. A module stands for its class; a
-    builtin or a torch op for itself.
+    builtin, a method of a C type (``torch.Tensor.zero_``) or a torch op for itself.
     """
     found: list[object] = []
     seen: set[int] = set()
@@ -94,7 +94,8 @@ def function_key(func: Callable[..., Any]) -> tuple[object, ...]:
                     continue
                 if callable(content) and not isinstance(content, type):
                     visit(content, depth + 1)
-        elif isinstance(obj, (types.BuiltinFunctionType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        elif isinstance(obj, (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType,
+                              types.MethodWrapperType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             # One wrapper around many ops (``lambda *a: op(*a)``) is as many functions: one that writes into a fresh
             # buffer must not have the others functionalized too.
             found.append(obj)

@@ -169,6 +169,11 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
             listed = ", ".join(f"{c.name} [{p.status}]" for c, p in judged)
             slow_native = next((c for c, p in judged if c.kind == "native" and p is not None and p.status == "slow"),
                                None)
+            if slow_native is not None and policy in ("auto", "fastest"):
+                # Only where no measurement says native does worse here than loop (errs, or is wrong).
+                measured, _ = evidence.source().evidence(op, slow_native.name, ctx, OPS[op].tensor_args)
+                if measured is not None and measured.status != "slow":
+                    slow_native = None
             if slow_native is not None:
                 # PyTorch's own op runs here, in vmap's per-sample loop, with the right values: what the call does
                 # without use(). Refusing it would break code that works natively (a function functionalized

@@ -298,6 +298,7 @@ def test_one_wrapper_around_several_ops_is_remembered_per_op() -> None:
 
     assert function_key(wrapping(torch.special.log_ndtr)) != function_key(wrapping(torch.special.airy_ai))
     assert function_key(wrapping(torch.ops.aten.sin.default)) != function_key(wrapping(torch.ops.aten.cos.default))
+    assert function_key(wrapping(torch.Tensor.zero_)) != function_key(wrapping(torch.Tensor.index_add_))
     assert function_key(wrapping(torch.sin)) == function_key(wrapping(torch.sin))
 
 
