@@ -24,10 +24,11 @@ Outside ``use()`` (or with policy ``native``), vmap runs exactly as PyTorch's. S
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +63,20 @@ _active: list[Callable[[], bool]] = []  # the predicate install() was given: whe
 
 # Code of the functions (with the code of what they wrap) whose vmapped body needed functionalizing.
 FUNCTIONALIZED: set[tuple[object, ...]] = set()
+
+
+@contextlib.contextmanager
+def remembering_apart() -> Iterator[None]:
+    """Within the block, no function is remembered as needing functionalization, and nothing remembered there
+    outlives it: the harness runs each case as a program of its own (its wrappers share their code across ops, so
+    one case's write into a fresh buffer would have the next op's case functionalized too)."""
+    saved = set(FUNCTIONALIZED)
+    FUNCTIONALIZED.clear()
+    try:
+        yield
+    finally:
+        FUNCTIONALIZED.clear()
+        FUNCTIONALIZED.update(saved)
 
 
 def function_key(func: Callable[..., Any]) -> tuple[object, ...]:

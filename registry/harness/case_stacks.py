@@ -12,13 +12,14 @@ call the op on them, and the per-sample arguments.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from registry.core.dynamic import REFUSAL_PHRASE
+from registry.core.functionalization import remembering_apart
 from registry.core.messages import described
 from registry.harness import comparison, fallback
 from registry.harness.deadline import CaseTimeout, deadline
@@ -271,7 +272,13 @@ def check_case(stack: str, case: SurveyCase, ref: Reference, dtype: torch.dtype,
 def _use(pins: Mapping[str, str] | None = None) -> contextlib.AbstractContextManager[Any]:
     import registry
 
-    return registry.use(pins=pins)
+    @contextlib.contextmanager
+    def apart() -> Iterator[None]:
+        # Each case a program of its own: what one remembered must not functionalize the next (core/functionalization).
+        with remembering_apart(), registry.use(pins=pins):
+            yield
+
+    return apart()
 
 
 def dynamic_outcome(case: SurveyCase, stack: str, outcome: Outcome) -> Outcome:
