@@ -269,16 +269,14 @@ def check_case(stack: str, case: SurveyCase, ref: Reference, dtype: torch.dtype,
     return Outcome("ok")
 
 
-def _use(pins: Mapping[str, str] | None = None) -> contextlib.AbstractContextManager[Any]:
+@contextlib.contextmanager
+def _use(pins: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Inside ``registry.use(pins=pins)``, each case a program of its own: what one case remembered as needing
+    functionalization must not functionalize the next (``functionalization.remembering_apart``)."""
     import registry
 
-    @contextlib.contextmanager
-    def apart() -> Iterator[None]:
-        # Each case a program of its own: what one remembered must not functionalize the next (core/functionalization).
-        with remembering_apart(), registry.use(pins=pins):
-            yield
-
-    return apart()
+    with remembering_apart(), registry.use(pins=pins):
+        yield
 
 
 def dynamic_outcome(case: SurveyCase, stack: str, outcome: Outcome) -> Outcome:

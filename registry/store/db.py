@@ -56,6 +56,7 @@ from registry.store.records import (
     MatrixEntry,
     ProfileEntry,
     matrix_entry_from_mapping,
+    of_current_sources,
     profile_from_mapping,
 )
 
@@ -88,7 +89,8 @@ def record_table(name: str, record: type, metadata: MetaData, key: tuple[str, ..
         elif base in (int, bool):  # a bool as 0 or 1
             column_type = BigInteger if stored["wide"] else Integer
         else:
-            raise TypeError(f"{record.__name__}.{spec.name}: no column type for {hint}; use str, int, float or bool")
+            raise TypeError(f"{record.__name__}.{spec.name}: no column type for {hint}; use str, a tuple of str, "
+                            "int, float, bool or dict")
         columns.append(Column(spec.name, column_type, nullable=nullable, index=stored["index"] or None,
                               primary_key=stored["primary"]))
     return Table(name, metadata, *columns, *([UniqueConstraint(*key, name=constraint)] if key else []))
@@ -96,9 +98,7 @@ def record_table(name: str, record: type, metadata: MetaData, key: tuple[str, ..
 
 METADATA = MetaData()
 _matrix = record_table("matrix_entries", MatrixEntry, METADATA, MATRIX_KEY, "uq_matrix_key")
-_KEY = MATRIX_KEY
 _profiles = record_table("profiles", ProfileEntry, METADATA, PROFILE_KEY, "uq_profile_key")
-_PROFILE_KEY = PROFILE_KEY
 
 
 # One row per key. ``generation`` counts the writes of evidence (matrix, profiles): a reader compares it with the
@@ -433,10 +433,10 @@ class Store:
         given = [_to_row(entry) for entry in entries]
         if not given:
             return 0
-        rows = list({tuple(row[name] for name in _KEY): row for row in given}.values())
+        rows = list({tuple(row[name] for name in MATRIX_KEY): row for row in given}.values())
         with self._writing() as conn:
             self._bump(conn)
-            upsert(conn, _matrix, rows, _KEY)
+            upsert(conn, _matrix, rows, MATRIX_KEY)
         return len(given)
 
     def entries(
@@ -468,17 +468,17 @@ class Store:
         )
         with self._reading() as conn:
             rows = [_from_row(row) for row in conn.execute(query)]
-        return [e for e in rows if source_hashes.get((e.op, e.composite)) == e.source_hash]
+        return of_current_sources(rows, source_hashes)
 
     def write_profiles(self, profiles: Iterable[ProfileEntry]) -> int:
         """Upsert ``profiles`` in one transaction (an interrupted run leaves earlier results intact)."""
         rows = [{**vars(p), "stack": _encode_stack(tuple(p.stack)), "valid": int(p.valid)} for p in profiles]
         if not rows:
             return 0
-        unique = list({tuple(row[name] for name in _PROFILE_KEY): row for row in rows}.values())
+        unique = list({tuple(row[name] for name in PROFILE_KEY): row for row in rows}.values())
         with self._writing() as conn:
             self._bump(conn)
-            upsert(conn, _profiles, unique, _PROFILE_KEY)
+            upsert(conn, _profiles, unique, PROFILE_KEY)
         return len(rows)
 
     def profiles(self, *, op: str | None = None, stack: tuple[str, ...] | None = None, dtype: str | None = None,
@@ -503,8 +503,7 @@ class Store:
     def fresh_profiles(self, *, source_hashes: Mapping[tuple[str, str], str], torch_version: str,
                        op: str | None = None) -> list[ProfileEntry]:
         """Timings still valid for these composite sources and this torch."""
-        return [p for p in self.profiles(op=op)
-                if p.torch_version == torch_version and source_hashes.get((p.op, p.composite)) == p.source_hash]
+        return of_current_sources((p for p in self.profiles(op=op) if p.torch_version == torch_version), source_hashes)
 
     def clear(self) -> None:
         """Delete every row."""

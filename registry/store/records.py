@@ -6,7 +6,7 @@ SQLAlchemy store (``db``) share them.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
@@ -115,6 +115,12 @@ class WorkerRecord:
     current_job: str | None = stored()  # the store job ids it runs now, space separated; NULL when idle
     started_at: float = stored()
     heartbeat: float = stored()
+
+
+def of_current_sources(records: Iterable[Any], source_hashes: Mapping[tuple[str, str], str]) -> list[Any]:
+    """The records (matrix entries, profiles) measured on the composites' current sources: a composite whose source
+    changed since makes its rows stale (they stay stored)."""
+    return [r for r in records if source_hashes.get((r.op, r.composite)) == r.source_hash]
 
 
 def decode_stack(value: str) -> tuple[str, ...]:

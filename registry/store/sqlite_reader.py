@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from registry.store.connection import BUSY_TIMEOUT_MS
-from registry.store.records import MatrixEntry, ProfileEntry, matrix_entry_from_mapping, profile_from_mapping
+from registry.store.records import (
+    MatrixEntry,
+    ProfileEntry,
+    matrix_entry_from_mapping,
+    of_current_sources,
+    profile_from_mapping,
+)
 
 VERSIONS = Path(__file__).parent / "migrations" / "versions"
 _REVISION = re.compile(r'^revision(?:: *str)? *= *["\']([^"\']+)["\']', re.MULTILINE)
@@ -73,21 +79,20 @@ def _read(path: str, table: str, convert: Callable[[Mapping[str, Any]], Any], to
         connection.close()
 
 
+def _fresh(url: str, table: str, convert: Callable[[Mapping[str, Any]], Any],
+           source_hashes: Mapping[tuple[str, str], str], torch_version: str) -> list[Any] | None:
+    path = sqlite_path(url)
+    rows = None if path is None else _read(path, table, convert, torch_version)
+    return None if rows is None else of_current_sources(rows, source_hashes)
+
+
 def fresh_entries(url: str, *, source_hashes: Mapping[tuple[str, str], str],
                   torch_version: str) -> list[MatrixEntry] | None:
     """The matrix rows fresh for these sources and this torch, or None where this reader cannot tell."""
-    path = sqlite_path(url)
-    rows = None if path is None else _read(path, "matrix_entries", matrix_entry_from_mapping, torch_version)
-    if rows is None:
-        return None
-    return [e for e in rows if source_hashes.get((e.op, e.composite)) == e.source_hash]
+    return _fresh(url, "matrix_entries", matrix_entry_from_mapping, source_hashes, torch_version)
 
 
 def fresh_profiles(url: str, *, source_hashes: Mapping[tuple[str, str], str],
                    torch_version: str) -> list[ProfileEntry] | None:
     """The timings fresh for these sources and this torch, or None where this reader cannot tell."""
-    path = sqlite_path(url)
-    rows = None if path is None else _read(path, "profiles", profile_from_mapping, torch_version)
-    if rows is None:
-        return None
-    return [p for p in rows if source_hashes.get((p.op, p.composite)) == p.source_hash]
+    return _fresh(url, "profiles", profile_from_mapping, source_hashes, torch_version)
