@@ -17,6 +17,7 @@
 #include <ATen/functorch/DynamicLayer.h>
 #include <ATen/functorch/TensorWrapper.h>
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
@@ -175,29 +176,68 @@ bool is_default(const Argument& argument, const c10::IValue& value) {
 }
 
 // The call as Python sees it from a torch.library kernel: positional arguments up to the last one not at its
-// default, keyword-only ones by name where not at their default.
-std::pair<py::tuple, py::dict> python_arguments(const Overload& o, const c10::IValue* args) {
-  const size_t count = o.arguments.size();
-  size_t positional = 0;
-  while (positional < count && !o.arguments[positional].kwarg_only) {
-    ++positional;
-  }
-  size_t last = positional;
-  while (last > 0 && is_default(o.arguments[last - 1], args[last - 1])) {
-    --last;
-  }
-  py::tuple tuple(last);
-  for (size_t i = 0; i < last; ++i) {
-    tuple[i] = to_python(o.arguments[i], args[i]);
-  }
-  py::dict kwargs;
-  for (size_t i = positional; i < count; ++i) {
-    if (!is_default(o.arguments[i], args[i])) {
-      kwargs[o.arguments[i].name] = to_python(o.arguments[i], args[i]);
+// default, keyword-only ones by name where not at their default. Held as a vectorcall's argument array, so that a
+// call builds no tuple, dict or list; slot 0 holds the keyset for the Python kernel (which takes it first), and is
+// left empty for a composite or a decider (which the vectorcall may then use, PY_VECTORCALL_ARGUMENTS_OFFSET).
+class PythonArguments {
+ public:
+  PythonArguments(const Overload& o, const c10::IValue* args, const c10::DispatchKeySet* keyset) {
+    const size_t count = o.arguments.size();
+    size_t positional = 0;
+    while (positional < count && !o.arguments[positional].kwarg_only) {
+      ++positional;
+    }
+    size_t last = positional;
+    while (last > 0 && is_default(o.arguments[last - 1], args[last - 1])) {
+      --last;
+    }
+    values_.reserve(count + 1);
+    values_.push_back(keyset != nullptr ? py::cast(*keyset) : py::object());
+    for (size_t i = 0; i < last; ++i) {
+      values_.push_back(to_python(o.arguments[i], args[i]));
+    }
+    nargs_ = values_.size() - 1;
+    size_t keywords = 0;
+    for (size_t i = positional; i < count; ++i) {
+      keywords += is_default(o.arguments[i], args[i]) ? 0 : 1;
+    }
+    if (keywords > 0) {
+      py::tuple names(keywords);
+      size_t k = 0;
+      for (size_t i = positional; i < count; ++i) {
+        if (!is_default(o.arguments[i], args[i])) {
+          names[k++] = o.arguments[i].name;
+          values_.push_back(to_python(o.arguments[i], args[i]));
+        }
+      }
+      kwnames_ = std::move(names);
+    }
+    pointers_.reserve(values_.size());
+    for (const auto& value : values_) {
+      pointers_.push_back(value.ptr());
     }
   }
-  return {std::move(tuple), std::move(kwargs)};
-}
+
+  // fn(keyset, *args, **kwargs) where a keyset was given, else fn(*args, **kwargs); raises what fn raised.
+  py::object call(const py::handle& fn) {
+    const bool keyset = values_[0].ptr() != nullptr;
+    PyObject* kwnames = kwnames_ ? kwnames_.ptr() : nullptr;
+    PyObject* out = keyset ? PyObject_Vectorcall(fn.ptr(), pointers_.data(), nargs_ + 1, kwnames)
+                           : PyObject_Vectorcall(fn.ptr(), pointers_.data() + 1,
+                                                 nargs_ | PY_VECTORCALL_ARGUMENTS_OFFSET, kwnames);
+    if (out == nullptr) {
+      throw py::error_already_set();
+    }
+    return py::reinterpret_steal<py::object>(out);
+  }
+
+ private:
+  // On the stack for the arities of aten's schemas (no allocation per call).
+  c10::SmallVector<py::object, 12> values_;  // what the pointers point at, held alive for the call
+  c10::SmallVector<PyObject*, 12> pointers_;
+  size_t nargs_ = 0;  // positional arguments after the keyset slot
+  py::object kwnames_;
+};
 
 void push_result(const c10::OperatorHandle& op, torch::jit::Stack* stack, const py::object& out) {
   const auto& returns = op.schema().returns();
@@ -213,16 +253,17 @@ void push_result(const c10::OperatorHandle& op, torch::jit::Stack* stack, const 
   }
 }
 
-// Call a Python function with this call's arguments (holding the GIL), and put its result on the stack.
-void call_python(const Overload& o, const py::object& fn, bool with_keyset, const c10::OperatorHandle& op,
-                 c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+// Call the Python kernel with the keyset and this call's arguments (holding the GIL), and put its result on the
+// stack.
+void call_python(const Overload& o, const py::object& fn, const c10::OperatorHandle& op, c10::DispatchKeySet keyset,
+                 torch::jit::Stack* stack) {
   const size_t count = o.arguments.size();
   py::gil_scoped_acquire gil;
-  auto [args, kwargs] = python_arguments(o, &(*stack)[stack->size() - count]);
+  PythonArguments arguments(o, &(*stack)[stack->size() - count], &keyset);
   py::object out;
   {
     BusyGuard busy;
-    out = with_keyset ? fn(py::cast(keyset), *args, **kwargs) : fn(*args, **kwargs);
+    out = arguments.call(fn);
   }
   torch::jit::drop(*stack, count);
   push_result(op, stack, out);
@@ -250,18 +291,18 @@ class RoutingKernel final : public c10::OperatorKernel {
     Overload& o = *overload_;
     if (tls_frame == 0 || tls_busy) {
       if (tls_frame == 0 && !tls_busy && traced(keyset)) {
-        return call_python(o, o.slow, true, op, keyset, stack);  // torch.compile records a trace outside use()
+        return call_python(o, o.slow, op, keyset, stack);  // torch.compile records a trace outside use()
       }
       return o.native->callBoxed(op, keyset, stack);
     }
     if (traced(keyset)) {
-      return call_python(o, o.slow, true, op, keyset, stack);
+      return call_python(o, o.slow, op, keyset, stack);
     }
     const size_t count = o.arguments.size();
     const c10::IValue* args = &(*stack)[stack->size() - count];
     bool wrapped = false;
     if (!build_key(o, args, count, &wrapped)) {
-      return call_python(o, o.slow, true, op, keyset, stack);
+      return call_python(o, o.slow, op, keyset, stack);
     }
     if (wrapped) {
       return o.native->callBoxed(op, keyset, stack);
@@ -295,14 +336,14 @@ class RoutingKernel final : public c10::OperatorKernel {
     int64_t code;
     {
       py::gil_scoped_acquire gil;
-      auto [args, kwargs] = python_arguments(o, &(*stack)[stack->size() - count]);
+      PythonArguments arguments(o, &(*stack)[stack->size() - count], nullptr);
       py::object run;
       if (entry.code == kRun && epoch.load() == seen) {
         run = py::reinterpret_borrow<py::object>(entry.run);  // still alive: clearing takes the GIL we hold
         code = kRun;
       } else {
         std::vector<int64_t> key = tls_key;  // Python may route other calls, which reuse the scratch key
-        py::object decided = o.decide(*args, **kwargs);
+        py::object decided = arguments.call(o.decide);
         if (PyLong_Check(decided.ptr())) {
           code = decided.cast<int64_t>();
           TORCH_CHECK(code == kPass || code == kNative, "multicomposite: a decision returned the code ", code);
@@ -318,7 +359,7 @@ class RoutingKernel final : public c10::OperatorKernel {
         py::object out;
         {
           BusyGuard busy;
-          out = run(*args, **kwargs);
+          out = arguments.call(run);
         }
         torch::jit::drop(*stack, count);
         push_result(op, stack, out);
