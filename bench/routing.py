@@ -13,6 +13,10 @@
 (r4) eager, no transform: a covered op (index_add) and an uncovered one (add) inside vs outside ``use()``
      (targets <= 0.5 us and 0 added)
 
+``--breakdown`` takes (r3) apart: the composite called directly outside and inside ``use()``, and the routed op, in
+short blocks alternated many times (the median of the per-round differences: what a shared machine's drift does not
+move), with the Python calls and the decided kernel calls of one call.
+
 Each pair is timed in alternating rounds (``torch.utils.benchmark.Timer.blocked_autorange``); the minimum over rounds
 is reported, since on a shared machine noise only ever adds time.
 """
@@ -21,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -121,7 +127,10 @@ def bench_vmap_grad_native(rounds: int, min_run_time: float) -> dict[str, Any]:
     return {"native_us": native, "routed_us": routed, "ratio": native / routed, "composite": decision.composite}
 
 
-def bench_routed_over_composite(rounds: int, min_run_time: float) -> dict[str, dict[str, float]]:
+def _masked_scatter_cases() -> tuple[dict[str, tuple[Callable[..., Any], Callable[..., Any]]], tuple[torch.Tensor, ...],
+                                       dict[str, str]]:
+    """(r3)'s calls: per stack, (the functional composite under the transform, the routed op under it); the
+    arguments; the pins that route masked_scatter to that composite."""
     generator = torch.Generator().manual_seed(0)
     x, source = torch.randn(8, 5, 4, generator=generator), torch.randn(8, 5, 4, generator=generator)
     mask = torch.rand(8, 5, 4, generator=generator) > 0.5
@@ -139,6 +148,11 @@ def bench_routed_over_composite(rounds: int, min_run_time: float) -> dict[str, d
         "vmap(grad)": (func.vmap(func.grad(composite_loss, argnums=(0, 2))),
                        func.vmap(func.grad(op_loss, argnums=(0, 2)))),
     }
+    return cases, (x, mask, source), pins
+
+
+def bench_routed_over_composite(rounds: int, min_run_time: float) -> dict[str, dict[str, float]]:
+    cases, (x, mask, source), pins = _masked_scatter_cases()
     results = {}
     for stack, (direct, routed) in cases.items():
         with registry.use(pins=pins):
@@ -147,6 +161,86 @@ def bench_routed_over_composite(rounds: int, min_run_time: float) -> dict[str, d
                                      rounds, min_run_time, pins=pins)
         results[stack] = {"composite_us": direct_us, "routed_us": routed_us, "added_us": routed_us - direct_us}
     return results
+
+
+def _python_calls(call: Callable[[], object]) -> int:
+    """Python functions and C functions called from Python during one ``call()`` (``sys.setprofile``)."""
+    count = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    call()
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return count - 1  # setprofile(None) itself
+
+
+def _paired_median(first: list[float], second: list[float]) -> float:
+    """The median of the per-round differences: drift that moves both of a round's blocks cancels."""
+    return statistics.median(a - b for a, b in zip(first, second, strict=True))
+
+
+def breakdown(rounds: int, calls: int) -> dict[str, dict[str, float]]:
+    """(r3) taken apart, per stack: the composite called directly outside and inside ``use()`` and the routed op
+    inside, timed in blocks of ``calls`` calls alternated ``rounds`` times (order reversed every other round), the
+    collector off; each difference is the median of the per-round differences."""
+    clock = time.thread_time_ns if os.environ.get(CLOCK_ENV) == "thread" else time.perf_counter_ns
+    cases, args, pins = _masked_scatter_cases()
+    inside = registry.use(pins=pins)
+    results = {}
+    for stack, (direct, routed) in cases.items():
+        variants: dict[str, tuple[Callable[..., Any], bool]] = {
+            "direct_outside": (direct, False), "direct_inside": (direct, True), "routed_inside": (routed, True)}
+
+        counts: dict[str, float] = {}
+        for name, (fn, in_use) in variants.items():
+            with inside if in_use else contextlib.nullcontext():
+                fn(*args)
+                routing.KERNEL_CALLS.clear()
+                fn(*args)
+                counts[f"{name}_decided_kernel_calls"] = sum(routing.KERNEL_CALLS.values())
+                counts[f"{name}_python_calls"] = _python_calls(lambda f=fn: f(*args))
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            for r in range(rounds):
+                for name in variants if r % 2 == 0 else reversed(variants):
+                    fn, in_use = variants[name]
+                    with inside if in_use else contextlib.nullcontext():
+                        start = clock()
+                        for _ in range(calls):
+                            fn(*args)
+                        times[name].append((clock() - start) / calls / 1e3)
+        finally:
+            if collecting:
+                gc.enable()
+
+        results[stack] = {"direct_outside_us": statistics.median(times["direct_outside"]),
+                          "inside_use_us": _paired_median(times["direct_inside"], times["direct_outside"]),
+                          "routed_call_us": _paired_median(times["routed_inside"], times["direct_inside"]),
+                          "routed_over_direct_outside_us": _paired_median(times["routed_inside"],
+                                                                          times["direct_outside"]), **counts}
+    return results
+
+
+def print_breakdown(backend: str, results: dict[str, dict[str, float]]) -> None:
+    print(f"backend {backend}: (r3) taken apart (medians of per-round differences)")
+    for stack, r in results.items():
+        print(f"  {stack}: composite called directly outside use() {r['direct_outside_us']:.1f} us; the same call "
+              f"inside use() {r['inside_use_us']:+.2f} us; the routed op over the direct call inside use() "
+              f"{r['routed_call_us']:+.2f} us; routed over direct outside (what (r3) reports) "
+              f"{r['routed_over_direct_outside_us']:+.2f} us")
+        print(f"    Python calls per call: direct outside {r['direct_outside_python_calls']}, inside "
+              f"{r['direct_inside_python_calls']}, routed {r['routed_inside_python_calls']}; decided kernel calls: "
+              f"direct {r['direct_inside_decided_kernel_calls']}, routed {r['routed_inside_decided_kernel_calls']}")
 
 
 def bench_eager(rounds: int, min_run_time: float) -> dict[str, float]:
@@ -226,11 +320,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-time", action="store_true",
                         help="one thread, timed in thread CPU time (a shared machine: time spent descheduled does "
                              "not count)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="only (r3), taken apart: inside use() vs outside, the routed call vs the direct one")
+    parser.add_argument("--breakdown-rounds", type=int, default=40, help="alternated blocks per variant")
+    parser.add_argument("--breakdown-calls", type=int, default=100, help="calls per block")
     args = parser.parse_args(argv)
     if args.cpu_time:
         os.environ[CLOCK_ENV] = "thread"
         os.environ["OMP_NUM_THREADS"] = "1"  # (r0)'s child too
         torch.set_num_threads(1)
+    if args.breakdown:
+        active = routing.routing_backend()
+        taken_apart = {}
+        try:
+            for backend in tuple(args.backend or BACKENDS):
+                routing.set_routing_backend(backend)
+                taken_apart[backend] = breakdown(args.breakdown_rounds, args.breakdown_calls)
+                print_breakdown(backend, taken_apart[backend])
+        finally:
+            routing.set_routing_backend(active)
+        if args.json:
+            print(json.dumps(taken_apart))
+        return 0
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
     results = print_routing(args.rounds, args.min_run_time, tuple(args.backend or BACKENDS), not args.no_outside)
     if args.json:
