@@ -19,6 +19,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/utils/tensor_memoryformats.h>
@@ -156,6 +157,14 @@ py::object to_python(const Argument& argument, const c10::IValue& value) {
   if (value.isNone()) {
     return py::none();
   }
+  if (value.isTensor()) {
+    // The tensor's own Python object (what toPyObject returns too, through more code); a wrapped number becomes a
+    // Python number there: it goes the general way.
+    const at::Tensor& tensor = value.toTensor();
+    if (tensor.defined() && !tensor.unsafeGetTensorImpl()->is_wrapped_number()) {
+      return py::reinterpret_steal<py::object>(THPVariable_Wrap(tensor));
+    }
+  }
   switch (argument.convert) {
     case kDtype:
       return py::reinterpret_borrow<py::object>(
@@ -242,6 +251,10 @@ class PythonArguments {
 void push_result(const c10::OperatorHandle& op, torch::jit::Stack* stack, const py::object& out) {
   const auto& returns = op.schema().returns();
   if (returns.size() == 1) {
+    if (returns[0].type()->kind() == c10::TypeKind::TensorType && THPVariable_Check(out.ptr())) {
+      torch::jit::push(stack, THPVariable_Unpack(out.ptr()));  // what toIValue does for a Tensor, with less code
+      return;
+    }
     torch::jit::push(stack, torch::jit::toIValue(out, returns[0].type()));
     return;
   }
