@@ -74,7 +74,7 @@ def test_misconfiguration_is_refused_at_start_in_one_line(env: dict[str, str], l
 
 def test_unknown_setting_names_and_empty_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MULTICOMPOSITE_QUEUESIZE", "3")
-    with pytest.raises(SettingsError, match="^MULTICOMPOSITE_QUEUESIZE is not a setting; settings are "
+    with pytest.raises(SettingsError, match="^MULTICOMPOSITE_QUEUESIZE is not a setting; the service's settings are "
                                             "MULTICOMPOSITE_CACHE_BYTES, MULTICOMPOSITE_CACHE_SIZE, "):
         load_settings()
     monkeypatch.delenv("MULTICOMPOSITE_QUEUESIZE")
