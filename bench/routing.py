@@ -181,7 +181,8 @@ def bench_models_native(rounds: int, min_run_time: float, batch: int) -> dict[st
                 continue
             with registry.use(policy="native"):
                 torch.testing.assert_close(setup.step(), expected)
-            native, routed = _pair(setup.step, setup.step, rounds, min_run_time, policy="native")
+            # A step takes 8-250 ms: at least a second a block, so that each median is over several steps.
+            native, routed = _pair(setup.step, setup.step, rounds, max(min_run_time, 1.0), policy="native")
         results[workload.name] = {"native_us": native, "routed_us": routed, "ratio": native / routed}
     return results
 
