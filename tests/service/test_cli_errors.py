@@ -36,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[2]
     ("verify --stack vmap(grad",
      "multicomposite verify: argument --stack: unbalanced or mixed stack 'vmap(grad': write it nested, vmap(grad), "
      "or as a list, vmap,grad (see multicomposite verify --help)"),
+    # The command's own --help is the one to read (argparse named the top level's).
+    ("verify --workers 2",
+     "multicomposite verify: unrecognized arguments: --workers 2 (see multicomposite verify --help)"),
     ("select index_fill --dtype _inductor",
      "multicomposite select: argument --dtype: unknown dtype '_inductor'; use a torch dtype name such as float32, "
      "float64, float16, bfloat16, int64, int32, bool, complex64 (see multicomposite select --help)"),
