@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print_pieces(args.rounds, args.min_run_time, cpu_time=args.cpu_time, compile=args.compile)
     if args.only_fused:
         return 0
-    print_routing(args.rounds, args.min_run_time)  # (r1)-(r4): what routing at the dispatcher costs
+    # (r0)-(r4): what routing at the dispatcher costs; (r5), whole model steps, is python -m bench.routing's
+    print_routing(args.rounds, args.min_run_time, models_batch=None)
     result = bench_mlp(args.rounds, args.min_run_time)
     print(f"(c) MLP training step (min over rounds): outside {result['outside_us']:.0f} us, "
           f"inside use() {result['inside_us']:.0f} us "

@@ -12,6 +12,10 @@
      <= 5 us added)
 (r4) eager, no transform: a covered op (index_add) and an uncovered one (add) inside vs outside ``use()``
      (targets <= 0.5 us and 0 added)
+(r5) the per-sample-gradient steps of ``bench.models`` (transformers with SDPA, attention, LSTM) inside
+     ``use(policy="native")``, where every decision is PyTorch's own kernel, vs natively (target >= 0.99x): every
+     entry of a covered op still builds its decision key and looks it up at each functorch layer; the
+     models that fail natively (GRU, message passing) are left out, as there is no native time to compare with
 
 ``--breakdown`` takes (r3) apart: the composite called directly outside and inside ``use()``, and the routed op, in
 short blocks alternated many times (the median of the per-round differences: what a shared machine's drift does not
@@ -55,12 +59,12 @@ def _us(stmt: Callable[[], object], min_run_time: float) -> float:
 
 
 def _pair(outside: Callable[[], object], inside: Callable[[], object], rounds: int, min_run_time: float,
-          inside_use: bool = True, pins: dict[str, str] | None = None) -> tuple[float, float]:
-    """(outside, inside) microseconds, min over alternating rounds; ``inside`` runs within ``use(pins=pins)``."""
+          inside_use: bool = True, pins: dict[str, str] | None = None, policy: str = "auto") -> tuple[float, float]:
+    """(outside, inside) microseconds, min over alternating rounds; ``inside`` runs within ``use(policy, pins)``."""
     outside_times, inside_times = [], []
     for _ in range(rounds):
         outside_times.append(_us(outside, min_run_time))
-        with registry.use(pins=pins) if inside_use else contextlib.nullcontext():
+        with registry.use(policy=policy, pins=pins) if inside_use else contextlib.nullcontext():
             inside_times.append(_us(inside, min_run_time))
     return min(outside_times), min(inside_times)
 
@@ -253,8 +257,34 @@ def bench_eager(rounds: int, min_run_time: float) -> dict[str, float]:
             "covered_native_us": covered_out, "covered_added_us": covered_in - covered_out}
 
 
-def measure(rounds: int, min_run_time: float, backend: str, outside: bool = True) -> dict[str, Any]:
-    """Every measurement on ``backend``; ``outside``: also (r0), which starts a process of its own."""
+def bench_models_native(rounds: int, min_run_time: float, batch: int) -> dict[str, dict[str, Any]]:
+    """(r5): each bench.models workload that runs natively, inside ``use(policy="native")`` vs outside. (Pinning
+    every op to native would refuse where native is invalid, as under LSTM's vmap(grad).)"""
+    import warnings
+
+    from bench.models import all_workloads
+
+    results: dict[str, dict[str, Any]] = {}
+    for workload in all_workloads():
+        setup = workload.build(batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # native's loop warnings: the same both ways
+            try:
+                expected = setup.step()
+            except Exception:  # fails natively (GRU, message passing): no native time to compare with
+                continue
+            with registry.use(policy="native"):
+                torch.testing.assert_close(setup.step(), expected)
+            # A step takes 8-250 ms: at least a second a block, so that each median is over several steps.
+            native, routed = _pair(setup.step, setup.step, rounds, max(min_run_time, 1.0), policy="native")
+        results[workload.name] = {"native_us": native, "routed_us": routed, "ratio": native / routed}
+    return results
+
+
+def measure(rounds: int, min_run_time: float, backend: str, outside: bool = True,
+            models_batch: int | None = 64) -> dict[str, Any]:
+    """Every measurement on ``backend``; ``outside``: also (r0), which starts a process of its own; ``models_batch``:
+    (r5) at that batch size (None: skipped)."""
     routing.set_routing_backend(backend)
     results: dict[str, Any] = {}
     if outside:
@@ -263,6 +293,8 @@ def measure(rounds: int, min_run_time: float, backend: str, outside: bool = True
     results["vmap_grad_native"] = bench_vmap_grad_native(rounds, min_run_time)
     results["routed_over_composite"] = bench_routed_over_composite(rounds, min_run_time)
     results["eager"] = bench_eager(rounds, min_run_time)
+    if models_batch is not None:
+        results["models_native"] = bench_models_native(rounds, min_run_time, models_batch)
     return results
 
 
@@ -292,16 +324,20 @@ def print_results(backend: str, results: dict[str, Any]) -> None:
     print(f"  (r4) eager inside use(): covered index_add {r['covered_added_us']:+.2f} us (native "
           f"{r['covered_native_us']:.2f} us; target <= 0.5 us) {_verdict(r['covered_added_us'] <= 0.5)}, "
           f"uncovered add {r['uncovered_added_us']:+.2f} us (native {r['uncovered_native_us']:.2f} us; target 0)")
+    for name, r in results.get("models_native", {}).items():
+        print(f"  (r5) {name}, policy native: native "
+              f"{r['native_us'] / 1e3:.2f} ms, inside use() {r['routed_us'] / 1e3:.2f} ms -> {r['ratio']:.3f}x "
+              f"(target >= 0.99x) {_verdict(r['ratio'] >= 0.99)}")
 
 
 def print_routing(rounds: int, min_run_time: float, backends: tuple[str, ...] = BACKENDS,
-                  outside: bool = True) -> dict[str, dict[str, Any]]:
+                  outside: bool = True, models_batch: int | None = 64) -> dict[str, dict[str, Any]]:
     """Measure and print every backend in ``backends``; the active backend is restored after."""
     active = routing.routing_backend()
     results = {}
     try:
         for backend in backends:
-            results[backend] = measure(rounds, min_run_time, backend, outside)
+            results[backend] = measure(rounds, min_run_time, backend, outside, models_batch)
             print_results(backend, results[backend])
     finally:
         routing.set_routing_backend(active)
@@ -316,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=BACKENDS, action="append",
                         help="only this backend (repeatable; default: both)")
     parser.add_argument("--no-outside", action="store_true", help="skip (r0), which starts a process per backend")
+    parser.add_argument("--models-batch", type=int, default=64, help="(r5)'s batch size (default 64, as bench.models)")
+    parser.add_argument("--no-models", action="store_true", help="skip (r5), the whole model steps")
     parser.add_argument("--json", action="store_true", help="also print every number as one JSON object")
     parser.add_argument("--cpu-time", action="store_true",
                         help="one thread, timed in thread CPU time (a shared machine: time spent descheduled does "
@@ -343,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(taken_apart))
         return 0
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
-    results = print_routing(args.rounds, args.min_run_time, tuple(args.backend or BACKENDS), not args.no_outside)
+    results = print_routing(args.rounds, args.min_run_time, tuple(args.backend or BACKENDS), not args.no_outside,
+                            None if args.no_models else args.models_batch)
     if args.json:
         print(json.dumps(results))
     return 0

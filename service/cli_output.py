@@ -150,9 +150,20 @@ def progress(command: str, what: str) -> Iterator[Progress]:
     if is_terminal(sys.stderr):
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
         from rich.progress import Progress as Bar
+        from rich.table import Column
 
-        with Bar(TextColumn(f"{what}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                 TextColumn("left"), TimeRemainingColumn(), TextColumn("{task.description}"),
+        # The counts and times never shrink; the label takes what is left of the line and is cut with an ellipsis
+        # (on an 80-column terminal a long label squeezed the times to "0:…").
+        def fixed(column: Any, width: int) -> Any:
+            column.get_table_column().min_width = width
+            column.get_table_column().no_wrap = True
+            return column
+
+        with Bar(TextColumn(f"{what}"), BarColumn(bar_width=20), fixed(MofNCompleteColumn(), 11),
+                 fixed(TimeElapsedColumn(), 7), TextColumn("elapsed,"), fixed(TimeRemainingColumn(), 7),
+                 TextColumn("left"),
+                 TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
+                 expand=True,
                  console=_console(sys.stderr, live=True), transient=False) as bar:
             task = bar.add_task("starting", total=None)
             bar.refresh()  # now, not at the first report: loading the harness and the first entries take seconds

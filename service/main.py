@@ -54,6 +54,9 @@ def _validation_part(error: dict[str, Any]) -> str:
         position = error["loc"][-1] if len(error["loc"]) > 1 else "?"
         cause = shorten(str(error.get("ctx", {}).get("error", "")), 80)
         return f"body: not valid JSON at character {position}: {cause}; send a JSON document"
+    if error["type"] == "list_type" and tuple(error["loc"]) == ("body",):  # POST /select, the one list body
+        return ("body: POST /select takes a JSON list of queries, [{\"op\": \"index_fill\", \"stack\": "
+                "\"vmap(grad)\"}, ...]; GET /select answers one query")
     where = ".".join(shorten(part, 24) for part in error["loc"])
     return f"{where}: {shorten(error['msg'].removeprefix('Value error, '), 200)}"
 

@@ -12,6 +12,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service.limits import MAX_BATCH, MAX_CONTEXTS, MAX_NUMEL, PORTS
 
 PREFIX = "MULTICOMPOSITE_"
+# The library's own variables, read by registry and composites in any process (the server's included), so known here
+# too; copies, since importing their modules imports torch. tests/service/test_settings.py checks them against every
+# MULTICOMPOSITE_ name the sources read.
+LIBRARY_VARIABLES: dict[str, str] = {
+    "MULTICOMPOSITE_ROUTING": "python: route on the Python kernels; cpp: a failed kernel build is an error",
+    "MULTICOMPOSITE_KERNELS_DIR": "where the compiled routing kernels are cached",
+    "MULTICOMPOSITE_KERNEL_CACHE": "where the fused primitives' compiled C kernels are cached",
+    "MULTICOMPOSITE_NATIVE_KERNELS": "0: the fused primitives run their torch bodies, no compiled C kernels",
+    "MULTICOMPOSITE_FUSED": "compile: the fused primitives' bodies are compiled with Inductor",
+}
 
 
 class SettingsError(ValueError):
@@ -71,13 +81,20 @@ def _one_line(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def check_variable_names() -> None:
+    """SettingsError naming the first ``MULTICOMPOSITE_*`` variable of the environment that nothing reads: a
+    misspelt ``MULTICOMPOSITE_DB`` would otherwise leave a command on the default store without a word."""
+    known = {PREFIX + name.upper() for name in Settings.model_fields}
+    unknown = sorted(name for name in os.environ
+                     if name.startswith(PREFIX) and name not in known and name not in LIBRARY_VARIABLES)
+    if unknown:
+        raise SettingsError(f"{unknown[0]} is not a setting; the service's settings are {', '.join(sorted(known))}; "
+                            f"the library's are {', '.join(sorted(LIBRARY_VARIABLES))}")
+
+
 def load_settings(**overrides: object) -> Settings:
     """Settings from the environment and ``overrides`` (None: not given); SettingsError, one line, otherwise."""
-    known = {name.upper() for name in Settings.model_fields}
-    unknown = sorted(name for name in os.environ if name.startswith(PREFIX) and name.removeprefix(PREFIX) not in known)
-    if unknown:
-        valid = ", ".join(PREFIX + name for name in sorted(known))
-        raise SettingsError(f"{unknown[0]} is not a setting; settings are {valid}")
+    check_variable_names()
     try:
         return Settings(**{name: value for name, value in overrides.items() if value is not None})
     except ValidationError as error:

@@ -141,9 +141,13 @@ def _main(argv: list[str]) -> int:
     named = _command_in(argv)
     parser = build_parser(only=[named] if named is not None else [])
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
     except ParserExit as finished:
         return finished.code
+    if unknown:  # argparse blames the top level ("see multicomposite --help"); the command is the one to read
+        print(f"multicomposite {args.command}: unrecognized arguments: {' '.join(unknown)} (see multicomposite "
+              f"{args.command} --help)", file=sys.stderr)
+        return 2
     try:
         return args.run(args)
     except UsageError as error:

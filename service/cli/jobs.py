@@ -11,6 +11,7 @@ from typing import Any
 from service import cli_output as out
 from service.cli import arguments
 from service.cli.store import open_store
+from service.cli.vocabulary import JOB_STATES
 from service.cli_output import UsageError
 
 
@@ -56,8 +57,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from registry.store.db import JOB_STATES  # the help lists them: `jobs --help` loads the store
-
     parser.add_argument("id", nargs="?", default=None, help="one job's id (default: list every job)")
     parser.add_argument("--state", action="append", choices=JOB_STATES,
                         help=f"only jobs in this state: {', '.join(JOB_STATES)} (repeatable)")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from service import cli_output as out
 from service.cli import arguments
 from service.cli.store import entry_json, fresh, open_store
+from service.cli.vocabulary import STATUSES
 from service.cli_output import UsageError
 
 if TYPE_CHECKING:
@@ -70,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from registry.core.status import STATUSES  # the help lists them
-
     parser.add_argument("--op", action="append", type=arguments.op, help="only this op (repeatable; default: all)")
     parser.add_argument("--stack", action="append", type=arguments.stack, help="only this stack, vmap(grad) or "
                         "vmap,grad (repeatable; default: all)")

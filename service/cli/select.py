@@ -6,6 +6,7 @@ import argparse
 
 from service import cli_output as out
 from service.cli import arguments
+from service.cli.vocabulary import POLICIES
 from service.cli_output import UsageError
 
 
@@ -38,8 +39,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from registry.core.selector import POLICIES  # the help lists them: `select --help` loads the registry
-
     parser.add_argument("op", type=arguments.op, help="the op, e.g. index_fill (multicomposite ops lists them)")
     parser.add_argument("--stack", type=arguments.stack, default=(), help="transforms, outermost first: vmap(grad) "
                         "or vmap,grad (default: none)")

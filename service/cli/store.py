@@ -14,6 +14,7 @@ def open_store() -> Store:
     """The default store, checked; UsageError (one line) when it cannot be opened."""
     from registry.store.db import Store, StoreUnavailableError
 
+    _check_variable_names()
     try:
         store = Store()
         store.check()
@@ -24,6 +25,19 @@ def open_store() -> Store:
         raise UsageError(f"the store cannot be opened: {type(error).__name__}: {first}; check MULTICOMPOSITE_DB"
                          ) from None
     return store
+
+
+def _check_variable_names() -> None:
+    """A misspelt MULTICOMPOSITE_* variable refused in one line, as ``serve`` refuses it (where the service extra,
+    which declares the settings, is installed; without it the library's commands run on)."""
+    try:
+        from service.settings import SettingsError, check_variable_names
+    except ModuleNotFoundError:
+        return
+    try:
+        check_variable_names()
+    except SettingsError as error:
+        raise UsageError(str(error)) from None
 
 
 def fresh(store: Store, *, entries: bool = True,

@@ -7,12 +7,9 @@ import logging
 import signal
 from typing import Any
 
-from registry.store.db import StoreUnavailableError
 from service.cli.arguments import positive_int, positive_seconds  # one wording for every command
 from service.cli_output import UsageError
-from service.jobs.kinds import check_kind, detect_device_kinds, queue_for
-from service.jobs.tasks import is_postgres
-from service.jobs.worker import NEEDS_POSTGRES, Worker, WorkerOptions, WorkerSetupError, log
+from service.jobs.kinds import check_kind  # imports nothing: `worker --help` loads neither torch nor the store
 
 
 def _kind_arg(value: str) -> str:
@@ -42,6 +39,10 @@ def configure_worker(worker: argparse.ArgumentParser) -> None:
 
 
 def run_worker_command(args: argparse.Namespace) -> int:
+    from registry.store.db import StoreUnavailableError
+    from service.jobs.kinds import detect_device_kinds, queue_for
+    from service.jobs.tasks import is_postgres
+    from service.jobs.worker import NEEDS_POSTGRES, Worker, WorkerOptions, WorkerSetupError, log
     from service.settings import SettingsError, load_settings
 
     present = detect_device_kinds()

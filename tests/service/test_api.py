@@ -184,6 +184,15 @@ def test_a_body_that_is_not_json_is_415(client: TestClient) -> None:
         assert response.status_code == 200, content_type
 
 
+def test_one_query_posted_as_an_object_says_that_post_select_takes_a_list(client: TestClient) -> None:
+    # Was "body: Input should be a valid list": the GET form's one query sent as POST's body.
+    response = client.post("/select", json={"op": "index_fill", "stack": "vmap"})
+    assert (response.status_code, response.json()) == (422, {
+        "detail": 'body: POST /select takes a JSON list of queries, [{"op": "index_fill", "stack": "vmap(grad)"}, '
+                  '...]; GET /select answers one query'})
+    assert client.post("/select", json=[{"op": "index_fill", "stack": "vmap"}]).status_code == 200
+
+
 def test_metrics_report_a_failing_store_instead_of_failing(client: TestClient) -> None:
     from registry.store.db import StoreUnavailableError
 

@@ -505,7 +505,20 @@ def test_the_bar_shows_at_once_with_an_estimate(monkeypatch: pytest.MonkeyPatch,
         progress(1, 4, "first")
     after = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", capsys.readouterr().err)
     assert "entries" in before and "starting" in before
-    assert re.search(r"1/4 \d:\d\d:\d\d left (-:--:--|\d:\d\d:\d\d) first", after), after  # elapsed, then the ETA
+    assert re.search(r"1/4 \d:\d\d:\d\d elapsed, (-:--:--|\d:\d\d:\d\d) left first", after), after  # then the ETA
+
+
+def test_the_bars_counts_and_times_keep_their_width_on_80_columns(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # On an 80-column terminal a long label squeezed the counts and times to "1…" and "0:…".
+    monkeypatch.setattr(cli_output, "is_terminal", lambda stream: True)
+    monkeypatch.setenv("COLUMNS", "80")
+    with cli_output.progress("verify", "entries") as progress:
+        progress(144, 1200, "index_fill/native functionalize(jvp(jvp)) self,value float32 " + "x" * 40)
+    drawn = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", capsys.readouterr().err).replace("\r", "\n").splitlines()
+    last = [line for line in drawn if "144/1200" in line][-1]
+    assert re.search(r" 144/1200 \d:\d\d:\d\d elapsed, (-:--:--|\d:\d\d:\d\d) left index_fill", last), last
+    assert last.rstrip().endswith("…") and len(last.rstrip()) <= 80
 
 
 def test_a_terminal_table_folds_wide_cells_instead_of_cutting_them(monkeypatch: pytest.MonkeyPatch,

@@ -47,8 +47,8 @@ try:
 except ImportError:  # a dev dependency; the browser fixture says how to get it
     pass
 
-CHROMIUM = Path(os.environ.get("MULTICOMPOSITE_CHROMIUM", "/usr/bin/chromium"))
-CHROMEDRIVER = Path(os.environ.get("MULTICOMPOSITE_CHROMEDRIVER", "/usr/bin/chromedriver"))
+CHROMIUM = Path(os.environ.get("TEST_CHROMIUM", "/usr/bin/chromium"))
+CHROMEDRIVER = Path(os.environ.get("TEST_CHROMEDRIVER", "/usr/bin/chromedriver"))
 REPO = Path(__file__).resolve().parents[2]
 OUTPUT = REPO / "test-output" / "dashboard"
 TOKEN = "dashboard-test-token"
