@@ -17,7 +17,8 @@ from service.cli_output import UsageError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--op", action="append", help="a covered op, e.g. take or batch_norm (repeatable; default: "
+    parser.add_argument("--op", action="append", type=arguments.op,
+                        help="a covered op, e.g. take or batch_norm (repeatable; default: "
                         "every covered op)")
     parser.add_argument("--check", action="append", help="vjp, jvp, vmap, vmap(vjp), vjp(vmap), vmap(jvp), "
                         "jvp(vjp) or 'no fallback warning' (repeatable; default: all)")
