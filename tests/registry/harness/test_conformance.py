@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import registry
 from registry.core import selector
 from registry.core.registration import COMPOSITES
 from registry.harness import conformance, survey
@@ -136,5 +137,5 @@ def test_the_command_stores_rows_and_exits_zero(tmp_path: Any, monkeypatch: pyte
 def test_the_command_says_what_to_fix_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["conformance", "--op", "nope"]) == 2
     err = capsys.readouterr().err
-    assert err == ("multicomposite conformance: not covered ops: nope; list the covered ops with "
-                   "`multicomposite ops`\n")
+    assert err == (f"multicomposite conformance: argument --op: unknown op 'nope'. {len(registry.OPS)} ops are "
+                   "covered: list them with `multicomposite ops` or GET /ops (see multicomposite conformance --help)\n")
