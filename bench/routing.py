@@ -330,18 +330,27 @@ def print_results(backend: str, results: dict[str, Any]) -> None:
               f"(target >= 0.99x) {_verdict(r['ratio'] >= 0.99)}")
 
 
-def print_routing(rounds: int, min_run_time: float, backends: tuple[str, ...] = BACKENDS,
-                  outside: bool = True, models_batch: int | None = 64) -> dict[str, dict[str, Any]]:
-    """Measure and print every backend in ``backends``; the active backend is restored after."""
+def on_each_backend(backends: tuple[str, ...], run: Callable[[str], dict[str, Any]],
+                    show: Callable[[str, dict[str, Any]], None]) -> dict[str, dict[str, Any]]:
+    """``run(backend)`` with each of ``backends`` active, then ``show`` its result; the active backend is restored
+    after."""
     active = routing.routing_backend()
     results = {}
     try:
         for backend in backends:
-            results[backend] = measure(rounds, min_run_time, backend, outside, models_batch)
-            print_results(backend, results[backend])
+            routing.set_routing_backend(backend)
+            results[backend] = run(backend)
+            show(backend, results[backend])
     finally:
         routing.set_routing_backend(active)
     return results
+
+
+def print_routing(rounds: int, min_run_time: float, backends: tuple[str, ...] = BACKENDS,
+                  outside: bool = True, models_batch: int | None = 64) -> dict[str, dict[str, Any]]:
+    """Measure and print every backend in ``backends``; the active backend is restored after."""
+    return on_each_backend(backends, lambda backend: measure(rounds, min_run_time, backend, outside, models_batch),
+                           print_results)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,15 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMP_NUM_THREADS"] = "1"  # (r0)'s child too
         torch.set_num_threads(1)
     if args.breakdown:
-        active = routing.routing_backend()
-        taken_apart = {}
-        try:
-            for backend in tuple(args.backend or BACKENDS):
-                routing.set_routing_backend(backend)
-                taken_apart[backend] = breakdown(args.breakdown_rounds, args.breakdown_calls)
-                print_breakdown(backend, taken_apart[backend])
-        finally:
-            routing.set_routing_backend(active)
+        taken_apart = on_each_backend(tuple(args.backend or BACKENDS),
+                                      lambda _backend: breakdown(args.breakdown_rounds, args.breakdown_calls),
+                                      print_breakdown)
         if args.json:
             print(json.dumps(taken_apart))
         return 0

@@ -15,13 +15,13 @@ PREFIX = "MULTICOMPOSITE_"
 # The library's own variables, read by registry and composites in any process (the server's included), so known here
 # too; copies, since importing their modules imports torch. tests/service/test_settings.py checks them against every
 # MULTICOMPOSITE_ name the sources read.
-LIBRARY_VARIABLES: dict[str, str] = {
-    "MULTICOMPOSITE_ROUTING": "python: route on the Python kernels; cpp: a failed kernel build is an error",
-    "MULTICOMPOSITE_KERNELS_DIR": "where the compiled routing kernels are cached",
-    "MULTICOMPOSITE_KERNEL_CACHE": "where the fused primitives' compiled C kernels are cached",
-    "MULTICOMPOSITE_NATIVE_KERNELS": "0: the fused primitives run their torch bodies, no compiled C kernels",
-    "MULTICOMPOSITE_FUSED": "compile: the fused primitives' bodies are compiled with Inductor",
-}
+LIBRARY_VARIABLES: frozenset[str] = frozenset({
+    "MULTICOMPOSITE_ROUTING",  # docs/routing.md
+    "MULTICOMPOSITE_KERNELS_DIR",
+    "MULTICOMPOSITE_KERNEL_CACHE",  # the fused primitives' compiled C kernels
+    "MULTICOMPOSITE_NATIVE_KERNELS",
+    "MULTICOMPOSITE_FUSED",
+})
 
 
 class SettingsError(ValueError):
