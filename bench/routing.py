@@ -204,11 +204,12 @@ def breakdown(rounds: int, calls: int) -> dict[str, dict[str, float]]:
 
         counts: dict[str, float] = {}
         for name, (fn, in_use) in variants.items():
+            recording = registry.use(pins=pins, record=True)
+            with recording if in_use else contextlib.nullcontext():  # outside use() no kernel decides anything
+                fn(*args)
+            counts[f"{name}_decided_kernel_calls"] = sum(recording.calls.values()) if in_use else 0
             with inside if in_use else contextlib.nullcontext():
                 fn(*args)
-                routing.KERNEL_CALLS.clear()
-                fn(*args)
-                counts[f"{name}_decided_kernel_calls"] = sum(routing.KERNEL_CALLS.values())
                 counts[f"{name}_python_calls"] = _python_calls(lambda f=fn: f(*args))
         times: dict[str, list[float]] = {name: [] for name in variants}
         collecting = gc.isenabled()

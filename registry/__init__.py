@@ -14,6 +14,7 @@ from registry.core.decompositions import decomposition_table
 from registry.core.model import KINDS, Composite, Op
 from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES, RegistrationError, load, register, unregister
+from registry.core.registry_object import DEFAULT, Registry
 from registry.core.routing import register_kernels, routing_active, routing_backend, use
 from registry.core.selector import POLICIES, Decision, SelectionError, Verdict, clear_cache, select
 from registry.core.stacks import format_stack, parse_stack
@@ -22,6 +23,16 @@ try:
     __version__ = _distribution_version("multicomposite")
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
+
+
+def install() -> None:
+    """Register the routing at PyTorch's dispatcher and patch its two Python-level paths (the first ``use()`` does)."""
+    DEFAULT.install()
+
+
+def uninstall() -> None:
+    """Take the routing out of PyTorch again: every kernel removed, every patched attribute restored."""
+    DEFAULT.uninstall()
 
 
 def composites(op: str) -> dict[str, Composite]:
@@ -50,6 +61,7 @@ _evidence.register_source(_store_evidence.SOURCE)
 
 __all__ = [
     "COMPOSITES",
+    "DEFAULT",
     "KINDS",
     "OPS",
     "POLICIES",
@@ -58,6 +70,7 @@ __all__ = [
     "Decision",
     "Op",
     "RegistrationError",
+    "Registry",
     "SelectionError",
     "Verdict",
     "__version__",
@@ -66,6 +79,7 @@ __all__ = [
     "current_stack",
     "decomposition_table",
     "format_stack",
+    "install",
     "load",
     "parse_stack",
     "register",
@@ -73,6 +87,7 @@ __all__ = [
     "routing_active",
     "routing_backend",
     "select",
+    "uninstall",
     "unregister",
     "use",
 ]

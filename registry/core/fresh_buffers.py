@@ -139,3 +139,11 @@ def register() -> None:
             library.impl("copy", _make_copy(torch.library.get_kernel("aten::copy", DISPATCH_KEY)), DISPATCH_KEY,
                          with_keyset=True)
         _libraries.append(library)  # the Library stays alive: dropping it unregisters its kernels
+
+
+def unregister() -> None:
+    """Remove the region kernels (``Router.uninstall``); the next retry that needs them registers them again."""
+    with _register_lock:
+        for library in _libraries:
+            library._destroy()
+        _libraries.clear()

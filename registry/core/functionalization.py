@@ -235,10 +235,16 @@ def functionalizing_flat_vmap(func: Callable[..., Any], batch_size: int, flat_in
 
 
 def install(active: Callable[[], bool]) -> None:
-    """Put the functionalizing vmap in place, once per process; ``active()``: whether this thread is inside
-    ``use()`` with a policy that routes. Threads outside ``use()`` run PyTorch's own implementation."""
+    """Say which predicate tells whether this thread is inside ``use()`` with a policy that routes (``active()``);
+    the router that installs this puts ``functionalizing_flat_vmap`` in place of functorch's ``_flat_vmap`` (and
+    restores it). Threads outside ``use()`` run PyTorch's own implementation."""
     with _install_lock:
-        if _active:
-            return
-        _active.append(active)
-        functorch_vmap._flat_vmap = functionalizing_flat_vmap
+        _active[:] = [active]
+
+
+def uninstall() -> None:
+    """Forget the predicate and the functions remembered as needing functionalization: the functionalizing vmap, if
+    still reached, runs PyTorch's own implementation."""
+    with _install_lock:
+        _active.clear()
+        FUNCTIONALIZED.clear()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -69,6 +69,25 @@ class Op:
     @property
     def qualified_entry_points(self) -> tuple[str, ...]:
         return tuple(f"{_owner_name(owner)}.{attr}" for owner, attr in self.entry_points)
+
+
+@dataclass(frozen=True)
+class OpDef(Op):
+    """An ``Op`` as ``define_op`` made it: what the registry knows of it next to it, as ``CustomOpDef`` is for
+    ``torch.library.custom_op``. ``rules`` (kind -> where that kind fails) and ``preference`` (the op's own order of
+    kinds) are the selector's; ``samples`` are its seed samples where ``define_op`` was given some (a callable of a
+    ``torch.Generator`` returning argument tuples; the harness reads them before its own tables)."""
+
+    rules: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    preference: Callable[..., Any] | None = field(default=None, compare=False)
+    samples: Callable[..., Any] | None = field(default=None, compare=False)
+    # The table that holds this op (``registration.OpTable``): where ``register`` puts its composites.
+    table: Any = field(default=None, compare=False, repr=False)
+
+    def register(self, kind: str, *, name: str | None = None, function: type | None = None,
+                 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """``register(self.name, kind, ...)`` on the table holding this op: ``@index_fill.register("functional")``."""
+        return self.table.register(self.name, kind, name=name, function=function)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import TypeVar
 import torch
 
 from registry.core import rules as rule_tables
-from registry.core.model import KINDS, Composite, Kind, Op, Overload
+from registry.core.model import KINDS, Composite, Kind, Op, OpDef, Overload
 from registry.core.ops import OPS, aten_schema, define, schema_params
 from registry.core.ops import overloads as ops_overloads
 
@@ -20,16 +20,6 @@ F = TypeVar("F", bound=Callable[..., object])
 
 ENTRY_POINT_GROUP = "multicomposite.composites"
 PRIMITIVE_STATICMETHODS = ("forward", "setup_context", "backward", "jvp", "vmap")
-
-# op name -> composite name -> Composite, in registration order.
-COMPOSITES: dict[str, dict[str, Composite]] = {}
-# op -> aten overload of one of its derivative ops (``masked_scatter_backward``, which autograd calls for the
-# native op's gradient) -> a functional form of it: routed under vmap, where PyTorch's kernel has no batching rule.
-DERIVATIVES: dict[str, dict[str, Callable[..., object]]] = {}
-_loaded = False
-ON_CHANGE: list[Callable[[], None]] = []  # called after every change to COMPOSITES (the selector drops its cache)
-_load_lock = threading.Lock()
-
 
 class RegistrationError(TypeError):
     """A composite does not fit its op's schema, its kind's spec, or collides with an earlier registration."""
@@ -49,8 +39,8 @@ def _def_line(fn: Callable[..., object]) -> str:
         return f"def {getattr(fn, '__name__', fn)}(...)"
 
 
-def _check_signature(op_name: str, fn: Callable[..., object], where: str) -> None:
-    op = OPS[op_name]
+def _check_signature(op: Op, fn: Callable[..., object], where: str) -> None:
+    op_name = op.name
     expected = schema_params(op_name, op.overload)
     parameters = list(inspect.signature(fn).parameters.values())
     got = tuple((p.name, p.kind is inspect.Parameter.KEYWORD_ONLY) for p in parameters)
@@ -86,64 +76,15 @@ def _check_primitive(op_name: str, fn: Callable[..., object], function: type | N
         )
 
 
-def define_op(
-    name: str,
-    overload: str = "",
-    *,
-    tensors: tuple[str, ...],
-    doc: str,
-    opinfo: tuple[str, ...] = (),
-    rules: Mapping[str, rule_tables.Rule] | None = None,
-    overloads: tuple[Overload, ...] | None = None,
-    inplace: bool = True,
-    eager_autograd: tuple[str, ...] = (),
-    generate: tuple[str, ...] = ("native",),
-    preference: Callable[[rule_tables.Context], rule_tables.Order | None] | None = None,
-) -> Op:
-    """Cover ``aten::name.overload``: the one entry an op needs, next to its composites in ``composites/<family>.py``.
-
-    ``tensors``: the schema names of its tensor parameters, ``self`` first. ``opinfo``: the op_db entries whose
-    samples test, verify and survey it (ops with hand-written samples in ``registry.harness.samples`` leave it
-    empty). ``rules``: what is known of where each kind fails, keyed by kind (``registry.core.rules`` has the
-    families). ``overloads``: the aten overloads routed to its composites (default: the functional ones and, with
-    ``inplace``, their in-place variants). ``generate``: composites made from the schema where they are mechanical:
-    ``native`` (PyTorch's own kernel) and ``mutating`` (clone, then the in-place overload). ``preference``: the
-    op's own order of kinds where measurement ranks them otherwise than ``rules.preference`` (None: the general one).
-    """
-    if name in OPS:
-        raise RegistrationError(f"define_op: {name} is already defined by {OPS[name].family or 'an earlier call'}")
-    unknown = sorted(set(generate) - {"native", "mutating"})
-    if unknown:
-        raise RegistrationError(f"define_op({name}): cannot generate {', '.join(unknown)}; only native and mutating "
-                                "composites are mechanical")
-    family, where = _caller()
-    try:
-        op = define(name, overload, tensors, doc,
-                    overloads=overloads if overloads is not None else ops_overloads(name, inplace=inplace),
-                    eager_autograd=eager_autograd, opinfo=opinfo, family=family)
-    except ValueError as error:
-        raise RegistrationError(f"define_op: {error}") from None
-    for kind in rules or {}:
-        if kind not in KINDS:
-            raise RegistrationError(f"define_op({name}): rules for unknown kind {kind!r}; kinds are {', '.join(KINDS)}")
-    OPS[name] = op
-    COMPOSITES[name] = {}
-    DERIVATIVES[name] = {}
-    rule_tables.OP_RULES[name] = dict(rules or {})
-    if preference is not None:
-        rule_tables.OP_PREFERENCES[name] = preference
-    for kind, make in (("native", _generated_native), ("mutating", _generated_mutating)):
-        if kind in generate:
-            register(name, kind)(make(op))
-            # Generated from the schema: the define_op entry is where it comes from.
-            COMPOSITES[name][kind] = dataclasses.replace(COMPOSITES[name][kind], where=where)
-    return op
+# Modules whose frames are the registry's own, not the caller of ``define_op``.
+_OWN_MODULES = frozenset({__name__, "registry.core.registry_object"})
 
 
 def _caller() -> tuple[str, str]:
-    """(module name, "file:line") of the ``define_op`` call."""
-    frame = inspect.currentframe()
-    caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    """(module name, "file:line") of the ``define_op`` call: the first frame outside the registry's own modules."""
+    caller = inspect.currentframe()
+    while caller is not None and caller.f_globals.get("__name__") in _OWN_MODULES:
+        caller = caller.f_back
     if caller is None:
         return "", "<unknown>"
     return caller.f_globals.get("__name__", ""), f"{caller.f_code.co_filename}:{caller.f_lineno}"
@@ -198,97 +139,202 @@ def _generated_mutating(op: Op) -> Callable[..., object]:
     return mutating
 
 
-def register(op: str, kind: Kind, *, name: str | None = None, function: type | None = None) -> Callable[[F], F]:
-    """Declare ``fn`` as a composite of ``op``; returns ``fn`` unchanged.
+class OpTable:
+    """The ops a registry covers and everything registered for them, in one place (``Registry.table``).
 
-    ``name`` defaults to the kind and must be unique per op. A ``primitive`` names its ``torch.autograd.Function``.
+    What used to be parallel module dicts filled in lockstep is one object: the op definitions (``ops``: name ->
+    ``OpDef``, whose ``rules`` and ``preference`` are ``op_rules[name]`` and ``op_preferences[name]``), their
+    composites, their derivative ops' functional forms, and the listeners told of every change (the selector drops
+    its cache). The module-level names (``OPS``, ``COMPOSITES``, ``DERIVATIVES``, ``define_op``, ``register``, ...)
+    are the default table's.
     """
-    if op not in OPS:
-        raise RegistrationError(f"register: unknown op {op!r}; define it first with define_op(...) in its "
-                                "composites module")
-    if kind not in KINDS:
-        raise RegistrationError(f"register({op}): unknown kind {kind!r}; kinds are {', '.join(KINDS)}")
 
-    def decorator(fn: F) -> F:
-        where = _where(fn)
-        composite_name = name or kind
-        _check_signature(op, fn, where)
-        if kind == "primitive":
-            _check_primitive(op, fn, function, where)
-        earlier = COMPOSITES[op].get(composite_name)
-        if earlier is not None:
-            raise RegistrationError(
-                f"{where}: composite {op}/{composite_name} is already registered at {earlier.where}; "
-                "give this one another name=..."
-            )
-        doc = (inspect.getdoc(fn) or "").strip().splitlines()
-        COMPOSITES[op][composite_name] = Composite(
-            op=op, name=composite_name, kind=kind, fn=fn, doc=doc[0] if doc else "", where=where
-        )
-        for listener in ON_CHANGE:
+    def __init__(self, *, ops: dict[str, Op] | None = None, op_rules: dict[str, dict[str, rule_tables.Rule]] | None
+                 = None, op_preferences: dict[str, Callable[[rule_tables.Context], rule_tables.Order | None]] | None
+                 = None) -> None:
+        self.ops: dict[str, Op] = {} if ops is None else ops  # name -> OpDef, in definition order
+        # op name -> composite name -> Composite, in registration order.
+        self.composites: dict[str, dict[str, Composite]] = {}
+        # op -> aten overload of one of its derivative ops (``masked_scatter_backward``, which autograd calls for the
+        # native op's gradient) -> a functional form of it: routed under vmap, where PyTorch's kernel has no batching
+        # rule.
+        self.derivatives: dict[str, dict[str, Callable[..., object]]] = {}
+        self.op_rules: dict[str, dict[str, rule_tables.Rule]] = {} if op_rules is None else op_rules
+        self.op_preferences: dict[str, Callable[[rule_tables.Context], rule_tables.Order | None]] = (
+            {} if op_preferences is None else op_preferences)
+        self.listeners: list[Callable[[], None]] = []  # called after every change to the composites
+        self.loaded = False  # the plugins' entry points imported
+        self.load_lock = threading.Lock()
+
+    def changed(self) -> None:
+        for listener in self.listeners:
             listener()
-        return fn
 
-    return decorator
+    def define_op(
+        self,
+        name: str,
+        overload: str = "",
+        *,
+        tensors: tuple[str, ...],
+        doc: str,
+        opinfo: tuple[str, ...] = (),
+        rules: Mapping[str, rule_tables.Rule] | None = None,
+        overloads: tuple[Overload, ...] | None = None,
+        inplace: bool = True,
+        eager_autograd: tuple[str, ...] = (),
+        generate: tuple[str, ...] = ("native",),
+        preference: Callable[[rule_tables.Context], rule_tables.Order | None] | None = None,
+        samples: Callable[..., object] | None = None,
+    ) -> OpDef:
+        """Cover ``aten::name.overload``: the one entry an op needs, next to its composites in
+        ``composites/<family>.py``; returns its ``OpDef`` (``.register(kind)``, ``.rules``, ``.samples``).
 
+        ``tensors``: the schema names of its tensor parameters, ``self`` first. ``opinfo``: the op_db entries whose
+        samples test, verify and survey it (ops with hand-written samples in ``registry.harness.samples`` leave it
+        empty). ``rules``: what is known of where each kind fails, keyed by kind (``registry.core.rules`` has the
+        families). ``overloads``: the aten overloads routed to its composites (default: the functional ones and,
+        with ``inplace``, their in-place variants). ``generate``: composites made from the schema where they are
+        mechanical: ``native`` (PyTorch's own kernel) and ``mutating`` (clone, then the in-place overload).
+        ``preference``: the op's own order of kinds where measurement ranks them otherwise than
+        ``rules.preference`` (None: the general one). ``samples``: its seed samples, kept on the ``OpDef``.
+        """
+        if name in self.ops:
+            raise RegistrationError(f"define_op: {name} is already defined by "
+                                    f"{self.ops[name].family or 'an earlier call'}")
+        unknown = sorted(set(generate) - {"native", "mutating"})
+        if unknown:
+            raise RegistrationError(f"define_op({name}): cannot generate {', '.join(unknown)}; only native and "
+                                    "mutating composites are mechanical")
+        family, where = _caller()
+        try:
+            op = define(name, overload, tensors, doc,
+                        overloads=overloads if overloads is not None else ops_overloads(name, inplace=inplace),
+                        eager_autograd=eager_autograd, opinfo=opinfo, family=family)
+        except ValueError as error:
+            raise RegistrationError(f"define_op: {error}") from None
+        for kind in rules or {}:
+            if kind not in KINDS:
+                raise RegistrationError(f"define_op({name}): rules for unknown kind {kind!r}; kinds are "
+                                        f"{', '.join(KINDS)}")
+        own_rules = dict(rules or {})
+        definition = OpDef(**{f.name: getattr(op, f.name) for f in dataclasses.fields(Op)}, rules=own_rules,
+                           preference=preference, samples=samples, table=self)
+        self.ops[name] = definition
+        self.composites[name] = {}
+        self.derivatives[name] = {}
+        self.op_rules[name] = own_rules
+        if preference is not None:
+            self.op_preferences[name] = preference
+        for kind, make in (("native", _generated_native), ("mutating", _generated_mutating)):
+            if kind in generate:
+                self.register(name, kind)(make(definition))
+                # Generated from the schema: the define_op entry is where it comes from.
+                self.composites[name][kind] = dataclasses.replace(self.composites[name][kind], where=where)
+        return definition
 
-def register_derivative(op: str, overload: str) -> Callable[[F], F]:
-    """Declare ``fn`` as the functional form of ``aten::<overload>``, a derivative op of ``op``; returns ``fn``.
+    def register(self, op: str, kind: Kind, *, name: str | None = None, function: type | None = None,
+                 ) -> Callable[[F], F]:
+        """Declare ``fn`` as a composite of ``op``; returns ``fn`` unchanged.
 
-    ``fn`` takes the overload's own parameters. ``use()`` runs it in place of PyTorch's kernel under vmap, and
-    ``decomposition_table()`` lists it wherever ``op`` itself is decomposed.
-    """
-    if op not in OPS:
-        raise RegistrationError(f"register_derivative: unknown op {op!r}; define it first with define_op(...) in "
-                                "its composites module")
-    name, _, overload_name = overload.partition(".")
+        ``name`` defaults to the kind and must be unique per op. A ``primitive`` names its
+        ``torch.autograd.Function``.
+        """
+        if op not in self.ops:
+            raise RegistrationError(f"register: unknown op {op!r}; define it first with define_op(...) in its "
+                                    "composites module")
+        if kind not in KINDS:
+            raise RegistrationError(f"register({op}): unknown kind {kind!r}; kinds are {', '.join(KINDS)}")
+        definition = self.ops[op]
+        composites = self.composites[op]
 
-    def decorator(fn: F) -> F:
-        where = _where(fn)
-        expected = tuple(param for param, _ in schema_params(name, overload_name))
-        got = tuple(inspect.signature(fn).parameters)
-        if got != expected:
-            raise RegistrationError(
-                f"{where}: {_def_line(fn)} does not match the schema of aten::{overload}; "
-                f"it takes ({', '.join(expected)})"
+        def decorator(fn: F) -> F:
+            where = _where(fn)
+            composite_name = name or kind
+            _check_signature(definition, fn, where)
+            if kind == "primitive":
+                _check_primitive(op, fn, function, where)
+            earlier = composites.get(composite_name)
+            if earlier is not None:
+                raise RegistrationError(
+                    f"{where}: composite {op}/{composite_name} is already registered at {earlier.where}; "
+                    "give this one another name=..."
+                )
+            doc = (inspect.getdoc(fn) or "").strip().splitlines()
+            composites[composite_name] = Composite(
+                op=op, name=composite_name, kind=kind, fn=fn, doc=doc[0] if doc else "", where=where
             )
-        if overload in DERIVATIVES[op]:
-            raise RegistrationError(f"{where}: a derivative {overload} of {op} is already registered")
-        DERIVATIVES[op][overload] = fn
-        return fn
+            self.changed()
+            return fn
 
-    return decorator
+        return decorator
 
+    def register_derivative(self, op: str, overload: str) -> Callable[[F], F]:
+        """Declare ``fn`` as the functional form of ``aten::<overload>``, a derivative op of ``op``; returns ``fn``.
 
-def unregister(op: str, name: str) -> Composite:
-    """Remove a composite (tests and plugins replacing one); returns it."""
-    if name not in COMPOSITES.get(op, {}):
-        raise KeyError(f"unregister: {op} has no composite {name!r}; it has {', '.join(COMPOSITES.get(op, {}))}")
-    removed = COMPOSITES[op].pop(name)
-    for listener in ON_CHANGE:
-        listener()
-    return removed
+        ``fn`` takes the overload's own parameters. ``use()`` runs it in place of PyTorch's kernel under vmap, and
+        ``decomposition_table()`` lists it wherever ``op`` itself is decomposed.
+        """
+        if op not in self.ops:
+            raise RegistrationError(f"register_derivative: unknown op {op!r}; define it first with define_op(...) "
+                                    "in its composites module")
+        name, _, overload_name = overload.partition(".")
+        derivatives = self.derivatives[op]
 
+        def decorator(fn: F) -> F:
+            where = _where(fn)
+            expected = tuple(param for param, _ in schema_params(name, overload_name))
+            got = tuple(inspect.signature(fn).parameters)
+            if got != expected:
+                raise RegistrationError(
+                    f"{where}: {_def_line(fn)} does not match the schema of aten::{overload}; "
+                    f"it takes ({', '.join(expected)})"
+                )
+            if overload in derivatives:
+                raise RegistrationError(f"{where}: a derivative {overload} of {op} is already registered")
+            derivatives[overload] = fn
+            return fn
 
-def load() -> None:
-    """Import every ``multicomposite.composites`` entry point, once (``import registry`` has imported the built-in
-    composites package just before)."""
-    global _loaded
-    if _loaded:
-        return
-    with _load_lock:
-        if _loaded:
+        return decorator
+
+    def unregister(self, op: str, name: str) -> Composite:
+        """Remove a composite (tests and plugins replacing one); returns it."""
+        composites = self.composites.get(op, {})
+        if name not in composites:
+            raise KeyError(f"unregister: {op} has no composite {name!r}; it has {', '.join(composites)}")
+        removed = composites.pop(name)
+        self.changed()
+        return removed
+
+    def load(self) -> None:
+        """Import every ``multicomposite.composites`` entry point, once (``import registry`` has imported the
+        built-in composites package just before)."""
+        if self.loaded:
             return
-        load_plugins()
-        _loaded = True
+        with self.load_lock:
+            if self.loaded:
+                return
+            self.load_plugins()
+            self.loaded = True
+
+    def load_plugins(self) -> list[str]:
+        """Import every module named in the ``multicomposite.composites`` entry-point group; returns their names."""
+        loaded = []
+        for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+            entry_point.load()
+            loaded.append(entry_point.name)
+        self.changed()
+        return loaded
 
 
-def load_plugins() -> list[str]:
-    """Import every module named in the ``multicomposite.composites`` entry-point group; returns their names."""
-    loaded = []
-    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
-        entry_point.load()
-        loaded.append(entry_point.name)
-    for listener in ON_CHANGE:
-        listener()
-    return loaded
+# The default table, which ``import registry`` fills (``registry.core.registry_object.DEFAULT`` holds it) and the
+# module-level names below are: every module and plugin that imports them registers into it.
+TABLE = OpTable(ops=OPS, op_rules=rule_tables.OP_RULES, op_preferences=rule_tables.OP_PREFERENCES)
+COMPOSITES = TABLE.composites
+DERIVATIVES = TABLE.derivatives
+ON_CHANGE = TABLE.listeners
+define_op = TABLE.define_op
+register = TABLE.register
+register_derivative = TABLE.register_derivative
+unregister = TABLE.unregister
+load = TABLE.load
+load_plugins = TABLE.load_plugins

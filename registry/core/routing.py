@@ -28,113 +28,76 @@ import contextlib
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 import torch
+import torch._functorch.vmap as functorch_vmap
 from torch._C._functorch import maybe_current_level
 
-from registry.core import control_flow, dynamic, functionalization
+from registry.core import control_flow, dynamic, fresh_buffers, functionalization
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
 from registry.core.model import KINDS, Op, Overload
-from registry.core.ops import OPS, ORIGINAL, aten_schema
-from registry.core.registration import COMPOSITES, DERIVATIVES, load
+from registry.core.ops import ORIGINAL
+from registry.core.recording import RecordedDecision, Run
+from registry.core.registration import TABLE, OpTable
+from registry.core.runners import inplace_message, records_autograd, rewrapped, tensor_positions
 from registry.core.selector import CACHE_LISTENERS, POLICIES, SelectionError, decide, unknown_op_message
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
+BACKEND_ENV = "MULTICOMPOSITE_ROUTING"  # "python" forces the Python kernels; "cpp" makes a failed build an error
+# Decisions a router keeps (either backend's table): the oldest goes when a new one would pass it. A key holds
+# caller-supplied values (sizes, dtypes, the functorch levels), so an unbounded table would grow with every program.
+DECISION_CAPACITY = 8192
+
+Signature = tuple[str, tuple[tuple[str, str], ...]]
+
+# Kept under their old names for the tests that read them.
+_rewrapped = rewrapped
+_records_autograd = records_autograd
+_inplace_message = inplace_message
 
 
-class _Frame:
-    """What ``use()`` pushed: the policy and pins the kernels read. Interned per (policy, pins)."""
+class Frame:
+    """What ``use()`` pushed: the policy and pins the kernels read, and the run it records into (None: it does not).
+    Interned per (policy, pins) for frames that do not record."""
 
-    __slots__ = ("id", "pins", "policy", "prefixes", "signature")
+    __slots__ = ("id", "pins", "policy", "prefixes", "run", "signature")
 
-    def __init__(self, policy: str, pins: dict[str, str]) -> None:
-        self.id = len(_FRAMES) + 1  # what the C++ kernels read (0: no frame)
+    def __init__(self, router: Router, policy: str, pins: dict[str, str], run: Run | None = None) -> None:
+        router.frame_count += 1
+        self.id = router.frame_count  # what the C++ kernels read (0: no frame)
         self.policy = policy
         self.pins = pins
-        self.signature = (policy, tuple(sorted(pins.items())))
+        self.run = run
+        self.signature: Signature = (policy, tuple(sorted(pins.items())))
         # The decision cache key's prefix per op, interned to an int: hashing it costs nothing on the hot path.
-        self.prefixes = _Prefixes(policy, pins)
-
-
-_PREFIXES: dict[tuple[str, str, str | None], int] = {}
+        self.prefixes = _Prefixes(router.prefixes, policy, pins, None if run is None else run.serial)
 
 
 class _Prefixes(dict):
-    """op -> the interned (op, policy, pin) of a frame; an op defined after the frame was made (a plugin) is interned
-    on its first call."""
+    """op -> the interned (op, policy, pin, recording run) of a frame; an op defined after the frame was made (a
+    plugin) is interned on its first call."""
 
-    def __init__(self, policy: str, pins: dict[str, str]) -> None:
+    def __init__(self, interned: dict[tuple, int], policy: str, pins: dict[str, str], run: int | None) -> None:
         super().__init__()
+        self.interned = interned
         self.policy = policy
         self.pins = pins
+        self.run = run
 
     def __missing__(self, op: str) -> int:
-        prefix = self[op] = _PREFIXES.setdefault((op, self.policy, self.pins.get(op)), len(_PREFIXES))
+        interned = self.interned
+        prefix = self[op] = interned.setdefault((op, self.policy, self.pins.get(op), self.run), len(interned))
         return prefix
-_FRAMES: dict[tuple[str, tuple[tuple[str, str], ...]], _Frame] = {}
 
 
 class _Local(threading.local):
     # Class defaults: a thread that never entered use() reads them without creating anything.
-    frames: list[_Frame] | tuple[()] = ()
+    frames: list[Frame] | tuple[()] = ()
     busy = False  # inside a composite or a native call this thread's kernel already decided: pass through
-
-
-_local = _Local()
-
-# (interned (op, policy, pin), functorch stack, compiling, tensor argument names, their vmap levels, dtype, device
-# type, size bucket, autograd records) -> (composite, kind, whether self is batched wherever another argument is).
-_decisions: dict[tuple, tuple[Callable[..., Any], str, bool]] = {}
-CACHE_LISTENERS.append(_decisions.clear)
-
-# Routing signatures ((policy, pins), or None outside use()) under which torch.compile traced through a kernel. A
-# graph bakes in the composite chosen while it was traced, and Dynamo does not guard on use(): when the routing
-# changes, compiled graphs traced under another routing are dropped so that they are traced again.
-_traced_signatures: set[tuple[str, tuple[tuple[str, str], ...]] | None] = set()
-
-_register_lock = threading.Lock()
-_libraries: list[torch.library.Library] = []  # the dynamic-shape refusals' (kept for the process)
-_python_library: list[torch.library.Library] = []  # the Python backend's kernels, while it is active
-_refusing: set[str] = set()  # dynamic-shape overloads refused under vmap (registry.core.dynamic)
-_routed_ops: set[str] = set()  # ops whose overloads have routing kernels (ops defined later get theirs at use())
-_python_calls: dict[str, int] = {}  # what the Python kernels decided
-
-BACKEND_ENV = "MULTICOMPOSITE_ROUTING"  # "python" forces the Python kernels; "cpp" makes a failed build an error
-_backend: list[str] = []  # the active backend once kernels are registered: "cpp" or "python"
-_cpp: ModuleType | None = None  # the compiled kernels' module while the C++ backend is active
-_set_frame: Callable[[int], None] | None = None  # _cpp.set_frame while the C++ backend is active
-
-
-class _KernelCalls(Mapping[str, int]):
-    """Overload name -> calls that a routing kernel decided (either backend), since ``clear()``; tests read it."""
-
-    def _counts(self) -> dict[str, int]:
-        counts = dict(_python_calls)
-        if _cpp is not None:
-            for name, calls in _cpp.calls().items():
-                counts[name] = counts.get(name, 0) + calls
-        return counts
-
-    def __getitem__(self, name: str) -> int:
-        return self._counts()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._counts())
-
-    def __len__(self) -> int:
-        return len(self._counts())
-
-    def clear(self) -> None:
-        _python_calls.clear()
-        if _cpp is not None:
-            _cpp.clear_calls()
-
-
-KERNEL_CALLS = _KernelCalls()
 
 
 def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -146,153 +109,42 @@ def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> di
     return found
 
 
-def _decide(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any], compiling: bool,
-            ) -> tuple[Callable[..., Any], str, bool]:
-    """(composite, kind, self covers the batching) for this call: the cache key, then on a miss the context and the
-    decision. The key costs a few reads of C++ state: the interpreter stack and each tensor's wrapper levels."""
-    tensors = _tensor_args(op, args, kwargs)
-    functorch = functorch_stack()
-    values = tuple(tensors.values())
-    first = values[0] if values else None
-    records = torch.is_grad_enabled() and any(t.requires_grad for t in values)
-    key = (frame.prefixes[op.name], functorch, compiling, tuple(tensors), tuple(map(vmap_levels, values)),
-           None if first is None else first.dtype, None if first is None else first.device.type,
-           0 if first is None else first.numel().bit_length(), records)
-    try:
-        return _decisions[key]
-    except KeyError:
-        pass
-    ctx = context_of(tensors, functorch, compiling=compiling, records=records)
-    decision = decide(op.name, ctx, frame.policy, frame.pins.get(op.name))
-    chosen = _decisions[key] = (decision.fn, decision.kind, ctx.self_covers_batching)
-    return chosen
+# A decision as the kernels keep it: (composite, kind, whether self is batched wherever another argument is, the
+# recorded decision it counts into where its frame records).
+Chosen = tuple[Callable[..., Any], str, bool, RecordedDecision | None]
 
 
-_PYTHON_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+def _decider(router: Router) -> Callable[..., Chosen]:
+    """The router's decision of one call: the cache key, then on a miss the context and the decision. The key costs a
+    few reads of C++ state: the interpreter stack and each tensor's wrapper levels. The table is a closure variable,
+    not an attribute: a hit reads nothing of the router."""
+    decisions = router.decisions
 
-
-def _tensor_positions(qualified_name: str) -> tuple[int, ...]:
-    """Positions of the Tensor parameters of an overload's schema."""
-    schema = aten_schema(qualified_name)
-    return tuple(i for i, arg in enumerate(schema.arguments) if str(arg.type) == "Tensor" and not arg.kwarg_only)
-
-
-def _rewrapped(args: tuple[Any, ...], positions: tuple[int, ...]) -> tuple[Any, ...] | None:
-    """``args`` with Python numbers at Tensor positions made tensors again, or None when there are none.
-
-    A "wrapped number" (the 0-d tensor C++ makes of a Python scalar, ``x * 2`` under vmap calls ``to`` on one) reaches
-    a Python kernel as a Python number, and ``call_boxed`` then refuses it where the schema says Tensor. It goes back
-    as a 0-d tensor of the dtype a wrapped number has (int64, float64, bool, complex128).
-    """
-    fixed = None
-    count = len(args)
-    for p in positions:
-        if p < count and args[p].__class__ in _PYTHON_NUMBER_DTYPES:
-            fixed = fixed or list(args)
-            fixed[p] = torch.tensor(args[p], dtype=_PYTHON_NUMBER_DTYPES[args[p].__class__])
-    return None if fixed is None else tuple(fixed)
-
-
-def _make_kernel(op: Op, overload: Overload, native: Any, *, eager_autograd: bool = False) -> Callable[..., Any]:
-    """The routing kernel of one overload; ``eager_autograd``: the one at the Autograd key, which routes only while
-    autograd records (outside transforms, where the functorch kernel is never reached)."""
-    call_native = native.call_boxed
-    tensor_positions = _tensor_positions(overload.qualified_name)
-    adapt = overload.adapt
-    inplace = overload.inplace
-    local = _local
-    is_compiling = torch.compiler.is_compiling
-    name = overload.name
-    packet = name.partition(".")[0]
-
-    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        rewrapped = _rewrapped(args, tensor_positions)
-        if rewrapped is not None:  # a wrapped number: PyTorch's own kernel, never a composite
-            return call_native(keyset, *rewrapped, **kwargs)
-        frames = local.frames
-        if not frames or local.busy:
-            if not frames and is_compiling():
-                _traced_signatures.add(None)
-            return call_native(keyset, *args, **kwargs)
-        frame = frames[-1]
-        compiling = is_compiling()
-        if compiling:
-            _traced_signatures.add(frame.signature)
-        if frame.policy == "native":
-            return call_native(keyset, *args, **kwargs)
-        if eager_autograd and not _records_autograd(args, kwargs):
-            return call_native(keyset, *args, **kwargs)
-        cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
-        composite, kind, self_covers = _decide(op, frame, cargs, ckwargs, compiling)
-        _python_calls[name] = _python_calls.get(name, 0) + 1
-        if inplace and not self_covers:
-            raise RuntimeError(_inplace_message(packet))
-        # The layers below this one reach this kernel again with the same call: it is decided here, once.
-        local.busy = True
+    def decide_call(op: Op, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any], compiling: bool) -> Chosen:
+        tensors = _tensor_args(op, args, kwargs)
+        functorch = functorch_stack()
+        values = tuple(tensors.values())
+        first = values[0] if values else None
+        records = torch.is_grad_enabled() and any(t.requires_grad for t in values)
+        key = (frame.prefixes[op.name], functorch, compiling, tuple(tensors), tuple(map(vmap_levels, values)),
+               None if first is None else first.dtype, None if first is None else first.device.type,
+               0 if first is None else first.numel().bit_length(), records)
         try:
-            if kind == "native" and not inplace:
-                return call_native(keyset, *args, **kwargs)
-            if inplace and kind == "mutating":  # clone-then-in-place is what PyTorch's in-place op does already
-                return call_native(keyset, *args, **kwargs)
-            # An in-place variant computes the new value out of place (PyTorch's own out-of-place op where the
-            # decision is native: in-place variants lack batching rules that the out-of-place ones have), then
-            # writes it into self.
-            result = composite(*cargs, **ckwargs)
-            return args[0].copy_(result) if inplace else result
-        finally:
-            local.busy = False
+            return decisions[key]
+        except KeyError:
+            pass
+        generation = router.generation
+        ctx = context_of(tensors, functorch, compiling=compiling, records=records)
+        decision = decide(op.name, ctx, frame.policy, frame.pins.get(op.name))
+        run = frame.run
+        recorded = None if run is None else run.decided(op.name, ctx.stack, decision.composite, decision.kind,
+                                                        decision.reason)
+        chosen = (decision.fn, decision.kind, ctx.self_covers_batching, recorded)
+        if router.generation == generation:  # else the evidence changed while this was decided: not kept
+            router.keep(key, chosen)
+        return chosen
 
-    kernel.__name__ = f"multicomposite_{name.replace('.', '_')}"
-    return kernel
-
-
-def _routing_on() -> bool:
-    """Inside ``use()`` with a policy that routes, and not inside a composite or a decided native call."""
-    frames = _local.frames
-    if not frames or _local.busy or frames[-1].policy == "native":
-        return False
-    return _cpp is None or not _cpp.busy()
-
-
-def _records_autograd(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    return any(isinstance(value, torch.Tensor) and value.requires_grad for value in (*args, *kwargs.values()))
-
-
-def _make_derivative_kernel(name: str, functional: Callable[..., Any], native: Any) -> Callable[..., Any]:
-    """A derivative op (``masked_scatter_backward``): its functional form under vmap, where PyTorch's kernel has no
-    batching rule and loops; PyTorch's own kernel everywhere else."""
-    call_native = native.call_boxed
-    local = _local
-    tensor_positions = _tensor_positions(name)
-
-    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        rewrapped = _rewrapped(args, tensor_positions)
-        if rewrapped is not None:
-            return call_native(keyset, *rewrapped, **kwargs)
-        frames = local.frames
-        if not frames or local.busy or frames[-1].policy == "native":
-            return call_native(keyset, *args, **kwargs)
-        if not vmap_active():
-            return call_native(keyset, *args, **kwargs)
-        _python_calls[name] = _python_calls.get(name, 0) + 1
-        local.busy = True
-        try:
-            return functional(*args, **kwargs)
-        finally:
-            local.busy = False
-
-    kernel.__name__ = f"multicomposite_{name.replace('.', '_')}"
-    return kernel
-
-
-def _inplace_message(packet: str) -> str:
-    """PyTorch's own error for an in-place op under vmap that would write a batched value into an unbatched self."""
-    return (f"vmap: {packet}(self, *extra_args) is not possible because there exists a Tensor `other` in extra_args "
-            "that has more elements than `self`. This happened due to `other` being vmapped over but `self` not being "
-            f"vmapped over in a vmap. Please try to use out-of-place operators instead of {packet}. If said operator "
-            "is being called inside the PyTorch framework, please file a bug report instead.")
+    return decide_call
 
 
 def _contiguous(self: torch.Tensor, *, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
@@ -311,177 +163,386 @@ _original_contiguous = ORIGINAL.Tensor.contiguous
 _contiguous.__doc__ = _original_contiguous.__doc__
 
 
-def register_kernels() -> None:
-    """Register the routing kernels, once per process (``use()`` calls it; it costs about 12 us an overload), on the
-    C++ backend where it builds or loads, else on the Python one."""
-    if _libraries and len(_routed_ops) == len(OPS):
-        return
-    with _register_lock:
-        load()
-        if _libraries and len(_routed_ops) == len(OPS):
+class Router:
+    """The routing of one op table at PyTorch's dispatcher: what ``use()`` pushes, the decisions, the kernels of the
+    active backend, and what ``install()`` put in place (``Registry.router``).
+
+    Everything that was module state is here: the interned frames and key prefixes, the bounded decision table and
+    its generation (bumped by every change of composites or evidence: both backends' tables are dropped), the
+    routing signatures torch.compile traced under, the dispatcher Libraries, the backend and its compiled module, and
+    the patched attributes with their originals. ``install()`` registers and patches everything; ``uninstall()``
+    removes and restores it all, so that PyTorch behaves as before the import.
+    """
+
+    def __init__(self, table: OpTable) -> None:
+        self.table = table
+        self.local = _Local()
+        self.frames: dict[Signature, Frame] = {}  # interned frames that do not record
+        self.frame_count = 0
+        self.prefixes: dict[tuple, int] = {}
+        self.decisions: dict[tuple, Chosen] = {}  # at most DECISION_CAPACITY, oldest first
+        self.generation = 0
+        # Routing signatures ((policy, pins), or None outside use()) under which torch.compile traced through a
+        # kernel. A graph bakes in the composite chosen while it was traced, and Dynamo does not guard on use(): when
+        # the routing changes, compiled graphs traced under another routing are dropped so that they are traced again.
+        self.traced_signatures: set[Signature | None] = set()
+        self.lock = threading.RLock()
+        self.library: torch.library.Library | None = None  # the dynamic-shape refusals' and control flow's
+        self.python_library: torch.library.Library | None = None  # the Python backend's kernels, while active
+        self.refusing: set[str] = set()  # dynamic-shape overloads refused under vmap (registry.core.dynamic)
+        self.routed_ops: set[str] = set()  # ops whose overloads have routing kernels (later ones get theirs at use())
+        self.backend: str | None = None  # "cpp" or "python", once chosen
+        self.cpp: ModuleType | None = None  # the compiled kernels' module while the C++ backend is active
+        self.set_frame: Callable[[int, bool], None] | None = None  # cpp.set_frame while the C++ backend is active
+        self.patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) while installed
+        self.installed = False
+        self.removed = False  # uninstall() was called: use() routes nothing until install()
+        self.decide = _decider(self)
+        CACHE_LISTENERS.append(self.clear)
+
+    # --- the decision table -------------------------------------------------------------------------------------
+
+    def keep(self, key: tuple, chosen: Chosen) -> None:
+        decisions = self.decisions
+        if len(decisions) >= DECISION_CAPACITY:
+            with contextlib.suppress(StopIteration, KeyError, RuntimeError):  # another thread evicted it first
+                del decisions[next(iter(decisions))]
+        decisions[key] = chosen
+
+    def clear(self) -> None:
+        """A new generation: forget every decision of both backends (composites or evidence changed)."""
+        self.generation += 1
+        self.decisions.clear()
+        if self.cpp is not None:
+            self.cpp.clear()
+
+    # --- frames -------------------------------------------------------------------------------------------------
+
+    def validate(self, policy: str, pins: Mapping[str, str] | None) -> dict[str, str]:
+        if policy not in POLICIES:
+            raise SelectionError(f"use(): unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
+        checked = dict(pins or {})
+        ops, composites = self.table.ops, self.table.composites
+        for op, pin in checked.items():
+            if op not in ops:
+                raise SelectionError(f"use(pins=...): {unknown_op_message(op)}")
+            if pin not in composites[op] and pin not in KINDS:
+                raise SelectionError(
+                    f"use(pins=...): {op} has no composite or kind {pin!r}; registered: {', '.join(composites[op])}"
+                )
+        return checked
+
+    def frame(self, policy: str, pins: Mapping[str, str] | None) -> Frame:
+        key = (policy, tuple(sorted(pins.items())) if pins else ())
+        frame = self.frames.get(key)
+        if frame is None:
+            frame = self.frames[key] = Frame(self, policy, self.validate(policy, pins))
+        return frame
+
+    def recording_frame(self, frame: Frame, run: Run) -> Frame:
+        """``frame``'s policy and pins, recording into ``run``."""
+        found = run.frames.get(frame.signature)
+        if found is None:
+            found = run.frames[frame.signature] = Frame(self, frame.policy, frame.pins, run)
+        return found
+
+    def drop_graphs_traced_elsewhere(self, signature: Signature | None) -> None:
+        """Forget compiled graphs traced under a routing other than ``signature`` (they baked in its composites)."""
+        if self.traced_signatures - {signature}:
+            torch._dynamo.reset()
+            self.traced_signatures.clear()
+
+    def routing_on(self) -> bool:
+        """Inside ``use()`` with a policy that routes, and not inside a composite or a decided native call."""
+        local = self.local
+        frames = local.frames
+        if not frames or local.busy or frames[-1].policy == "native":
+            return False
+        cpp = self.cpp
+        return cpp is None or not cpp.busy()
+
+    # --- the Python kernels -------------------------------------------------------------------------------------
+
+    def make_kernel(self, op: Op, overload: Overload, native: Any, *, eager_autograd: bool = False,
+                    ) -> Callable[..., Any]:
+        """The routing kernel of one overload; ``eager_autograd``: the one at the Autograd key, which routes only
+        while autograd records (outside transforms, where the functorch kernel is never reached). Everything it
+        reads per call is a closure variable."""
+        call_native = native.call_boxed
+        positions = tensor_positions(overload.qualified_name)
+        adapt = overload.adapt
+        inplace = overload.inplace
+        local = self.local
+        decide_call = self.decide
+        traced = self.traced_signatures
+        is_compiling = torch.compiler.is_compiling
+        name = overload.name
+        packet = name.partition(".")[0]
+
+        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            fixed = rewrapped(args, positions)
+            if fixed is not None:  # a wrapped number: PyTorch's own kernel, never a composite
+                return call_native(keyset, *fixed, **kwargs)
+            frames = local.frames
+            if not frames or local.busy:
+                if not frames and is_compiling():
+                    traced.add(None)
+                return call_native(keyset, *args, **kwargs)
+            frame = frames[-1]
+            compiling = is_compiling()
+            if compiling:
+                traced.add(frame.signature)
+            if frame.policy == "native":
+                return call_native(keyset, *args, **kwargs)
+            if eager_autograd and not records_autograd(args, kwargs):
+                return call_native(keyset, *args, **kwargs)
+            cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
+            composite, kind, self_covers, recorded = decide_call(op, frame, cargs, ckwargs, compiling)
+            if recorded is not None:
+                recorded.called(name)
+            if inplace and not self_covers:
+                raise RuntimeError(inplace_message(packet))
+            # The layers below this one reach this kernel again with the same call: it is decided here, once.
+            local.busy = True
+            try:
+                if kind == "native" and not inplace:
+                    return call_native(keyset, *args, **kwargs)
+                if inplace and kind == "mutating":  # clone-then-in-place is what PyTorch's in-place op does already
+                    return call_native(keyset, *args, **kwargs)
+                # An in-place variant computes the new value out of place (PyTorch's own out-of-place op where the
+                # decision is native: in-place variants lack batching rules that the out-of-place ones have), then
+                # writes it into self.
+                result = composite(*cargs, **ckwargs)
+                return args[0].copy_(result) if inplace else result
+            finally:
+                local.busy = False
+
+        kernel.__name__ = f"multicomposite_{name.replace('.', '_')}"
+        return kernel
+
+    def make_derivative_kernel(self, op: str, name: str, functional: Callable[..., Any], native: Any,
+                               ) -> Callable[..., Any]:
+        """A derivative op (``masked_scatter_backward``): its functional form under vmap, where PyTorch's kernel has
+        no batching rule and loops; PyTorch's own kernel everywhere else."""
+        call_native = native.call_boxed
+        local = self.local
+        positions = tensor_positions(name)
+
+        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            fixed = rewrapped(args, positions)
+            if fixed is not None:
+                return call_native(keyset, *fixed, **kwargs)
+            frames = local.frames
+            if not frames or local.busy or frames[-1].policy == "native":
+                return call_native(keyset, *args, **kwargs)
+            if not vmap_active():
+                return call_native(keyset, *args, **kwargs)
+            run = frames[-1].run
+            if run is not None:
+                _record_derivative(run, op, name, functional)
+            local.busy = True
+            try:
+                return functional(*args, **kwargs)
+            finally:
+                local.busy = False
+
+        kernel.__name__ = f"multicomposite_{name.replace('.', '_')}"
+        return kernel
+
+    # --- registration at the dispatcher -------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return self.installed and len(self.routed_ops) == len(self.table.ops)
+
+    def install(self) -> None:
+        """Register everything at PyTorch's dispatcher and patch the two Python-level paths, once (``use()`` calls
+        it; about 12 us an overload): the routing kernels of every op on the C++ backend where it builds or loads,
+        else on the Python one; the dynamic-shape refusals; control flow's kernels; ``Tensor.contiguous`` and
+        functorch's ``_flat_vmap``. Ops defined since get their kernels at the next call."""
+        if self.ready():
             return
-        if not _backend:
-            _backend.append(_choose_backend())
-        new = [op for op in OPS.values() if op.name not in _routed_ops]
-        with collection_paused():  # collector.py says why
-            _register_routing(new)
-        _routed_ops.update(op.name for op in new)
-        if not _libraries:
-            library = torch.library.Library("aten", "IMPL")
-            dynamic.register(library, _routing_on, _refusing)
-            control_flow.register(library, _routing_on)
-            functionalization.install(_routing_on)
-            torch.Tensor.contiguous = _contiguous  # type: ignore[method-assign]
-            _libraries.append(library)  # every Library object stays alive: dropping one unregisters its kernels
-        else:
-            dynamic.register(_libraries[0], _routing_on, _refusing)
+        with self.lock:
+            self.removed = False
+            self.table.load()
+            if self.ready():
+                return
+            if self.backend is None:
+                self.backend = self.choose_backend()
+            new = [op for op in self.table.ops.values() if op.name not in self.routed_ops]
+            with collection_paused():  # collector.py says why
+                self.register_routing(new)
+            self.routed_ops.update(op.name for op in new)
+            if self.library is None:
+                self.library = torch.library.Library("aten", "IMPL")
+                control_flow.register(self.library, self.routing_on)
+            dynamic.register(self.library, self.routing_on, self.refusing)
+            if not self.installed:
+                functionalization.install(self.routing_on)
+                self.patch(functorch_vmap, "_flat_vmap", functionalization.functionalizing_flat_vmap)
+                self.patch(torch.Tensor, "contiguous", _contiguous)
+                self.installed = True
 
+    def patch(self, owner: Any, attribute: str, value: Any) -> None:
+        self.patches.append((owner, attribute, getattr(owner, attribute)))
+        setattr(owner, attribute, value)
 
-def _choose_backend() -> str:
-    """"cpp" when the compiled kernels build or load; else "python", saying once why and how to get the fast path."""
-    global _cpp
-    wanted = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if wanted not in ("", "cpp", "python"):
-        raise SelectionError(f"{BACKEND_ENV}={wanted!r}: expected cpp or python (or unset: cpp where it builds)")
-    if wanted == "python":
-        return "python"
-    from registry.core import kernels
+    def uninstall(self) -> None:
+        """Remove every kernel ``install()`` registered (both backends' routing kernels, the Autograd-key kernels,
+        the dynamic-shape refusals, control flow's and the fresh-buffer regions') and restore every patched
+        attribute: PyTorch then behaves as before the import, inside ``use()`` blocks too, which route nothing
+        until ``install()`` puts it all back. Outside ``use()`` only."""
+        if self.local.frames:
+            raise RuntimeError("uninstall: called inside use(); call it outside")
+        with self.lock:
+            self.unregister_routing()
+            if self.library is not None:
+                self.library._destroy()
+                self.library = None
+            self.refusing.clear()
+            fresh_buffers.unregister()
+            for owner, attribute, original in reversed(self.patches):
+                setattr(owner, attribute, original)
+            self.patches.clear()
+            functionalization.uninstall()
+            self.routed_ops.clear()
+            self.installed = False
+            self.removed = True
+            self.clear()
+            if self.traced_signatures:
+                self.drop_graphs_traced_elsewhere(None)
+                self.traced_signatures.clear()
 
-    try:
-        _cpp = kernels.load()
-    except kernels.KernelBuildError as error:
-        if wanted == "cpp":
-            raise
-        warnings.warn(f"multicomposite: use() runs its Python routing kernels (a few microseconds more per call "
-                      f"under a transform): {error}; or set {BACKEND_ENV}=python to choose them", stacklevel=4)
-        return "python"
-    CACHE_LISTENERS.append(_cpp.clear)
-    return "cpp"
+    def choose_backend(self) -> str:
+        """"cpp" when the compiled kernels build or load; else "python", saying once why and how to get the fast
+        path."""
+        wanted = os.environ.get(BACKEND_ENV, "").strip().lower()
+        if wanted not in ("", "cpp", "python"):
+            raise SelectionError(f"{BACKEND_ENV}={wanted!r}: expected cpp or python (or unset: cpp where it builds)")
+        if wanted == "python":
+            return "python"
+        from registry.core import kernels
 
+        try:
+            self.cpp = kernels.load()
+        except kernels.KernelBuildError as error:
+            if wanted == "cpp":
+                raise
+            warnings.warn(f"multicomposite: use() runs its Python routing kernels (a few microseconds more per call "
+                          f"under a transform): {error}; or set {BACKEND_ENV}=python to choose them", stacklevel=5)
+            return "python"
+        self.cpp.set_capacity(DECISION_CAPACITY)
+        return "cpp"
 
-def _register_routing(ops: list[Op]) -> None:
-    """Register the routing kernels of ``ops`` on the active backend."""
-    global _set_frame
-    if _backend[0] == "cpp":
-        from registry.core import routing_cpp
+    def register_routing(self, ops: list[Op]) -> None:
+        """Register the routing kernels of ``ops`` on the active backend."""
+        if self.backend == "cpp":
+            from registry.core import routing_cpp
 
-        if _cpp is None:
-            raise RuntimeError("routing: the C++ backend is active but its kernels are not loaded; report this bug")
-        python = routing_cpp.PythonRouting(
-            dispatch_key=DISPATCH_KEY, frames=lambda: _local.frames, decide=_decide,
-            records_autograd=_records_autograd, inplace_message=_inplace_message, make_kernel=_make_kernel,
-            make_derivative_kernel=_make_derivative_kernel)
-        routing_cpp.register(_cpp, ops, python)
-        _set_frame = _cpp.set_frame
-        return
-    if not _python_library:
-        _python_library.append(torch.library.Library("aten", "IMPL"))
-    library = _python_library[0]
-    with warnings.catch_warnings():
-        # PyTorch warns once that a kernel overrides FuncTorchDynamicLayerFrontMode's: that is the point here.
-        warnings.filterwarnings("ignore", message="Warning only once for all operators")
-        for op in ops:
-            for overload in op.overloads:
-                native = torch.library.get_kernel(overload.qualified_name, DISPATCH_KEY)
-                library.impl(overload.name, _make_kernel(op, overload, native), DISPATCH_KEY, with_keyset=True)
-                if overload.name in op.eager_autograd:
-                    # The Autograd alias key: one registration for every backend's autograd key. The native
-                    # kernel there is VariableType's, the same function for every backend.
-                    native = torch.library.get_kernel(overload.qualified_name, "AutogradCPU")
-                    library.impl(overload.name, _make_kernel(op, overload, native, eager_autograd=True),
-                                 "Autograd", with_keyset=True)
-            for name, functional in DERIVATIVES[op.name].items():
-                native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
-                library.impl(name, _make_derivative_kernel(name, functional, native), DISPATCH_KEY,
-                             with_keyset=True)
-
-
-def set_routing_kernels(registered: bool) -> None:
-    """Remove (False) or put back (True) the routing kernels of the active backend, outside ``use()``: what a
-    benchmark compares a process with and without (``bench.routing``'s (r0)). The kernels are registered first."""
-    if _local.frames:
-        raise RuntimeError("set_routing_kernels: called inside use(); call it outside")
-    register_kernels()
-    with _register_lock:
-        present = bool(_python_library) if _backend[0] == "python" else _cpp is not None and _cpp.registered()
-        if registered == present:
+            if self.cpp is None:
+                raise RuntimeError("routing: the C++ backend is active but its kernels are not loaded; report this bug")
+            routing_cpp.register(self.cpp, ops, self)
+            self.set_frame = self.cpp.set_frame
             return
-        if registered:
-            _register_routing([OPS[name] for name in _routed_ops])
-        elif _backend[0] == "python":
-            for library in _python_library:
-                library._destroy()
-            _python_library.clear()
-        elif _cpp is not None:
-            _cpp.unregister_all()
+        if self.python_library is None:
+            self.python_library = torch.library.Library("aten", "IMPL")
+        library = self.python_library
+        derivatives = self.table.derivatives
+        with warnings.catch_warnings():
+            # PyTorch warns once that a kernel overrides FuncTorchDynamicLayerFrontMode's: that is the point here.
+            warnings.filterwarnings("ignore", message="Warning only once for all operators")
+            for op in ops:
+                for overload in op.overloads:
+                    native = torch.library.get_kernel(overload.qualified_name, DISPATCH_KEY)
+                    library.impl(overload.name, self.make_kernel(op, overload, native), DISPATCH_KEY,
+                                 with_keyset=True)
+                    if overload.name in op.eager_autograd:
+                        # The Autograd alias key: one registration for every backend's autograd key. The native
+                        # kernel there is VariableType's, the same function for every backend.
+                        native = torch.library.get_kernel(overload.qualified_name, "AutogradCPU")
+                        library.impl(overload.name, self.make_kernel(op, overload, native, eager_autograd=True),
+                                     "Autograd", with_keyset=True)
+                for name, functional in derivatives[op.name].items():
+                    native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
+                    library.impl(name, self.make_derivative_kernel(op.name, name, functional, native),
+                                 DISPATCH_KEY, with_keyset=True)
+
+    def unregister_routing(self) -> None:
+        """Remove the routing kernels of the active backend (the Libraries that hold them are destroyed)."""
+        if self.python_library is not None:
+            self.python_library._destroy()
+            self.python_library = None
+        if self.cpp is not None and self.cpp.registered():
+            self.cpp.unregister_all()
+
+    def routing_registered(self) -> bool:
+        if self.backend == "python":
+            return self.python_library is not None
+        return self.cpp is not None and self.cpp.registered()
+
+    def set_routing_kernels(self, registered: bool) -> None:
+        """Remove (False) or put back (True) the routing kernels of the active backend, outside ``use()``: what a
+        benchmark compares a process with and without (``bench.routing``'s (r0)). The kernels are registered
+        first."""
+        if self.local.frames:
+            raise RuntimeError("set_routing_kernels: called inside use(); call it outside")
+        self.install()
+        with self.lock:
+            if registered == self.routing_registered():
+                return
+            if registered:
+                self.register_routing([self.table.ops[name] for name in self.routed_ops])
+            else:
+                self.unregister_routing()
+
+    def routing_backend(self) -> str:
+        """Which kernels route ``use()``: ``"cpp"`` (compiled) or ``"python"``; registers them if nothing has yet."""
+        self.install()
+        assert self.backend is not None
+        return self.backend
+
+    def set_routing_backend(self, backend: str) -> None:
+        """Route on ``backend`` ("cpp" or "python") from now on, in this process (tests and benchmarks run both).
+
+        Outside ``use()`` only. Raises KernelBuildError when "cpp" cannot be built or loaded."""
+        if backend not in ("cpp", "python"):
+            raise SelectionError(f"set_routing_backend: unknown backend {backend!r}; backends are cpp, python")
+        if self.local.frames:
+            raise RuntimeError("set_routing_backend: called inside use(); switch backends outside it")
+        self.install()
+        if self.backend == backend:
+            return
+        with self.lock:
+            if backend == "cpp":
+                from registry.core import kernels
+
+                module = kernels.load()
+                self.unregister_routing()
+                self.cpp = module
+                module.set_capacity(DECISION_CAPACITY)
+            elif self.cpp is not None:
+                self.cpp.unregister_all()
+                self.cpp.set_frame(0, False)
+                self.cpp.clear()
+                self.cpp = None
+                self.set_frame = None
+            self.backend = backend
+            self.register_routing([self.table.ops[name] for name in self.routed_ops])
+            self.clear()
 
 
-def routing_backend() -> str:
-    """Which kernels route ``use()``: ``"cpp"`` (compiled) or ``"python"``; registers them if nothing has yet."""
-    register_kernels()
-    return _backend[0]
+def _record_derivative(run: Run, op: str, name: str, functional: Callable[..., Any]) -> None:
+    stack = tuple(transform for transform, _ in functorch_stack())
+    for recorded in run.decisions:
+        if recorded.op == op and name in recorded.overloads and recorded.stack == stack:
+            recorded.called(name)
+            return
+    run.decided(op, stack, getattr(functional, "__name__", name), "functional",
+                f"aten::{name} (a derivative op of {op}) runs its functional form under vmap, where PyTorch's "
+                "kernel has no batching rule").called(name)
 
 
-def set_routing_backend(backend: str) -> None:
-    """Route on ``backend`` ("cpp" or "python") from now on, in this process (tests and benchmarks run both).
-
-    Outside ``use()`` only. Raises KernelBuildError when "cpp" cannot be built or loaded."""
-    global _cpp, _set_frame
-    if backend not in ("cpp", "python"):
-        raise SelectionError(f"set_routing_backend: unknown backend {backend!r}; backends are cpp, python")
-    if _local.frames:
-        raise RuntimeError("set_routing_backend: called inside use(); switch backends outside it")
-    register_kernels()
-    if _backend[0] == backend:
-        return
-    with _register_lock:
-        if backend == "cpp":
-            from registry.core import kernels
-
-            module = kernels.load()
-            for library in _python_library:
-                library._destroy()
-            _python_library.clear()
-            _cpp = module
-            if module.clear not in CACHE_LISTENERS:
-                CACHE_LISTENERS.append(module.clear)
-        elif _cpp is not None:
-            _cpp.unregister_all()
-            _cpp.set_frame(0)
-            _cpp.clear()
-            _set_frame = None
-        _backend[0] = backend
-        _register_routing([OPS[name] for name in _routed_ops])
-        _decisions.clear()
-
-
-def _validate(policy: str, pins: Mapping[str, str] | None) -> dict[str, str]:
-    if policy not in POLICIES:
-        raise SelectionError(f"use(): unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
-    checked = dict(pins or {})
-    for op, pin in checked.items():
-        if op not in OPS:
-            raise SelectionError(f"use(pins=...): {unknown_op_message(op)}")
-        if pin not in COMPOSITES[op] and pin not in KINDS:
-            raise SelectionError(
-                f"use(pins=...): {op} has no composite or kind {pin!r}; registered: {', '.join(COMPOSITES[op])}"
-            )
-    return checked
-
-
-def _frame(policy: str, pins: Mapping[str, str] | None) -> _Frame:
-    key = (policy, tuple(sorted(pins.items())) if pins else ())
-    frame = _FRAMES.get(key)
-    if frame is None:
-        frame = _FRAMES[key] = _Frame(policy, _validate(policy, pins))
-    return frame
-
-
-def _drop_graphs_traced_elsewhere(signature: tuple[str, tuple[tuple[str, str], ...]] | None) -> None:
-    """Forget compiled graphs traced under a routing other than ``signature`` (they baked in its composites)."""
-    if _traced_signatures - {signature}:
-        torch._dynamo.reset()
-        _traced_signatures.clear()
+# The default router, of the default op table: what the module-level names route with.
+ROUTER = Router(TABLE)
 
 
 class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `with registry.use():`
@@ -489,16 +550,23 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
 
     ``policy``: ``auto`` (default), ``fastest``, ``rules``, or ``native`` (route nothing, for A/B). ``pins`` forces a
     kind or a composite per op, ``{"index_fill": "functional"}``; a pin invalid where the op is called raises there.
-    Calls are routed under torch.func transforms, where PyTorch's own kernels raise, loop or go wrong; outside any
-    transform PyTorch's own kernel runs.
+    ``record``: keep what the block decided (``with use(record=True) as run:``, then ``run.decisions``,
+    ``run.calls``, ``run.summary()``); a ``use()`` nested inside records into the same run. Calls are routed under
+    torch.func transforms, where PyTorch's own kernels raise, loop or go wrong; outside any transform PyTorch's own
+    kernel runs.
     """
 
-    __slots__ = ("_frame",)
+    __slots__ = ("_frame", "_record", "_router", "_run")
 
-    def __init__(self, policy: str = "auto", pins: Mapping[str, str] | None = None) -> None:
-        if len(_routed_ops) != len(OPS) or not _libraries:
-            register_kernels()
-        self._frame = _frame(policy, pins)
+    def __init__(self, policy: str = "auto", pins: Mapping[str, str] | None = None, *, record: bool = False,
+                 router: Router | None = None) -> None:
+        router = ROUTER if router is None else router
+        if (not router.installed or len(router.routed_ops) != len(router.table.ops)) and not router.removed:
+            router.install()
+        self._router = router
+        self._frame = router.frame(policy, pins)
+        self._record = record
+        self._run: Run | None = None
 
     @property
     def policy(self) -> str:
@@ -508,30 +576,84 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
     def pins(self) -> dict[str, str]:
         return dict(self._frame.pins)
 
+    @property
+    def run(self) -> Run:
+        """What the block decided (``record=True``), once entered."""
+        if self._run is None:
+            raise RuntimeError("use().run: only a use(record=True) block records; enter it first")
+        return self._run
+
+    @property
+    def decisions(self) -> list[RecordedDecision]:
+        return self.run.decisions
+
+    @property
+    def calls(self) -> dict[str, int]:
+        return self.run.calls
+
+    def summary(self) -> str:
+        return self.run.summary()
+
     def __enter__(self) -> use:
-        local = _local
+        router = self._router
+        local = router.local
         frames = local.frames
         if frames.__class__ is tuple:
             frames = local.frames = []
-        frames.append(self._frame)
-        if _set_frame is not None:
-            _set_frame(self._frame.id)
-        if _traced_signatures:
-            _drop_graphs_traced_elsewhere(self._frame.signature)
+        frame = self._frame
+        if self._record:
+            self._run = Run()
+            frame = router.recording_frame(frame, self._run)
+        elif frames and frames[-1].run is not None:  # inside a recording block: record into its run
+            frame = router.recording_frame(frame, frames[-1].run)
+        frames.append(frame)
+        set_frame = router.set_frame
+        if set_frame is not None:
+            set_frame(frame.id, frame.run is not None)
+        if router.traced_signatures:
+            router.drop_graphs_traced_elsewhere(frame.signature)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        frames = _local.frames
+        router = self._router
+        frames = router.local.frames
         frames.pop()
-        if _set_frame is not None:
-            _set_frame(frames[-1].id if frames else 0)
-        if _traced_signatures:
-            _drop_graphs_traced_elsewhere(frames[-1].signature if frames else None)
+        set_frame = router.set_frame
+        if set_frame is not None:
+            if frames:
+                set_frame(frames[-1].id, frames[-1].run is not None)
+            else:
+                set_frame(0, False)
+        if router.traced_signatures:
+            router.drop_graphs_traced_elsewhere(frames[-1].signature if frames else None)
+
+
+def register_kernels() -> None:
+    """Install the default router's kernels and patches (``use()`` calls it)."""
+    ROUTER.install()
+
+
+def routing_backend() -> str:
+    """Which kernels route ``use()``: ``"cpp"`` (compiled) or ``"python"``; registers them if nothing has yet."""
+    return ROUTER.routing_backend()
+
+
+def set_routing_backend(backend: str) -> None:
+    """Route on ``backend`` ("cpp" or "python") from now on, in this process (tests and benchmarks run both).
+
+    Outside ``use()`` only. Raises KernelBuildError when "cpp" cannot be built or loaded."""
+    ROUTER.set_routing_backend(backend)
+
+
+def set_routing_kernels(registered: bool) -> None:
+    """Remove (False) or put back (True) the default router's routing kernels, outside ``use()`` (``bench.routing``'s
+    (r0))."""
+    ROUTER.set_routing_kernels(registered)
 
 
 def routing_active() -> bool:
     """Whether the current thread is inside ``use()``."""
-    return bool(_local.frames)
+    return bool(ROUTER.local.frames)
 
 
 def under_transform() -> bool:

@@ -3,114 +3,96 @@
 A C++ kernel passes through, builds the decision key and looks it up without Python. It calls back only on a miss,
 into the overload's *decider* (the same decision the Python kernel makes: ``PASS``, ``NATIVE`` or the callable that
 runs the composite, which the kernel stores under the key), on a composite decision (that callable), and while
-something traces (the overload's Python kernel, whole).
+something traces or the frame records (the overload's Python kernel, whole).
 
-What it needs of the Python routing (the frames, the decision, the Python kernels) comes in as a ``PythonRouting``:
-this module imports nothing of ``routing.py``.
+What it needs of the Python routing comes in as the router itself (``PythonRouting``: its frames, its decision, its
+Python kernels and its op table's derivative ops): this module imports nothing of ``routing.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from registry.core.context import vmap_active
 from registry.core.model import Op, Overload
-from registry.core.registration import DERIVATIVES
+from registry.core.runners import inplace_message, records_autograd, runner, runs_native
 
+DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 PASS, NATIVE = 0, 1  # the codes kernels/routing.cpp knows; anything else a decider returns is what to call
 
 
-@dataclass(frozen=True)
-class PythonRouting:
-    """What the C++ kernels call back into, handed in by ``routing.py``."""
+class PythonRouting(Protocol):
+    """What the C++ kernels call back into: ``routing.Router``."""
 
-    dispatch_key: str
-    frames: Callable[[], Sequence[Any]]  # this thread's use() frames, innermost last (policy, pins)
-    # (op, frame, args, kwargs, compiling) -> (composite, kind, whether self covers the batching)
-    decide: Callable[..., tuple[Callable[..., Any], str, bool]]
-    records_autograd: Callable[[tuple[Any, ...], dict[str, Any]], bool]
-    inplace_message: Callable[[str], str]  # PyTorch's error for a batched write into an unbatched self
-    make_kernel: Callable[..., Callable[..., Any]]  # the Python kernel of an overload (what runs while tracing)
-    make_derivative_kernel: Callable[..., Callable[..., Any]]
+    local: Any  # this thread's use() frames (``.frames``, innermost last)
+    table: Any  # the op table (``.derivatives``)
+    # (op, frame, args, kwargs, compiling) -> (composite, kind, whether self covers the batching, recorded)
+    decide: Callable[..., tuple[Callable[..., Any], str, bool, Any]]
 
+    def make_kernel(self, op: Op, overload: Overload, native: Any, *, eager_autograd: bool = False,
+                    ) -> Callable[..., Any]: ...
 
-def _runner(composite: Callable[..., Any], overload: Overload) -> Callable[..., Any]:
-    """What runs a composite decision for one overload: the composite itself where nothing adapts the call."""
-    adapt = overload.adapt
-    if overload.inplace:
-        # An in-place variant computes the new value out of place, then writes it into self (routing.py says why).
-        def run_inplace(*args: Any, **kwargs: Any) -> Any:
-            cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
-            return args[0].copy_(composite(*cargs, **ckwargs))
-
-        return run_inplace
-    if adapt is None:
-        return composite
-
-    def run_adapted(*args: Any, **kwargs: Any) -> Any:
-        cargs, ckwargs = adapt(args, kwargs)
-        return composite(*cargs, **ckwargs)
-
-    return run_adapted
+    def make_derivative_kernel(self, op: str, name: str, functional: Callable[..., Any], native: Any,
+                               ) -> Callable[..., Any]: ...
 
 
-def _decider(python: PythonRouting, op: Op, overload: Overload, *, eager_autograd: bool) -> Callable[..., Any]:
+def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autograd: bool) -> Callable[..., Any]:
     adapt = overload.adapt
     inplace = overload.inplace
     packet = overload.name.partition(".")[0]
     runners: dict[Callable[..., Any], Callable[..., Any]] = {}  # composite -> its runner, made once
-    frames, decide_call, records_autograd = python.frames, python.decide, python.records_autograd
+    local, decide_call = router.local, router.decide
 
     def decide(*args: Any, **kwargs: Any) -> Any:
-        frame = frames()[-1]  # the kernel calls only inside use()
+        frame = local.frames[-1]  # the kernel calls only inside use()
         if frame.policy == "native":
             return PASS
         if eager_autograd and not records_autograd(args, kwargs):
             return PASS
         cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
-        composite, kind, self_covers = decide_call(op, frame, cargs, ckwargs, False)
+        composite, kind, self_covers, _ = decide_call(op, frame, cargs, ckwargs, False)
         if inplace and not self_covers:
-            raise RuntimeError(python.inplace_message(packet))
-        if (kind == "native" and not inplace) or (inplace and kind == "mutating"):
+            raise RuntimeError(inplace_message(packet))
+        if runs_native(kind, overload):
             return NATIVE
-        runner = runners.get(composite)
-        if runner is None:
-            runner = runners[composite] = _runner(composite, overload)
-        return runner
+        run = runners.get(composite)
+        if run is None:
+            run = runners[composite] = runner(composite, overload)
+        return run
 
     return decide
 
 
-def _derivative_decider(python: PythonRouting, functional: Callable[..., Any]) -> Callable[..., Any]:
-    frames = python.frames
+def _derivative_decider(router: PythonRouting, functional: Callable[..., Any]) -> Callable[..., Any]:
+    local = router.local
 
     def decide(*args: Any, **kwargs: Any) -> Any:
-        if frames()[-1].policy == "native" or not vmap_active():
+        if local.frames[-1].policy == "native" or not vmap_active():
             return PASS
         return functional
 
     return decide
 
 
-def register(module: ModuleType, ops: list[Op], python: PythonRouting) -> None:
+def register(module: ModuleType, ops: list[Op], router: PythonRouting) -> None:
     """Register the C++ kernel of every overload of ``ops`` (and of their derivative ops)."""
-    key = python.dispatch_key
+    key = DISPATCH_KEY
+    derivatives = router.table.derivatives
     for op in ops:
         for overload in op.overloads:
             native = torch.library.get_kernel(overload.qualified_name, key)
-            slow = python.make_kernel(op, overload, native)
-            module.register(overload.name, key, key, _decider(python, op, overload, eager_autograd=False), slow)
+            slow = router.make_kernel(op, overload, native)
+            module.register(overload.name, key, key, _decider(router, op, overload, eager_autograd=False), slow)
             if overload.name in op.eager_autograd:
                 native = torch.library.get_kernel(overload.qualified_name, "AutogradCPU")
-                slow = python.make_kernel(op, overload, native, eager_autograd=True)
+                slow = router.make_kernel(op, overload, native, eager_autograd=True)
                 module.register(overload.name, "Autograd", "AutogradCPU",
-                                _decider(python, op, overload, eager_autograd=True), slow)
-        for name, functional in DERIVATIVES[op.name].items():
+                                _decider(router, op, overload, eager_autograd=True), slow)
+        for name, functional in derivatives[op.name].items():
             native = torch.library.get_kernel(f"aten::{name}", key)
-            slow = python.make_derivative_kernel(name, functional, native)
-            module.register(name, key, key, _derivative_decider(python, functional), slow)
+            slow = router.make_derivative_kernel(op.name, name, functional, native)
+            module.register(name, key, key, _derivative_decider(router, functional), slow)

@@ -14,6 +14,7 @@ tensor arguments (``others``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import warnings
@@ -64,10 +65,6 @@ def entries(op: str) -> list[Any]:
 
 def patterns_for(stack: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(PATTERNS) if "vmap" in stack else (NO_PATTERN,)
-
-
-def _routed_calls(op: str) -> int:
-    return sum(routing.KERNEL_CALLS.get(overload.name, 0) for overload in OPS[op].overloads)
 
 
 def check(op: str, composite: str, dtype: torch.dtype, stack: tuple[str, ...], pattern: str, *,
@@ -157,10 +154,12 @@ def _one(op: str, composite: str, case: cases.SurveyCase, reference: Any, survey
     """One case under one survey stack: native outside ``use()``, another composite pinned inside it; and whether
     the routing kernel of ``op`` ran."""
     native = COMPOSITES[op][composite].kind == "native"
-    before = _routed_calls(op)
-    outcome = case_stacks.dynamic_outcome(case, survey_stack, case_stacks.check_case(
-        survey_stack, case, reference, dtype, inside_use=not native, timeout_s=timeout_s, pins={op: composite}))
-    ran = _routed_calls(op) != before
+    # Recorded around the case, routing nothing itself: the case's own use(pins=...) records into it. Native runs
+    # outside use(), where no kernel routes.
+    with contextlib.nullcontext() if native else routing.use(policy="native", record=True) as recording:
+        outcome = case_stacks.dynamic_outcome(case, survey_stack, case_stacks.check_case(
+            survey_stack, case, reference, dtype, inside_use=not native, timeout_s=timeout_s, pins={op: composite}))
+    ran = not native and any(recording.calls.get(overload.name, 0) for overload in OPS[op].overloads)
     if not native and outcome.status in ("ok", "slow") and not ran:
         # The pinned composite never ran: its pass would be native's. Said, not counted.
         return outcomes.Outcome("unsupported", f"the case never reached aten::{op} under {survey_stack}"), ran

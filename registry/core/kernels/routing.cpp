@@ -38,13 +38,14 @@ namespace {
 
 // What a decision says about one call.
 enum Code : int64_t {
-  kPass = 0,    // PyTorch's own kernel, not counted as decided (policy "native", no autograd where only it matters)
-  kNative = 1,  // decided native: PyTorch's own kernel with the busy flag set, counted
-  kRun = 2,     // a Python callable (the composite, or what adapts the call to it), counted
+  kPass = 0,    // PyTorch's own kernel, not decided (policy "native", no autograd where only it matters)
+  kNative = 1,  // decided native: PyTorch's own kernel with the busy flag set
+  kRun = 2,     // a Python callable (the composite, or what adapts the call to it)
   kMiss = 3,
 };
 
 thread_local int64_t tls_frame = 0;  // the id of the innermost use() frame of this thread; 0 outside use()
+thread_local bool tls_record = false;  // the innermost frame records (use(record=True)): Python kernels, whole
 thread_local bool tls_busy = false;  // inside a call a kernel decided: the layers below reach the kernel again
 thread_local std::vector<int64_t> tls_key;  // scratch: building the key allocates nothing on a hit
 
@@ -72,7 +73,6 @@ struct Overload {
   py::object decide;  // (*args, **kwargs) -> 0 | 1 | callable: the decision of a call, on a miss
   py::object slow;    // (keyset, *args, **kwargs) -> result: the Python kernel, for calls made while tracing
   std::vector<Argument> arguments;
-  std::atomic<int64_t> calls{0};
 };
 
 // Never freed: the dispatcher may hold a kernel until the process ends, and freeing a py::object needs the GIL.
@@ -97,6 +97,23 @@ struct Entry {
 std::mutex table_mutex;
 std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table;
 std::atomic<uint64_t> epoch{0};  // bumped on every clear: a kRun entry read before it is stale after it
+// At most this many entries (the router's capacity, set_capacity): a key holds caller-supplied values (sizes, dtypes,
+// levels), so an unbounded table would grow with every program. A full table is dropped whole and refills.
+size_t capacity = SIZE_MAX;
+
+// Empty the table and start a new epoch; returns the callables it held, to be released with the GIL and without
+// the mutex (releasing one may run Python, which may route a call, which takes the mutex).
+std::vector<PyObject*> drop_table() {
+  std::vector<PyObject*> released;
+  epoch.fetch_add(1);
+  for (auto& [key, entry] : table) {
+    if (entry.run != nullptr) {
+      released.push_back(entry.run);
+    }
+  }
+  table.clear();
+  return released;
+}
 
 bool traced(c10::DispatchKeySet keyset) {
   return keyset.has(c10::DispatchKey::Python) || keyset.has(c10::DispatchKey::PythonTLSSnapshot);
@@ -282,17 +299,27 @@ void call_python(const Overload& o, const py::object& fn, const c10::OperatorHan
   push_result(op, stack, out);
 }
 
+// Called holding the GIL.
 void store(std::vector<int64_t> key, int64_t code, PyObject* run, uint64_t seen) {
-  std::lock_guard<std::mutex> guard(table_mutex);
-  if (epoch.load() != seen) {
-    return;  // the evidence changed while Python decided: this answer may be stale
+  std::vector<PyObject*> released;
+  {
+    std::lock_guard<std::mutex> guard(table_mutex);
+    if (epoch.load() != seen) {
+      return;  // the evidence changed while Python decided: this answer may be stale
+    }
+    if (table.size() >= capacity) {
+      released = drop_table();
+    }
+    if (run != nullptr) {
+      Py_INCREF(run);
+    }
+    auto [it, inserted] = table.emplace(std::move(key), Entry{code, run});
+    if (!inserted && run != nullptr) {
+      released.push_back(run);
+    }
   }
-  if (run != nullptr) {
-    Py_INCREF(run);
-  }
-  auto [it, inserted] = table.emplace(std::move(key), Entry{code, run});
-  if (!inserted && run != nullptr) {
-    Py_DECREF(run);
+  for (PyObject* each : released) {
+    Py_DECREF(each);
   }
 }
 
@@ -308,7 +335,7 @@ class RoutingKernel final : public c10::OperatorKernel {
       }
       return o.native->callBoxed(op, keyset, stack);
     }
-    if (traced(keyset)) {
+    if (tls_record || traced(keyset)) {  // recording, or a trace: the Python kernel records what it decides
       return call_python(o, o.slow, op, keyset, stack);
     }
     const size_t count = o.arguments.size();
@@ -334,7 +361,6 @@ class RoutingKernel final : public c10::OperatorKernel {
       return o.native->callBoxed(op, keyset, stack);
     }
     if (entry.code == kNative) {
-      o.calls.fetch_add(1, std::memory_order_relaxed);
       BusyGuard busy;
       return o.native->callBoxed(op, keyset, stack);
     }
@@ -368,7 +394,6 @@ class RoutingKernel final : public c10::OperatorKernel {
         }
       }
       if (code == kRun) {
-        o.calls.fetch_add(1, std::memory_order_relaxed);
         py::object out;
         {
           BusyGuard busy;
@@ -382,7 +407,6 @@ class RoutingKernel final : public c10::OperatorKernel {
     if (code == kPass) {
       return o.native->callBoxed(op, keyset, stack);
     }
-    o.calls.fetch_add(1, std::memory_order_relaxed);
     BusyGuard busy;
     o.native->callBoxed(op, keyset, stack);
   }
@@ -464,7 +488,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("registered", []() { return static_cast<bool>(library); }, "Whether the kernels are registered");
   m.def("unregister_all", []() { library.reset(); },
         "Unregister every kernel (the Python kernels can then be registered in their place)");
-  m.def("set_frame", [](int64_t frame) { tls_frame = frame; }, "The innermost use() frame of this thread (0: none)");
+  m.def(
+      "set_frame",
+      [](int64_t frame, bool record) {
+        tls_frame = frame;
+        tls_record = record;
+      },
+      "The innermost use() frame of this thread (0: none), and whether it records");
   m.def("frame", []() { return tls_frame; });
   m.def("busy", []() { return tls_busy; }, "Whether this thread is inside a call a kernel decided");
   m.def(
@@ -473,13 +503,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         std::vector<PyObject*> released;
         {
           std::lock_guard<std::mutex> guard(table_mutex);
-          epoch.fetch_add(1);
-          for (auto& [key, entry] : table) {
-            if (entry.run != nullptr) {
-              released.push_back(entry.run);
-            }
-          }
-          table.clear();
+          released = drop_table();
         }
         for (PyObject* run : released) {
           Py_DECREF(run);  // the GIL is held: this is called from Python
@@ -491,20 +515,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return table.size();
   });
   m.def(
-      "calls",
-      []() {
-        std::unordered_map<std::string, int64_t> counts;  // an overload registered again (a switch) adds up
-        for (const Overload* o : overloads) {
-          if (const int64_t calls = o->calls.load()) {
-            counts[o->name] += calls;
-          }
-        }
-        return counts;
-      },
-      "Decided calls per overload name since clear_calls()");
-  m.def("clear_calls", []() {
-    for (Overload* o : overloads) {
-      o->calls.store(0);
-    }
-  });
+      "set_capacity", [](size_t n) { capacity = n; }, "The most entries the table holds before it is dropped whole");
 }

@@ -96,7 +96,7 @@ def cpp_backend():
         if os.environ.get("ROUTING_TEST_REQUIRE_CPP") == "1":
             pytest.fail(f"the C++ routing kernels cannot be built: {error}", pytrace=False)
         pytest.skip(f"C++ routing kernels unavailable: {error}")
-    yield routing._cpp
+    yield routing.ROUTER.cpp
 
 
 def test_evidence_changes_clear_the_cpp_table(cpp_backend) -> None:
@@ -113,9 +113,13 @@ def test_cpp_native_decisions_do_not_call_python(cpp_backend) -> None:
     """A stored native decision runs without entering Python: no Python function runs inside the op's call."""
     x, index, source = torch.randn(3, 6, 4), torch.tensor([0, 2]), torch.randn(2, 4)
     fill = func.vmap(lambda r: r.index_add(0, index, source))
-    routing.KERNEL_CALLS.clear()
+    with registry.use(pins={"index_add": "native"}, record=True) as run:
+        fill(x)  # recording: the Python kernel decides, and counts
+    assert run.calls == {"index_add": 1} and run.decisions[0].kind == "native"
     with registry.use(pins={"index_add": "native"}):
+        stored = cpp_backend.size()
         fill(x)  # a miss: Python decides, the table stores it
+        assert cpp_backend.size() == stored + 1
         seen: list[str] = []
 
         def profile(frame: object, event: str, arg: object) -> None:
@@ -129,4 +133,4 @@ def test_cpp_native_decisions_do_not_call_python(cpp_backend) -> None:
         finally:
             sys.setprofile(None)
     assert "decide" not in seen and not any(name.startswith("multicomposite_") for name in seen)
-    assert routing.KERNEL_CALLS["index_add"] == 2
+    assert cpp_backend.size() == stored + 1  # the vmapped call was a hit: nothing decided, nothing stored

@@ -122,10 +122,9 @@ def test_cpp_caller_index_select_backward_reaches_index_add(add_spy) -> None:
 def test_cpp_caller_norm_backward_reaches_masked_fill_() -> None:
     """hessian(norm): norm_backward (C++) calls masked_fill_ in place; it is routed and the values hold."""
     x = torch.randn(5, dtype=torch.float64)
-    routing.KERNEL_CALLS.clear()
-    with registry.use():
+    with registry.use(record=True) as run:
         hessian = func.hessian(torch.linalg.vector_norm)(x)
-    assert routing.KERNEL_CALLS.get("masked_fill_.Scalar", 0) >= 1
+    assert run.calls.get("masked_fill_.Scalar", 0) >= 1
     norm = x.norm()
     expected = (torch.eye(5, dtype=torch.float64) - torch.outer(x, x) / norm**2) / norm
     torch.testing.assert_close(hessian, expected)
@@ -319,11 +318,10 @@ def test_to_overloads_route() -> None:
         seen.append(r.to(torch.float32, False, True).dtype)
         return r.to(memory_format=torch.channels_last)
 
-    routing.KERNEL_CALLS.clear()
-    with registry.use(pins={"to": "functional"}):
+    with registry.use(pins={"to": "functional"}, record=True) as run:
         out = func.vmap(f)(x)
     assert seen == [torch.float64, torch.float64, torch.int32, torch.float32, torch.float32]
-    assert {"to.dtype", "to.device", "to.dtype_layout"} <= set(routing.KERNEL_CALLS)
+    assert {"to.dtype", "to.device", "to.dtype_layout"} <= set(run.calls)
     torch.testing.assert_close(out, x)
     with pytest.raises(RuntimeError, match="rank 4 tensor to use channels_last"):  # PyTorch alone: the 5-d batch
         func.vmap(lambda r: r.to(memory_format=torch.channels_last))(x)
@@ -385,10 +383,9 @@ def test_compiled_outside_use_is_retraced_inside(fallback_warnings) -> None:
     compiled(x, mask, source)
     assert any("masked_scatter" in str(w.message) for w in fallback_warnings if FALLBACK in str(w.message))
     fallback_warnings.clear()
-    routing.KERNEL_CALLS.clear()
-    with registry.use():
+    with registry.use(record=True) as run:
         out = compiled(x, mask, source)
-    assert routing.KERNEL_CALLS.get("masked_scatter", 0) >= 1  # traced again, through the kernel, inside use()
+    assert run.calls.get("masked_scatter", 0) >= 1  # traced again, through the kernel, inside use()
     assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
     torch.testing.assert_close(out, _loop(lambda s, m, v: s.masked_scatter(m, v), x, mask, source))
     torch._dynamo.reset()
@@ -407,13 +404,12 @@ def test_derivative_op_masked_scatter_backward_under_vmap(capfd) -> None:
         capfd.readouterr()
         native = backward(grads, masks, [12])
         assert "batching rule for aten::masked_scatter_backward" in capfd.readouterr().err
-        routing.KERNEL_CALLS.clear()
-        with registry.use():
+        with registry.use(record=True) as run:
             routed = backward(grads, masks, [12])
         assert FALLBACK not in capfd.readouterr().err
     finally:
         torch._C._functorch._set_vmap_fallback_warning_enabled(False)
-    assert routing.KERNEL_CALLS["masked_scatter_backward"] == 1
+    assert run.calls["masked_scatter_backward"] == 1
     torch.testing.assert_close(routed, native)
     torch.testing.assert_close(routed, _loop(lambda g, m: torch.ops.aten.masked_scatter_backward(g, m, [12]),
                                              grads, masks))
@@ -431,10 +427,9 @@ def test_eager_autograd_index_fill_negative_index_with_tensor_value() -> None:
 
     with pytest.raises(IndexError, match="index out of range"):
         grads()
-    routing.KERNEL_CALLS.clear()
-    with registry.use():
+    with registry.use(record=True) as run:
         x, value = grads()
-    assert routing.KERNEL_CALLS["index_fill.int_Tensor"] == 1
+    assert run.calls["index_fill.int_Tensor"] == 1
     expected_x = 2 * x.detach()
     expected_x[-1] = 0
     torch.testing.assert_close(x.grad, expected_x)
@@ -443,10 +438,9 @@ def test_eager_autograd_index_fill_negative_index_with_tensor_value() -> None:
 
 def test_eager_autograd_kernel_passes_through_without_grad(spy) -> None:
     x, value = torch.randn(4, 3), torch.tensor(2.0)
-    routing.KERNEL_CALLS.clear()
-    with registry.use(pins={"index_fill": "test-spy"}):
+    with registry.use(pins={"index_fill": "test-spy"}, record=True) as run:
         x.index_fill(0, torch.tensor([-1]), value)
-    assert spy == [] and routing.KERNEL_CALLS == {}
+    assert spy == [] and run.decisions == [] and run.calls == {}
 
 
 def test_wrapped_numbers_reach_pytorchs_kernel() -> None:

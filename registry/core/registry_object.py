@@ -1,0 +1,100 @@
+"""``Registry``: one object that holds what the registry knows and what it has put into PyTorch.
+
+As pluggy's ``PluginManager`` holds its plugins and hooks, one ``Registry`` holds the op table (``table``: the op
+definitions, their composites, derivative ops, rules and preferences, and the listeners of changes) and the router
+(``router``: the frames ``use()`` pushes, the bounded decision table and its generation, the dispatcher Libraries of
+either backend, the compiled module and the patched attributes). ``install()`` puts the routing into PyTorch and
+``uninstall()`` takes all of it out again.
+
+``DEFAULT`` is the registry ``import registry`` fills; the module-level names (``define_op``, ``register``, ``use``,
+``select``, ``OPS``, ``COMPOSITES``, ...) are its table's and its router's. PyTorch's dispatcher is one per process:
+one registry's routing is installed at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from registry.core import routing, selector
+from registry.core.model import Composite, Kind, OpDef
+from registry.core.registration import TABLE, F, OpTable
+from registry.core.routing import ROUTER, Router
+
+
+class Registry:
+    """The op table and its router, as one object (``DEFAULT`` is the one ``import registry`` fills)."""
+
+    def __init__(self, table: OpTable | None = None, router: Router | None = None) -> None:
+        self.table = OpTable() if table is None else table
+        self.router = Router(self.table) if router is None else router
+        if self.router.table is not self.table:
+            raise ValueError("Registry: the router routes another op table than the one given")
+
+    # --- the op table -------------------------------------------------------------------------------------------
+
+    @property
+    def ops(self) -> dict[str, Any]:
+        return self.table.ops
+
+    @property
+    def composites(self) -> dict[str, dict[str, Composite]]:
+        return self.table.composites
+
+    @property
+    def derivatives(self) -> dict[str, dict[str, Callable[..., object]]]:
+        return self.table.derivatives
+
+    def define_op(self, name: str, overload: str = "", **options: Any) -> OpDef:
+        """``OpTable.define_op`` on this registry's table."""
+        return self.table.define_op(name, overload, **options)
+
+    def register(self, op: str, kind: Kind, *, name: str | None = None, function: type | None = None,
+                 ) -> Callable[[F], F]:
+        return self.table.register(op, kind, name=name, function=function)
+
+    def register_derivative(self, op: str, overload: str) -> Callable[[F], F]:
+        return self.table.register_derivative(op, overload)
+
+    def unregister(self, op: str, name: str) -> Composite:
+        return self.table.unregister(op, name)
+
+    def load(self) -> None:
+        self.table.load()
+
+    # --- routing ------------------------------------------------------------------------------------------------
+
+    def use(self, policy: str = "auto", pins: Mapping[str, str] | None = None, *, record: bool = False,
+            ) -> routing.use:
+        """``use()`` routed by this registry's router."""
+        return routing.use(policy, pins, record=record, router=self.router)
+
+    def select(self, op: str, **context: Any) -> selector.Decision:
+        """``select()``: the decision for ``op`` in a described context, and why."""
+        return selector.select(op, **context)
+
+    def install(self) -> None:
+        """Register every kernel at PyTorch's dispatcher and patch the two Python-level paths (``use()`` does it on
+        its first call)."""
+        self.router.install()
+
+    def uninstall(self) -> None:
+        """Remove every kernel and restore every patched attribute: PyTorch behaves as before the import."""
+        self.router.uninstall()
+
+    @property
+    def installed(self) -> bool:
+        return self.router.installed
+
+    def routing_backend(self) -> str:
+        return self.router.routing_backend()
+
+    def set_routing_backend(self, backend: str) -> None:
+        self.router.set_routing_backend(backend)
+
+    def clear_cache(self) -> None:
+        """Forget every decision (a new generation for both backends' tables)."""
+        selector.clear_cache()
+
+
+DEFAULT = Registry(TABLE, ROUTER)
