@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 from torch._C import _DisableFuncTorch
-from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_bdim, maybe_get_level
 
+from registry.core.disagree import SamplesDisagreeError, aligned, level_values
 from registry.core.frames import calling_user_frame, raising_user_frame
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
@@ -37,34 +37,17 @@ DISAGREE_PHRASE = "samples of the vmapped batch disagree"
 
 _WHERE_ALTERNATIVE = ("compute both branches and pick per sample with a mask instead of an `if`: "
                       "torch.where(cond, if_true, if_false) (or x.masked_fill(~cond, value)), keeping cond a tensor")
+_EQUAL_ALTERNATIVE = ("keep the comparison a tensor, (a == b).all() (with a.shape == b.shape checked outside the "
+                      "function), and pick per sample with torch.where")
 _ITEM_ALTERNATIVE = ("keep the value a tensor instead of a Python number (drop .item()/float()/int() and use it in "
                      "tensor ops, torch.where for a choice)")
 
 
 def samples(tensor: torch.Tensor) -> torch.Tensor | None:
     """Every sample's value of a batched ``tensor``, the batch flattened into dim 0 (the innermost vmap's samples
-    vary fastest); None if no vmap batches it or a wrapper cannot be peeled.
-
-    Only the wrappers are read (``get_unwrapped``, ``maybe_get_bdim``): no op runs on a wrapped tensor, so no
-    transform records anything. Each batched level inserts its batch dimension into the tensor below it; the positions
-    of the dimensions found so far shift past it.
-    """
-    batch_dims: list[int] = []  # where the batch dimensions found so far are, in the tensor being unwrapped
-    value = tensor
-    while maybe_get_level(value) != -1:
-        if is_batchedtensor(value):
-            bdim = maybe_get_bdim(value)
-            batch_dims = [dim + 1 if dim >= bdim else dim for dim in batch_dims]
-            batch_dims.append(bdim)
-        try:
-            value = get_unwrapped(value)
-        except RuntimeError:
-            return None
-    if not batch_dims:
-        return None
-    with _DisableFuncTorch():
-        sample_dims = [dim for dim in range(value.dim()) if dim not in batch_dims]
-        return value.permute(*reversed(batch_dims), *sample_dims).reshape(-1, *tensor.shape)
+    vary fastest); None if no vmap batches it or a wrapper cannot be peeled."""
+    found = level_values(tensor)
+    return None if found is None else found.flat()
 
 
 def _agreed(values: torch.Tensor) -> bool:
@@ -75,11 +58,19 @@ def _agreed(values: torch.Tensor) -> bool:
         return (values.is_floating_point() or values.is_complex()) and bool(values.isnan().all())
 
 
-def _disagree_message(call: str, detail: str, alternative: str) -> str:
+def _site() -> str:
     frame = calling_user_frame()
-    where = f" at {frame.describe()}" if frame is not None else ""
-    return (f"vmap: {call}{where} needs one Python value, but the {DISAGREE_PHRASE} ({detail}), so no single branch "
-            f"or number is right for all of them; {alternative}")
+    return frame.describe() if frame is not None else ""
+
+
+def _disagree(call: str, detail: str, alternative: str, levels: tuple[int, ...],
+              keys: torch.Tensor) -> SamplesDisagreeError:
+    """The error (its message is today's clear one) carrying each sample's answer, by level, for the split."""
+    site = _site()
+    where = f" at {site}" if site else ""
+    message = (f"vmap: {call}{where} needs one Python value, but the {DISAGREE_PHRASE} ({detail}), so no single "
+               f"branch or number is right for all of them; {alternative}")
+    return SamplesDisagreeError(message, levels, keys, site, alternative)
 
 
 def _make_is_nonzero(native: Any, routing_on: Callable[[], bool]) -> Callable[..., Any]:
@@ -88,19 +79,19 @@ def _make_is_nonzero(native: Any, routing_on: Callable[[], bool]) -> Callable[..
     def kernel(keyset: Any, self: torch.Tensor) -> Any:
         if not routing_on():
             return call_native(keyset, self)
-        values = samples(self)
-        if values is None or values.shape[0] == 0:
+        found = level_values(self)
+        if found is None or found.values.numel() == 0:
             return call_native(keyset, self)
         if self.numel() != 1:  # what each sample of the loop raises
             raise RuntimeError(f"Boolean value of Tensor with more than one value is ambiguous (each sample has "
                                f"{self.numel()} values)")
         with _DisableFuncTorch():
-            truth = values.reshape(-1) != 0
+            truth = found.values.reshape(found.batch_shape) != 0
             count = int(truth.sum())
         if count in (0, truth.numel()):
             return count != 0
-        raise RuntimeError(_disagree_message("bool() of a tensor (an `if`, `and`, `or`, `not` or `while` on it)",
-                                             f"{count} of {truth.numel()} are True", _WHERE_ALTERNATIVE))
+        raise _disagree("bool() of a tensor (an `if`, `and`, `or`, `not` or `while` on it)",
+                        f"{count} of {truth.numel()} are True", _WHERE_ALTERNATIVE, found.levels, truth)
 
     kernel.__name__ = "multicomposite_is_nonzero"
     return kernel
@@ -112,22 +103,50 @@ def _make_scalar(name: str, native: Any, routing_on: Callable[[], bool]) -> Call
     def kernel(keyset: Any, self: torch.Tensor) -> Any:
         if not routing_on():
             return call_native(keyset, self)
-        values = samples(self)
-        if values is None or values.shape[0] == 0:
+        found = level_values(self)
+        if found is None or found.values.numel() == 0:
             return call_native(keyset, self)
         if self.numel() != 1:
             raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar (per sample)")
-        flat = values.reshape(-1)
+        flat = found.flat().reshape(-1)
         if _agreed(flat):
             with _DisableFuncTorch():
                 return flat[0].item()
         with _DisableFuncTorch():
             shown = ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in flat[:4].tolist())
+            keys = found.values.reshape(found.batch_shape)
         more = ", ..." if flat.numel() > 4 else ""
-        raise RuntimeError(_disagree_message(".item() of a tensor (or float(), int())",
-                                             f"values {shown}{more}", _ITEM_ALTERNATIVE))
+        raise _disagree(".item() of a tensor (or float(), int())", f"values {shown}{more}", _ITEM_ALTERNATIVE,
+                        found.levels, keys)
 
     kernel.__name__ = f"multicomposite_{name}"
+    return kernel
+
+
+def _make_equal(native: Any, routing_on: Callable[[], bool]) -> Callable[..., Any]:
+    """``torch.equal`` (one Python bool; vmap has no batching rule for it): each sample's answer, where they agree."""
+    call_native = native.call_boxed
+
+    def kernel(keyset: Any, self: torch.Tensor, other: torch.Tensor) -> Any:
+        if not routing_on():
+            return call_native(keyset, self, other)
+        parts = [level_values(self), level_values(other)]
+        if parts[0] is None and parts[1] is None:
+            return call_native(keyset, self, other)
+        levels, (left, right) = aligned(parts, [self, other])
+        with _DisableFuncTorch():
+            depth = len(levels)
+            batch = torch.broadcast_shapes(left.shape[:depth], right.shape[:depth])
+            left = left.expand(*batch, *left.shape[depth:]).reshape(-1, *left.shape[depth:])
+            right = right.expand(*batch, *right.shape[depth:]).reshape(-1, *right.shape[depth:])
+            answers = torch.tensor([torch.equal(a, b) for a, b in zip(left, right, strict=True)]).reshape(batch)
+            count = int(answers.sum())
+        if count in (0, answers.numel()):
+            return count != 0
+        raise _disagree("torch.equal (it returns one Python bool)", f"{count} of {answers.numel()} are True",
+                        _EQUAL_ALTERNATIVE, levels, answers)
+
+    kernel.__name__ = "multicomposite_equal"
     return kernel
 
 
@@ -150,7 +169,7 @@ def boolean_mask_message(error: BaseException) -> str:
 
 
 def register(library: torch.library.Library, routing_on: Callable[[], bool]) -> None:
-    """Register the kernels of ``is_nonzero``, ``item`` and ``_local_scalar_dense`` on ``library`` (once)."""
+    """Register the kernels of ``is_nonzero``, ``item``, ``_local_scalar_dense`` and ``equal`` on ``library`` (once)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Warning only once for all operators")
         native = torch.library.get_kernel("aten::is_nonzero", DISPATCH_KEY)
@@ -158,3 +177,5 @@ def register(library: torch.library.Library, routing_on: Callable[[], bool]) -> 
         for name in ("item", "_local_scalar_dense"):
             native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
             library.impl(name, _make_scalar(name, native, routing_on), DISPATCH_KEY, with_keyset=True)
+        native = torch.library.get_kernel("aten::equal", DISPATCH_KEY)
+        library.impl("equal", _make_equal(native, routing_on), DISPATCH_KEY, with_keyset=True)

@@ -35,7 +35,9 @@ import torch
 import torch._functorch.vmap as functorch_vmap
 from torch._functorch.eager_transforms import functionalize
 
-from registry.core import control_flow, fresh_buffers, write_target
+from registry.core import batch_split, control_flow, fresh_buffers, write_target
+from registry.core.context import functorch_stack
+from registry.core.disagree import SamplesDisagreeError
 from registry.core.frames import raising_user_frame
 
 # PyTorch's refusal of an in-place write of a batched value into an unbatched self (every in-place op's batching rule
@@ -205,11 +207,18 @@ def functionalizing_flat_vmap(func: Callable[..., Any], batch_size: int, flat_in
         if remembered:
             return PYTORCH_FLAT_VMAP(_functionalizing(func), *args, **kwargs)
         return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
+    except SamplesDisagreeError as error:
+        return _split(error, state, func, *args, **kwargs)
     except RuntimeError as error:
         failure = error
     if isinstance(failure, control_flow.BooleanMaskError):  # an inner level's, already saying where
         raise failure
     if control_flow.MASK_REFUSAL in str(failure):
+        if not batch_split.SPLITTER.mask_indexing_installed():
+            # The first boolean-mask index of a batched mask inside use(): from now on it is computed per sample.
+            batch_split.SPLITTER.install_mask_indexing(_active[0])
+            _set_rng_state(state)
+            return functionalizing_flat_vmap(func, *args, **kwargs)
         raise control_flow.BooleanMaskError(control_flow.boolean_mask_message(failure)) from failure
     if remembered:
         if OUTSIDE_REFUSAL in str(failure) or _is_write_refusal(failure):
@@ -226,11 +235,26 @@ def functionalizing_flat_vmap(func: Callable[..., Any], batch_size: int, flat_in
     fresh_buffers.register()
     try:
         result = PYTORCH_FLAT_VMAP(_functionalizing(func), *args, **kwargs)
+    except SamplesDisagreeError as retry:  # functionalized, it ran past the write to a branch the samples disagree on
+        FUNCTIONALIZED.add(function_key(func))
+        return _split(retry, state, func, *args, **kwargs)
     except Exception as retry:
         if not _functionalization_failed(retry) or (not _is_write_refusal(failure) and _may_be_write_refusal(retry)):
             raise  # an error of the function itself, which the first run did not reach
         raise OutsideWriteError(_outside_write_message(failure, retry)) from failure
     FUNCTIONALIZED.add(function_key(func))
+    return result
+
+
+def _split(error: SamplesDisagreeError, state: tuple[torch.Tensor, list[torch.Tensor] | None] | None,
+           func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The level run once per group of agreeing samples (registry.core.batch_split), or ``error`` again where this
+    level does not batch the disagreement (an outer level splits)."""
+    level = len(functorch_stack()) + 1  # the level this call's vmap made (popped again by now)
+    result = batch_split.split_level(functionalizing_flat_vmap, error, level, func, *args,
+                                     reset_random=lambda: _set_rng_state(state), **kwargs)
+    if result is NotImplemented:
+        raise error
     return result
 
 

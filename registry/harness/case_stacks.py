@@ -23,10 +23,11 @@ from registry.core.functionalization import remembering_apart
 from registry.core.messages import described
 from registry.harness import comparison, fallback
 from registry.harness.deadline import CaseTimeout, deadline
-from registry.harness.interpreter import Layout, program, transformed
+from registry.harness.interpreter import Layout, program, transformed, weighted_square
 from registry.harness.interpreter import reference as interpreted_reference  # this module's reference is per case
 from registry.harness.opinfo_cases import (
     BATCHED_STACKS,
+    DEPTH3_STACKS,
     FORWARD_STACKS,
     REVERSE_STACKS,
     SurveyCase,
@@ -40,7 +41,9 @@ SURVEY_STACKS: tuple[str, ...] = ("vmap", "grad", "vmap(grad)", "jacrev", "jacfw
 # The interpreter runs these too (the conformance suite's checks): jvp alone, the vjp of a vmapped function and
 # forward-over-reverse (the jvp of grad, a Hessian-vector product).
 MORE_STACKS: tuple[str, ...] = ("jvp", "grad(vmap)", "jvp(grad)")
-INTERPRETER_STACKS: tuple[str, ...] = SURVEY_STACKS + MORE_STACKS
+# Stacks of depth 3 with an inner gradient (opinfo_cases.DEPTH3_STACKS): the survey runs them where asked
+# (``--stack``), the conformance suite as its depth-3 checks.
+INTERPRETER_STACKS: tuple[str, ...] = SURVEY_STACKS + MORE_STACKS + DEPTH3_STACKS
 
 # vmap's own words for what it cannot do by design rather than by a missing rule: not a coverage gap.
 RANDOM_UNDER_VMAP = "random operation while in randomness error mode"  # vmap's refusal of a random op
@@ -74,6 +77,9 @@ def run_stack(stack: str, case: SurveyCase) -> Any:
     def outputs(*values: Any) -> tuple[torch.Tensor, ...]:
         return case.differentiable_outputs(case.call(values))
 
+    if stack in DEPTH3_STACKS:
+        args = stack_samples(case.per_sample)
+        return transformed(layers, outputs, _depth3_layout(case, len(args)))(*args)
     tangents = "jvp" in layers
     if "vmap" in layers:
         args = (*stack_samples(case.per_sample), *(stack_samples(case.tangents) if tangents else ()))
@@ -82,6 +88,18 @@ def run_stack(stack: str, case: SurveyCase) -> Any:
     layout = Layout(in_dims=((0,) * len(args),) * layers.count("vmap"), wrt=case.diff_slots(), loss=case.loss,
                     tangent=None, with_primal=True)
     return transformed(layers, outputs, layout)(*args)
+
+
+def _square_loss(outputs: Any) -> torch.Tensor:
+    """``sum(w * y * y)`` over a tensor or a tuple of them: the loss of the op's outputs and of the gradients a grad
+    inside returns, so that every layer differentiates something nonlinear in what it sees."""
+    return sum(weighted_square(y) for y in ((outputs,) if isinstance(outputs, torch.Tensor) else outputs))
+
+
+def _depth3_layout(case: SurveyCase, count: int) -> Layout:
+    """One vmap over dim 0 of every stacked argument; each differentiating layer with respect to the case's
+    differentiated leaves."""
+    return Layout(in_dims=((0,) * count,), wrt=case.diff_slots(), loss=_square_loss)
 
 
 class Reference:
@@ -102,14 +120,15 @@ class Reference:
         leaves = tuple(values[s].detach().clone().requires_grad_() for s in self.case.diff_slots())
         return values, leaves
 
-    def _outputs_of(self, *values: Any) -> tuple[torch.Tensor, ...]:
+    def outputs_of(self, *values: Any) -> tuple[torch.Tensor, ...]:
+        """The op's differentiable outputs on per-sample ``values``."""
         return self.case.differentiable_outputs(self.case.call(values))
 
     def grads(self, b: int) -> tuple[torch.Tensor, ...]:
         """The loss's gradient on sample ``b``: the interpreter's grad reference (``torch.autograd.grad``)."""
         if b not in self._grads:
             layout = Layout(wrt=self.case.diff_slots(), loss=self.case.loss)
-            self._grads[b] = interpreted_reference(("grad",), self._outputs_of, layout)(*self.case.per_sample[b])
+            self._grads[b] = interpreted_reference(("grad",), self.outputs_of, layout)(*self.case.per_sample[b])
         return self._grads[b]
 
     def vjp(self, b: int, cotangents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -142,7 +161,7 @@ class Reference:
         """
         layout = Layout(wrt=self.case.diff_slots(), tangent=None, with_primal=True,
                         forward_ad=not self.case.opinfo.supports_gradgrad)
-        jvp = interpreted_reference(("jvp",), self._outputs_of, layout)
+        jvp = interpreted_reference(("jvp",), self.outputs_of, layout)
         return jvp(*self.case.per_sample[b], *self.case.tangents[b])
 
 
@@ -171,6 +190,11 @@ def reference(stack: str, ref: Reference) -> Any:
         return tuple(torch.stack([g[j] for g in per]) for j in range(len(per[0])))
     if stack in ("jacrev", "jacfwd"):
         return tuple(ref.vjp(0, u) for u in ref.case.directions())
+    if stack in DEPTH3_STACKS:
+        # The interpreter's reference: a loop over the samples, autograd.grad with create_graph where a layer outside
+        # differentiates again, the Jacobian row by row.
+        args = stack_samples(ref.case.per_sample)
+        return interpreted_reference(program(stack), ref.outputs_of, _depth3_layout(ref.case, len(args)))(*args)
     if stack == "vmap(jvp)":
         per = [ref.jvp(b) for b in range(count)]
         outputs = tuple(torch.stack([p[0][i] for p in per]) for i in range(len(per[0][0])))

@@ -12,6 +12,8 @@ size-1 and zero-size dimensions) and both dtypes, each check runs once natively 
 - ``vmap``: exhaustive over in_dims: every subset of the tensor arguments batched (singletons and all of them when
   there are more than three), the batch dimension first and last;
 - ``vmap(vjp)``, ``vjp(vmap)``, ``vmap(jvp)``, ``jvp(vjp)`` (forward over reverse: a Hessian-vector product);
+- depth 3 with an inner gradient: ``vjp(vmap(vjp))`` (meta-learning's grad over a vmap of inner gradients),
+  ``vmap(vjp(vjp))``, ``jacrev(vmap(vjp))``, on ops with a double backward;
 - ``no fallback warning``: each batched check above ran without vmap's "performance drop" warning.
 
 The invariant: no check that passes natively fails inside ``use()``. A check passes when its values equal the
@@ -45,10 +47,16 @@ CHECKS: dict[str, str] = {
     "vjp(vmap)": "grad(vmap)",
     "vmap(jvp)": "vmap(jvp)",
     "jvp(vjp)": "jvp(grad)",
+    # Depth 3 with an inner gradient (meta-learning, per-sample second derivatives): every case behind the full
+    # run's options; the test suite runs a sample of them (tests/registry/harness/test_conformance.py).
+    "vjp(vmap(vjp))": "grad(vmap(grad))",
+    "vmap(vjp(vjp))": "vmap(grad(grad))",
+    "jacrev(vmap(vjp))": "jacrev(vmap(grad))",
 }
+DEPTH3_CHECKS: tuple[str, ...] = ("vjp(vmap(vjp))", "vmap(vjp(vjp))", "jacrev(vmap(vjp))")
 NO_FALLBACK = "no fallback warning"
 ALL_CHECKS: tuple[str, ...] = (*CHECKS, NO_FALLBACK)
-_BATCHED_CHECKS = frozenset({"vmap", "vmap(vjp)", "vjp(vmap)", "vmap(jvp)"})
+_BATCHED_CHECKS = frozenset({"vmap", "vmap(vjp)", "vjp(vmap)", "vmap(jvp)", *DEPTH3_CHECKS})
 EXHAUSTIVE_SUBSETS_UP_TO = 3  # tensor arguments: beyond this many, vmap batches each alone and all together
 DEFAULT_SAMPLE_LIMIT = 0  # 0: every sample OpInfo generates
 GENERATED_SAMPLES = 512  # OpInfo's generators are finite; a bound in case one is not

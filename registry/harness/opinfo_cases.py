@@ -30,9 +30,12 @@ UNINITIALIZED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strid
 _VARIATION = 0.05  # per-sample float arguments: sample b is OpInfo's value scaled by 1 - b * this
 
 # Stacks that differentiate, and which kind of derivative the op must support for them.
-REVERSE_STACKS = frozenset({"grad", "vmap(grad)", "jacrev", "grad(vmap)", "jvp(grad)"})
+# Depth 3 with an inner gradient: meta-learning's grad over a vmap of inner gradient steps, per-sample second
+# derivatives, the Jacobian of vmapped gradients. Each differentiates the op twice.
+DEPTH3_STACKS = ("grad(vmap(grad))", "vmap(grad(grad))", "jacrev(vmap(grad))")
+REVERSE_STACKS = frozenset({"grad", "vmap(grad)", "jacrev", "grad(vmap)", "jvp(grad)", *DEPTH3_STACKS})
 FORWARD_STACKS = frozenset({"jacfwd", "vmap(jvp)", "jvp", "jvp(grad)"})
-BATCHED_STACKS = frozenset({"vmap", "vmap(grad)", "vmap(jvp)", "grad(vmap)"})
+BATCHED_STACKS = frozenset({"vmap", "vmap(grad)", "vmap(jvp)", "grad(vmap)", *DEPTH3_STACKS})
 
 
 class SurveyError(ValueError):
@@ -266,6 +269,8 @@ def static_reason(case: SurveyCase, stack: str, dtype: torch.dtype) -> str | Non
         return "op does not support forward-mode AD"
     if stack == "jvp(grad)" and not opinfo.supports_fwgrad_bwgrad:
         return "op does not support forward-over-reverse AD"
+    if stack in DEPTH3_STACKS and not opinfo.supports_gradgrad:
+        return "op does not support a double backward"
     if stack in BATCHED_STACKS and case.random:
         return "random op: vmap's per-sample results follow its randomness flag, not a loop"
     return None

@@ -43,6 +43,7 @@ from registry.harness.opinfo_cases import (
     ALL_SAMPLES,
     BATCHINGS,
     DEFAULT_BATCH,
+    DEPTH3_STACKS,
     DTYPES,
     JACOBIAN_DIRECTIONS,
     ORDERED_ARGUMENTS,
@@ -67,8 +68,9 @@ from registry.harness.survey_rows import SurveyRow
 from registry.harness.survey_summary import format_rows, format_summary, summarize
 
 __all__ = [
-    "ALL_SAMPLES", "BATCHINGS", "DEFAULT_BATCH", "DEFAULT_CASE_TIMEOUT_S", "DEFAULT_LIMIT_SAMPLES", "DTYPES",
-    "INTERPRETER_STACKS", "JACOBIAN_DIRECTIONS", "MISBEHAVING", "MORE_STACKS", "ORDERED_ARGUMENTS",
+    "ALL_SAMPLES", "BATCHINGS", "DEFAULT_BATCH", "DEFAULT_CASE_TIMEOUT_S", "DEFAULT_LIMIT_SAMPLES",
+    "DEPTH3_STACKS", "DTYPES", "INTERPRETER_STACKS", "JACOBIAN_DIRECTIONS", "MISBEHAVING", "MORE_STACKS",
+    "ORDERED_ARGUMENTS",
     "RANDOM_UNDER_VMAP", "RANK", "SEED", "SIZE_CAP", "SURVEY_STACKS", "UNINITIALIZED", "Outcome", "Reference",
     "SurveyCase", "SurveyConfig", "SurveyError", "SurveyRow", "SurveyRun", "check_case", "compare",
     "dynamic_outcome", "entry_id", "format_rows", "format_summary", "is_dynamic", "live_callable",
@@ -99,8 +101,8 @@ def normalize_stack(text: str) -> str:
         stack = canonical_workload(text)  # the one spelling, aliases kept as written (jacrev is a survey stack)
     except ValueError:
         stack = text
-    if stack not in SURVEY_STACKS:
-        raise SurveyError(f"unknown survey stack {text!r}; valid: {', '.join(SURVEY_STACKS)}")
+    if stack not in SURVEY_STACKS + DEPTH3_STACKS:
+        raise SurveyError(f"unknown survey stack {text!r}; valid: {', '.join(SURVEY_STACKS + DEPTH3_STACKS)}")
     return stack
 
 

@@ -21,7 +21,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a covered op, e.g. take or batch_norm (repeatable; default: "
                         "every covered op)")
     parser.add_argument("--check", action="append", help="vjp, jvp, vmap, vmap(vjp), vjp(vmap), vmap(jvp), "
-                        "jvp(vjp) or 'no fallback warning' (repeatable; default: all)")
+                        "jvp(vjp), the depth-3 vjp(vmap(vjp)), vmap(vjp(vjp)), jacrev(vmap(vjp)), or "
+                        "'no fallback warning' (repeatable; default: all)")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"),
                         help="float32 or float64 (repeatable; default: both)")
     parser.add_argument("--limit-samples", type=arguments.non_negative_int, default=0,

@@ -54,7 +54,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", action="append", help="an op_db entry, 'add' or 'scatter_reduce.prod' (repeatable; "
                         "default: all)")
     parser.add_argument("--stack", action="append", help="vmap, grad, vmap(grad), jacrev, jacfwd, vmap(jvp) "
-                        "(repeatable; default: all)")
+                        "(repeatable; default: all of these), or the depth-3 grad(vmap(grad)), vmap(grad(grad)), "
+                        "jacrev(vmap(grad)), run where named")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"),
                         help="float32 or float64 (repeatable; default: both)")
     parser.add_argument("--limit-samples", type=int, default=25,

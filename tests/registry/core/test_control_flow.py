@@ -11,6 +11,7 @@ from torch import func
 
 import registry
 from registry.core import control_flow
+from registry.core.batch_split import BatchSplitWarning, SplitShapeError
 from registry.core.control_flow import BooleanMaskError
 
 X = torch.tensor([[1.0, -2.0, 3.0], [-1.0, 0.5, 0.0], [2.0, 2.0, -0.5]])
@@ -81,22 +82,47 @@ def test_nested_vmap_agrees_across_every_sample() -> None:
     assert torch.equal(got, batch * 2)
 
 
+def shorten_if_positive(t: torch.Tensor) -> torch.Tensor:
+    if t.sum() > 0:  # samples of X disagree
+        return t[:2]
+    return t
+
+
+def test_disagreeing_bool_splits_and_equals_the_loop() -> None:
+    """The level runs once per group of agreeing samples (tests/registry/core/test_batch_split.py tests it all)."""
+    with registry.use(), pytest.warns(BatchSplitWarning):
+        got = func.vmap(branch_on_sign)(X)
+    assert torch.equal(got, _loop(branch_on_sign, X))
+
+
 def test_disagreeing_bool_names_the_line_and_torch_where() -> None:
-    with registry.use(), pytest.raises(RuntimeError) as raised:
-        func.vmap(branch_on_sign)(X)
-    line = _line_of(branch_on_sign, "if t.sum() > 0")
-    assert str(raised.value) == (
+    """Where the groups' outputs differ in shape, the level cannot be one tensor: the error says where and why."""
+    with registry.use(), pytest.raises(SplitShapeError) as raised:
+        func.vmap(shorten_if_positive)(X)
+    line = _line_of(shorten_if_positive, "if t.sum() > 0")
+    assert str(raised.value).startswith(
         f"vmap: bool() of a tensor (an `if`, `and`, `or`, `not` or `while` on it) at {__file__}:{line} "
         "(`if t.sum() > 0:  # samples of X disagree`) needs one Python value, but the samples of the vmapped batch "
         "disagree (2 of 3 are True), so no single branch or number is right for all of them; compute both branches "
         "and pick per sample with a mask instead of an `if`: torch.where(cond, if_true, if_false) (or "
-        "x.masked_fill(~cond, value)), keeping cond a tensor")
+        "x.masked_fill(~cond, value)), keeping cond a tensor (the batch was split where the samples disagree, but the "
+        "groups' outputs still differ in shape")
+
+
+def test_disagreeing_item_splits_and_equals_the_loop() -> None:
+    with registry.use():
+        got = func.vmap(read_first)(X)
+    assert torch.equal(got, _loop(read_first, X))
+
+
+def read_first_count(t: torch.Tensor) -> torch.Tensor:
+    return t[: int(t[0].item()) + 2]  # differs per sample, and so does the shape
 
 
 def test_disagreeing_item_names_the_line_and_the_values() -> None:
-    with registry.use(), pytest.raises(RuntimeError) as raised:
-        func.vmap(read_first)(X)
-    line = _line_of(read_first, "t[0].item()")
+    with registry.use(), pytest.raises(SplitShapeError) as raised:
+        func.vmap(read_first_count)(X)
+    line = _line_of(read_first_count, "t[0].item()")
     text = str(raised.value)
     assert text.startswith(f"vmap: .item() of a tensor (or float(), int()) at {__file__}:{line} ")
     assert "disagree (values 1, -1, 2)" in text
@@ -151,10 +177,12 @@ def zero_negative(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize(("f", "text"), [(select_positive, "return t[t > 0]"), (zero_negative, "out[out < 0] = 0.0")],
+@pytest.mark.parametrize(("f", "text", "error"), [(select_positive, "return t[t > 0]", SplitShapeError),
+                                                  (zero_negative, "out[out < 0] = 0.0", BooleanMaskError)],
                          ids=["read", "write"])
-def test_boolean_mask_indexing_names_the_line_and_the_fixed_shape_forms(f, text: str) -> None:
-    with registry.use(), pytest.raises(BooleanMaskError) as raised:
+def test_boolean_mask_indexing_names_the_line_and_the_fixed_shape_forms(f, text: str, error: type) -> None:
+    """A read whose per-sample shapes differ at the end of the function; a write (index_put with a batched mask)."""
+    with registry.use(), pytest.raises(error) as raised:
         func.vmap(f)(X)
     assert str(raised.value).startswith(
         f"vmap: boolean-mask indexing at {__file__}:{_line_of(f, text)} (`{text}`) returns a shape that depends on the "
@@ -163,8 +191,9 @@ def test_boolean_mask_indexing_names_the_line_and_the_fixed_shape_forms(f, text:
 
 
 def test_boolean_mask_inside_vmap_grad() -> None:
-    with registry.use(), pytest.raises(BooleanMaskError, match="boolean-mask indexing at"):
-        func.vmap(func.grad(lambda t: select_positive(t).sum()))(X)
+    with registry.use():
+        got = func.vmap(func.grad(lambda t: (select_positive(t) ** 2).sum()))(X)
+    assert torch.equal(got, torch.where(X > 0, 2 * X, torch.zeros_like(X)))
 
 
 def test_shared_mask_still_indexes() -> None:

@@ -1,6 +1,8 @@
-"""Dynamic-shape ops under vmap inside use(): an error that says why and names the fixed-shape alternative."""
+"""Dynamic-shape ops under vmap inside use(): per sample where the shapes agree, else split, else the clear error."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -8,10 +10,18 @@ from torch import func
 
 import registry
 from registry.core import dynamic
+from registry.core.batch_split import SPLITTER, BatchSplitWarning, SplitShapeError
 
 pytestmark = pytest.mark.usefixtures("routing_backend")
 
+
+@pytest.fixture(autouse=True)
+def _split_warnings_apart() -> None:
+    SPLITTER.forget_warnings()
+
 X = torch.tensor([[1.0, -2.0, 3.0], [-1.0, 0.5, 0.0]])
+# Every op below gives these two samples outputs of different sizes (nonzero 3 and 2, unique 3 and 2, ...).
+DIFFERING = torch.tensor([[1.0, -2.0, 3.0], [-1.0, 0.0, -1.0]])
 
 
 def _unique(t: torch.Tensor) -> torch.Tensor:
@@ -32,10 +42,47 @@ CASES = [
 
 
 @pytest.mark.parametrize(("name", "fn", "text"), CASES, ids=[c[0] for c in CASES])
-def test_refused_under_vmap_inside_use_with_the_alternative(name: str, fn, text: str) -> None:
-    with registry.use(), pytest.raises(RuntimeError) as raised:
-        func.vmap(fn)(X)
+def test_shapes_differing_at_the_levels_end_raise_with_the_alternative(name: str, fn, text: str) -> None:
+    with registry.use(), pytest.warns(BatchSplitWarning), pytest.raises(SplitShapeError) as raised:
+        func.vmap(fn)(DIFFERING)
     assert str(raised.value).startswith(text)
+    assert "the groups' outputs still differ in shape at the end of the vmapped function" in str(raised.value)
+
+
+AGREEING = [
+    ("nonzero", torch.nonzero, torch.tensor([[1.0, 0.0, 3.0], [0.0, 2.0, 1.0]])),
+    ("argwhere", torch.argwhere, torch.tensor([[1.0, 0.0, 3.0], [0.0, 2.0, 1.0]])),
+    ("unique", lambda t: torch.unique(t, return_inverse=True, return_counts=True),
+     torch.tensor([[1.0, 1.0, 3.0], [0.0, 2.0, 0.0]])),
+    ("unique_consecutive", lambda t: torch.unique_consecutive(t, return_counts=True),
+     torch.tensor([[1.0, 1.0, 3.0], [0.0, 0.0, 2.0]])),
+    ("masked_select", lambda t: t.masked_select(t > 0), torch.tensor([[1.0, -2.0, 3.0], [4.0, 0.5, 0.0]])),
+]
+
+
+@pytest.mark.parametrize(("name", "fn", "batch"), AGREEING, ids=[c[0] for c in AGREEING])
+def test_agreeing_shapes_run_per_sample_and_equal_the_loop(name: str, fn, batch: torch.Tensor) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchSplitWarning)  # nothing splits
+        with registry.use():
+            got = func.vmap(fn)(batch)
+    expected = [fn(sample) for sample in batch]
+    if isinstance(got, tuple):
+        for column, part in enumerate(got):
+            assert torch.equal(part, torch.stack([e[column] for e in expected]))
+    else:
+        assert torch.equal(got, torch.stack(expected))
+
+
+def test_masked_select_keeps_its_gradient_per_sample() -> None:
+    batch = torch.tensor([[1.0, -2.0, 3.0], [4.0, 0.5, -1.0]], dtype=torch.float64)
+
+    def loss(t: torch.Tensor) -> torch.Tensor:
+        return (t.masked_select(t > 0) ** 3).sum()
+
+    with registry.use():
+        got = func.vmap(func.grad(loss))(batch)
+    assert torch.equal(got, torch.stack([func.grad(loss)(sample) for sample in batch]))
 
 
 def _nonzero_of(t: torch.Tensor) -> torch.Tensor:
@@ -43,10 +90,10 @@ def _nonzero_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_refusal_names_the_users_line() -> None:
-    with registry.use(), pytest.raises(RuntimeError) as raised:
+    with registry.use(), pytest.warns(BatchSplitWarning), pytest.raises(SplitShapeError) as raised:
         func.vmap(_nonzero_of)(X)
     line = _nonzero_of.__code__.co_firstlineno + 1
-    assert str(raised.value).endswith(f" (called at {__file__}:{line} (`return torch.nonzero(t > 0)`))")
+    assert f" (called at {__file__}:{line} (`return torch.nonzero(t > 0)`)) (the batch was split" in str(raised.value)
 
 
 def test_outside_use_pytorch_says_what_it_says() -> None:
