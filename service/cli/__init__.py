@@ -11,8 +11,9 @@ raises ``service.cli_output.UsageError`` for bad input (one line on stderr, exit
 Only the command being run is configured, and every module imports torch, the registry and the service inside the
 functions that need them: ``multicomposite --help`` answers without loading any of them.
 
-Exit codes: 0 done; 1 done, but what ran found a failure (``verify``; ``check``: use() is not ok); 2 bad input, said in one line on stderr;
-130 interrupted (Ctrl-C), said in one line; 141 stdout was closed early (``multicomposite ops | head``).
+Exit codes: 0 done; 1 done, but what ran found a failure (``verify``; ``check``: use() is not ok); 2 bad input, said
+in one line on stderr; 130 interrupted (Ctrl-C), said in one line; 141 stdout was closed early
+(``multicomposite ops | head``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ DESCRIPTION = ("Verify, profile and choose among the decompositions of each PyTo
                "what the store holds, and serve it over HTTP with a dashboard.")
 EPILOG = ("start with `multicomposite ops`, then `multicomposite select index_fill --stack \"vmap(grad)\"`; "
           "`multicomposite verify` and `profile` fill the store that `select`, `matrix`, `report` and the service "
-          "read; `multicomposite check model.py:loss --example model.py:make_args` checks your own function. Exit codes: 0 done, 1 a failure was found (verify, check), 2 bad input, 130 interrupted.")
+          "read; `multicomposite check model.py:loss --example model.py:make_args` checks your own function. Exit "
+          "codes: 0 done, 1 a failure was found (verify, check), 2 bad input, 130 interrupted.")
 
 
 def _configure_db(parser: argparse.ArgumentParser) -> None:

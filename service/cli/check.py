@@ -41,7 +41,7 @@ def target(text: str) -> tuple[Path, str]:
     return Path(path), name
 
 
-def in_dims(text: str) -> int | None | tuple[int | None, ...]:
+def in_dims(text: str) -> int | tuple[int | None, ...] | None:
     """``0`` (every argument batched at dim 0), ``None``, or one per argument: ``None,0,0``."""
     parts = [part.strip() for part in text.split(",")]
     dims: list[int | None] = []
