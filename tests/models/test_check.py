@@ -128,3 +128,36 @@ def test_unknown_transform_and_policy() -> None:
         registry.check(lambda x: x.sum(), torch.randn(4, 3), transform="vamp(grad)")
     with pytest.raises(CheckError, match="unknown policy 'best'"):
         registry.check(lambda x: x.sum(), torch.randn(4, 3), policy="best")
+
+
+def test_bert_native_loops_use_does_not() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 50, (3, 8), generator=generator), torch.randint(0, 3, (3,), generator=generator)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (), {"input_ids": x[None], "labels": y[None]}).loss
+
+    report = registry.check(loss, params, ids, labels, in_dims=(None, 0, 0), rounds=1)
+    assert report.native.verdict == "slow" and any("scaled_dot_product" in op for op in report.native.fallbacks)
+    assert report.use.verdict == "ok" and report.ok
+
+
+def _masked_attention(q: torch.Tensor) -> torch.Tensor:
+    scores = q @ q.T
+    future = torch.ones_like(scores).triu_(1)  # a causal mask written in place: vmap loops over triu_
+    return (scores.masked_fill(future.bool(), -1e9).softmax(-1) @ q).pow(2).sum()
+
+
+def test_an_uncovered_fallback_is_slow_in_both_and_named() -> None:
+    report = registry.check(_masked_attention, torch.randn(4, 5, 3), rounds=1)
+    assert report.native.verdict == report.use.verdict == "slow"
+    assert report.native.fallbacks == report.use.fallbacks == ("aten::triu_",)
+    assert not report.ok
+    assert "vmap loops per sample for aten::triu_" in report.summary()
