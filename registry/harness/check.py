@@ -50,7 +50,7 @@ from registry.harness import comparison, fallback, interpreter
 
 VERDICTS: tuple[str, ...] = ("ok", "slow", "mismatch", "error")
 UNCHECKED = "unchecked"  # the reference failed: nothing to compare a run that did not raise with
-DEFAULT_ROUNDS = 3
+DEFAULT_ROUNDS = 5  # the command line's --rounds default too
 # The warning category ``split`` (batch splitting where samples disagree) raises once per split, where it is in this
 # tree: its name here, looked up when a check runs (see ``split_warning_category``).
 SPLIT_WARNING = "BatchSplitWarning"

@@ -84,7 +84,7 @@ class JobRecord:
     """A verification or profiling job as stored: what was asked, where it stands, and how it ended."""
 
     id: str = stored(64, primary=True, doc="the job's id: GET /jobs/{id} follows it")
-    kind: str = stored(50, doc="verify or profile")
+    kind: str = stored(50, doc="verify, profile or check")
     params: dict[str, Any] = stored(doc="what the job runs, as checked and completed from the request: ops, stacks "
                                         "(spelled vmap(grad)) or workloads, dtypes, sizes, device_kind")
     state: str = stored(20, index=True, default="queued",

@@ -106,3 +106,13 @@ def test_a_bad_in_dims_spelling_is_argparse_s_line(model: Path, capsys: pytest.C
     assert code == 2
     assert err == ("multicomposite check: argument --in-dims: 'rows' is not in_dims: give a dim (0), None, or one per "
                    "argument separated by commas (None,0,0) (see multicomposite check --help)\n")
+
+
+def test_a_file_that_fails_to_import_is_one_line(tmp_path: Path, model: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "broken.py"
+    broken.write_text("import torch\n\nscale = 1 / 0\n")
+    code, out, err = _run(["check", f"{broken}:f", "--example", f"{model}:make_args"], capsys)
+    assert (code, out) == (2, "")
+    assert err == (f"multicomposite check: importing {broken} failed at {broken}:3: ZeroDivisionError: division by "
+                   "zero; fix the file, then run the check again\n")
