@@ -229,7 +229,7 @@ def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
 
 # --- what use() decided: the one adapter --------------------------------------------------------------------------
 
-_recording_lock = threading.Lock()  # one recording at a time: the adapter replaces a function of the routing
+_recording_lock = threading.RLock()  # one recording at a time: the adapter replaces a function of the routing
 
 
 @contextlib.contextmanager
