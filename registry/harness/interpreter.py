@@ -21,8 +21,9 @@ compile       ``torch.compile`` (aot_eager, fullgraph)       nothing
 ============= ============================================= ===================================================
 
 The differentiating layers differentiate with respect to ``layout.wrt`` (one argument: one result; a tuple: a tuple
-of results, as torch.func's ``argnums``). A reference layer keeps its graph (``create_graph``) only where a layer
-outside it differentiates again.
+of results, as torch.func's ``argnums``); an argument may be a pytree of tensors (a dict of parameters), whose
+result has its structure, and a vmap layer's loop takes each batched tensor of a pytree argument's sample. A
+reference layer keeps its graph (``create_graph``) only where a layer outside it differentiates again.
 
 Used by ``checks`` (the test suite's named stacks), ``verify`` (the matrix's generated stacks), the profiles'
 workloads, and ``case_stacks`` (the OpInfo cases of the survey, the conformance suite and the matrix's OpInfo ops:
