@@ -59,12 +59,26 @@ from registry.store import evidence as _store_evidence  # noqa: E402
 
 _evidence.register_source(_store_evidence.SOURCE)
 
+
+
+def __getattr__(name: str) -> object:
+    """``registry.check`` and its report, loaded when first asked for: ``import registry`` stays without the
+    harness."""
+    if name in ("check", "CheckReport", "CheckError"):
+        from registry.harness import check as check_module
+
+        return getattr(check_module, name)
+    raise AttributeError(f"module 'registry' has no attribute {name!r}")
+
+
 __all__ = [
     "COMPOSITES",
     "DEFAULT",
     "KINDS",
     "OPS",
     "POLICIES",
+    "CheckError",
+    "CheckReport",
     "Composite",
     "Context",
     "Decision",
@@ -74,6 +88,7 @@ __all__ = [
     "SelectionError",
     "Verdict",
     "__version__",
+    "check",
     "clear_cache",
     "composites",
     "current_stack",

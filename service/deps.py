@@ -1,9 +1,9 @@
 """Shared dependencies: settings, the app-scoped store, the job backend, and the bearer-token check.
 
 Which routes need the token (when MULTICOMPOSITE_TOKEN is set): those that write the store or start work on the
-machine, POST /verify, POST /profiles and DELETE /jobs/{id} (``Authorized``). Every read needs none: the GET routes
-and POST /select, which is a batch of GET /select queries sent as a POST only because its body is a list. The
-scheme is declared in the OpenAPI document (``bearer``), so /docs shows an Authorize button."""
+machine, POST /verify, POST /profiles, POST /checks and DELETE /jobs/{id} (``Authorized``). Every read needs none:
+the GET routes and POST /select, which is a batch of GET /select queries sent as a POST only because its body is a
+list. The scheme is declared in the OpenAPI document (``bearer``), so /docs shows an Authorize button."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def get_store(request: Request) -> Store:
 # (HTTPBearer's own answer is a 403) and only when a token is set at all.
 bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
                     description="MULTICOMPOSITE_TOKEN, when the server sets it: needed by POST /verify, POST "
-                                "/profiles and DELETE /jobs/{id}; reads need none")
+                                "/profiles, POST /checks and DELETE /jobs/{id}; reads need none")
 
 
 def require_token(settings: Annotated[Settings, Depends(get_settings)],

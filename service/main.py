@@ -24,7 +24,7 @@ from service.jobs.startup import job_backend
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.models import ErrorPublic
-from service.routers import jobs, meta, ops, select, store
+from service.routers import checks, jobs, meta, ops, select, store
 from service.settings import Settings
 from service.state import StoreState
 from service.validation import InputError
@@ -118,7 +118,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               redoc_js_url="/static/redoc.standalone.js", redoc_favicon_url="/static/favicon.png",
                               with_google_fonts=False)
 
-    for module in (meta, ops, select, store, jobs, dashboard):
+    for module in (meta, ops, select, store, jobs, checks, dashboard):
         app.include_router(module.router)
     app.get("/metrics", include_in_schema=False)(metrics.endpoint)
     app.add_middleware(ServiceMiddleware, state=state, metrics=metrics, max_body_bytes=settings.max_body_bytes,

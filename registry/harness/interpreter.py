@@ -21,8 +21,9 @@ compile       ``torch.compile`` (aot_eager, fullgraph)       nothing
 ============= ============================================= ===================================================
 
 The differentiating layers differentiate with respect to ``layout.wrt`` (one argument: one result; a tuple: a tuple
-of results, as torch.func's ``argnums``). A reference layer keeps its graph (``create_graph``) only where a layer
-outside it differentiates again.
+of results, as torch.func's ``argnums``); an argument may be a pytree of tensors (a dict of parameters), whose
+result has its structure, and a vmap layer's loop takes each batched tensor of a pytree argument's sample. A
+reference layer keeps its graph (``create_graph``) only where a layer outside it differentiates again.
 
 Used by ``checks`` (the test suite's named stacks), ``verify`` (the matrix's generated stacks), the profiles'
 workloads, and ``case_stacks`` (the OpInfo cases of the survey, the conformance suite and the matrix's OpInfo ops:
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 from torch import func
 from torch.autograd import forward_ad
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from registry.core.stacks import format_stack, split_stack
 
@@ -208,18 +210,30 @@ def reference(stack: Sequence[str], f: Fn, layout: Layout) -> Fn:
 
 
 def stack_tree(trees: Sequence[Any], dim: int = 0) -> Any:
-    """Tensors stacked along ``dim``, or tuples and lists of them stacked element by element."""
+    """Tensors stacked along ``dim``, or tuples, lists and dicts of them stacked element by element."""
     first = trees[0]
     if isinstance(first, torch.Tensor):
         return torch.stack(list(trees), dim)
+    if isinstance(first, dict):
+        return type(first)((key, stack_tree([t[key] for t in trees], dim)) for key in first)
     return type(first)(stack_tree([t[i] for t in trees], dim) for i in range(len(first)))
+
+
+def _batched_size(x: Any, d: int) -> int:
+    return next(t.shape[d] for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor))
+
+
+def _sample(x: Any, d: int, b: int) -> Any:
+    """Sample ``b`` of ``x`` along ``d``: a tensor, or every tensor of a pytree (a dict of parameters), as vmap
+    batches an argument's leaves."""
+    return tree_map(lambda t: t.select(d, b) if isinstance(t, torch.Tensor) else t, x)
 
 
 def _loop(f: Fn, in_dims: tuple[int | None, ...]) -> Fn:
     def looped(*xs: Any) -> Any:
-        size = next(x.shape[d] for x, d in zip(xs, in_dims, strict=True) if d is not None)
+        size = next(_batched_size(x, d) for x, d in zip(xs, in_dims, strict=True) if d is not None)
         return stack_tree([
-            f(*(x if d is None else x.select(d, b) for x, d in zip(xs, in_dims, strict=True))) for b in range(size)
+            f(*(x if d is None else _sample(x, d, b) for x, d in zip(xs, in_dims, strict=True))) for b in range(size)
         ])
 
     return looped
@@ -230,10 +244,35 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x if x.requires_grad else x.detach().clone().requires_grad_()
 
 
-def _leaves(xs: Sequence[Any], layout: Layout) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]]:
+@dataclass(frozen=True)
+class _Differentiated:
+    """The differentiated arguments made autograd leaves: each argument a tensor or a pytree of them (a dict of
+    parameters, as torch.func differentiates it), and all their tensors in one flat tuple for ``autograd.grad``."""
+
+    flat: tuple[torch.Tensor, ...]
+    specs: tuple[Any, ...]
+    counts: tuple[int, ...]
+
+    def per_argument(self, flat_results: Sequence[Any]) -> list[Any]:
+        """Flat results (one per tensor of ``flat``) regrouped as the arguments are: a tensor, or the pytree."""
+        grouped, start = [], 0
+        for spec, count in zip(self.specs, self.counts, strict=True):
+            grouped.append(tree_unflatten(list(flat_results[start:start + count]), spec))
+            start += count
+        return grouped
+
+
+def _leaves(xs: Sequence[Any], layout: Layout) -> tuple[tuple[Any, ...], _Differentiated]:
     """The inputs with the differentiated ones made autograd leaves (where no outer layer made them so), and those."""
-    leaves = tuple(_leaf(xs[i]) for i in layout.argnums)
-    return _replaced(xs, layout.argnums, leaves), leaves
+    made, flat, specs, counts = [], [], [], []
+    for i in layout.argnums:
+        tensors, spec = tree_flatten(xs[i])
+        leaves = [_leaf(t) for t in tensors]
+        made.append(tree_unflatten(leaves, spec))
+        flat.extend(leaves)
+        specs.append(spec)
+        counts.append(len(leaves))
+    return _replaced(xs, layout.argnums, made), _Differentiated(tuple(flat), tuple(specs), tuple(counts))
 
 
 def _autograd_grad(f: Fn, layout: Layout, create_graph: bool) -> Fn:
@@ -241,10 +280,10 @@ def _autograd_grad(f: Fn, layout: Layout, create_graph: bool) -> Fn:
         inputs, leaves = _leaves(xs, layout)
         loss = layout.loss(f(*inputs))
         if not loss.requires_grad:  # an inner derivative of a linear op: constant in x
-            return layout.result([torch.zeros_like(leaf) for leaf in leaves])
-        grads = torch.autograd.grad(loss, leaves, create_graph=create_graph, allow_unused=True,
+            return layout.result(leaves.per_argument([torch.zeros_like(leaf) for leaf in leaves.flat]))
+        grads = torch.autograd.grad(loss, leaves.flat, create_graph=create_graph, allow_unused=True,
                                     materialize_grads=True)
-        return layout.result(grads)
+        return layout.result(leaves.per_argument(grads))
 
     return grad_f
 
@@ -258,7 +297,8 @@ def _autograd_jacobian(f: Fn, layout: Layout, create_graph: bool, *, forward: bo
     ``torch.autograd.grad``; ``forward`` gives it the output's dtype, as jacfwd does."""
 
     def jacobian_f(*xs: Any) -> Any:
-        inputs, leaves = _leaves(xs, layout)
+        inputs, differentiated = _leaves(xs, layout)
+        leaves = differentiated.flat
         y = f(*inputs)
         per_output = []
         for out in _outputs(y):
@@ -269,7 +309,8 @@ def _autograd_jacobian(f: Fn, layout: Layout, create_graph: bool, *, forward: bo
             blocks = [torch.stack([row[i] for row in rows]).reshape((*out.shape, *leaf.shape)) if rows
                       else torch.zeros((*out.shape, *leaf.shape), dtype=leaf.dtype)
                       for i, leaf in enumerate(leaves)]
-            per_output.append(layout.result([b.to(out.dtype) for b in blocks] if forward else blocks))
+            blocks = [b.to(out.dtype) for b in blocks] if forward else blocks
+            per_output.append(layout.result(differentiated.per_argument(blocks)))
         return per_output[0] if isinstance(y, torch.Tensor) else type(y)(per_output)
 
     return jacobian_f
@@ -295,7 +336,8 @@ def _autograd_jvp(f: Fn, layout: Layout) -> Fn:
 
     def jvp_f(*args: Any) -> Any:
         xs, tangents = layout.split_tangents(args)
-        inputs, leaves = _leaves(xs, layout)
+        inputs, differentiated = _leaves(xs, layout)
+        leaves = differentiated.flat
         y = f(*inputs)
         outputs = _outputs(y)
         if not any(out.requires_grad for out in outputs):  # an inner derivative of a linear op: constant in x

@@ -8,7 +8,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import registry
+from registry.core.ops import OPS
+from registry.core.selector import SelectionError, select
 from registry.core.stacks import format_stack
 from registry.store import evidence
 from registry.store.db import MatrixEntry, ProfileEntry
@@ -34,7 +35,7 @@ def batched_for(op: str, pattern: str, stack: tuple[str, ...]) -> tuple[str, ...
     """The tensor arguments a matrix pattern batches: what the selector is asked for that cell."""
     if "vmap" not in stack:
         return ()
-    tensor_args = registry.OPS[op].tensor_args
+    tensor_args = OPS[op].tensor_args
     if pattern == "self":
         return ("self",)
     if pattern == "others":
@@ -53,9 +54,9 @@ def native_failures(entries: Sequence[MatrixEntry], profiles: Sequence[ProfileEn
             row = {"op": e.op, "stack": format_stack(e.stack), "pattern": e.pattern, "dtype": e.dtype,
                    "native_status": e.status, "native_detail": e.detail}
             try:
-                decision = registry.select(e.op, stack=e.stack, batched=batched_for(e.op, e.pattern, e.stack),
+                decision = select(e.op, stack=e.stack, batched=batched_for(e.op, e.pattern, e.stack),
                                            dtype=e.dtype)
-            except registry.SelectionError as error:
+            except SelectionError as error:
                 rows.append({**row, "composite": None, "kind": None, "status": None, "reason": str(error)})
                 continue
             there = status.get((e.op, decision.composite, e.stack, e.pattern, e.dtype))
@@ -83,10 +84,10 @@ def choices_by_op(entries: Sequence[MatrixEntry], stacks: Sequence[tuple[str, ..
         for op in dict.fromkeys(e.op for e in entries):
             choices[op] = {}
             for stack in stacks:
-                batched = registry.OPS[op].tensor_args[:1] if "vmap" in stack else ()
+                batched = OPS[op].tensor_args[:1] if "vmap" in stack else ()
                 try:
-                    decision = registry.select(op, stack=stack, batched=batched)
-                except registry.SelectionError:
+                    decision = select(op, stack=stack, batched=batched)
+                except SelectionError:
                     choices[op][stack] = None
                     continue
                 choices[op][stack] = (decision.composite, worst.get((op, decision.composite, stack), "not run"))

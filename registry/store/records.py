@@ -1,5 +1,5 @@
-"""The stored records, declared once: a verified matrix cell, a timing, a job and a worker, and how a row of the
-evidence tables becomes one. No database library here, so the hot path's reader (``sqlite_reader``) and the
+"""The stored records, declared once: a verified matrix cell, a timing, a job, a check and a worker, and how a row
+of the evidence tables becomes one. No database library here, so the hot path's reader (``sqlite_reader``) and the
 SQLAlchemy store (``db``) share them.
 """
 
@@ -84,7 +84,7 @@ class JobRecord:
     """A verification or profiling job as stored: what was asked, where it stands, and how it ended."""
 
     id: str = stored(64, primary=True, doc="the job's id: GET /jobs/{id} follows it")
-    kind: str = stored(50, doc="verify or profile")
+    kind: str = stored(50, doc="verify, profile or check")
     params: dict[str, Any] = stored(doc="what the job runs, as checked and completed from the request: ops, stacks "
                                         "(spelled vmap(grad)) or workloads, dtypes, sizes, device_kind")
     state: str = stored(20, index=True, default="queued",
@@ -101,6 +101,28 @@ class JobRecord:
     started_at: float | None = stored(default=None, doc="when it started")
     finished_at: float | None = stored(default=None, doc="when it finished")
     updated_at: float = stored(public=False, default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class CheckRecord:
+    """One ``registry.check`` report as stored (``registry/store/checks.py``): the program checked, its verdicts
+    natively and inside use(), the three timings, and the whole report."""
+
+    id: str = stored(64, primary=True, doc="the check's id: the id of the job that ran it")
+    example: str = stored(100, index=True, doc="the built-in program checked (GET /checks/examples lists them)")
+    function: str = stored(400, doc="the per-sample function, with its file and line")
+    transform: str = stored(120, doc="the transforms it ran under, spelled vmap(grad)")
+    policy: str = stored(20, doc="use()'s policy")
+    native_verdict: str = stored(20, doc="native under the transform: ok, slow, mismatch, error (or unchecked)")
+    use_verdict: str = stored(20, doc="inside use(): ok, slow, mismatch, error (or unchecked)")
+    summary: str = stored(doc="what the check found, in one sentence")
+    native_s: float | None = stored(doc="native's median thread CPU time per call, seconds; null where it raised")
+    use_s: float | None = stored(doc="use()'s median thread CPU time per call, seconds; null where it raised")
+    reference_s: float | None = stored(doc="the per-sample reference's median thread CPU time, seconds")
+    report: dict[str, Any] = stored(doc="the whole report: per-output differences, fallbacks, decisions, "
+                                        "functionalization, splits (registry.check's CheckReport.to_json())")
+    torch_version: str = stored(100, doc="the PyTorch it ran on")
+    created_at: float = stored(default_factory=time.time, doc="when it was checked")
 
 
 @dataclass(frozen=True)

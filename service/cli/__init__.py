@@ -11,8 +11,9 @@ raises ``service.cli_output.UsageError`` for bad input (one line on stderr, exit
 Only the command being run is configured, and every module imports torch, the registry and the service inside the
 functions that need them: ``multicomposite --help`` answers without loading any of them.
 
-Exit codes: 0 done; 1 done, but what ran found a failure (``verify``); 2 bad input, said in one line on stderr;
-130 interrupted (Ctrl-C), said in one line; 141 stdout was closed early (``multicomposite ops | head``).
+Exit codes: 0 done; 1 done, but what ran found a failure (``verify``; ``check``: use() is not ok); 2 bad input, said
+in one line on stderr; 130 interrupted (Ctrl-C), said in one line; 141 stdout was closed early
+(``multicomposite ops | head``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from service.cli import (
     build_kernels,
+    check,
     conformance,
     jobs,
     matrix,
@@ -46,7 +48,8 @@ DESCRIPTION = ("Verify, profile and choose among the decompositions of each PyTo
                "what the store holds, and serve it over HTTP with a dashboard.")
 EPILOG = ("start with `multicomposite ops`, then `multicomposite select index_fill --stack \"vmap(grad)\"`; "
           "`multicomposite verify` and `profile` fill the store that `select`, `matrix`, `report` and the service "
-          "read. Exit codes: 0 done, 1 a failure was found (verify), 2 bad input, 130 interrupted.")
+          "read; `multicomposite check model.py:loss --example model.py:make_args` checks your own function. Exit "
+          "codes: 0 done, 1 a failure was found (verify, check), 2 bad input, 130 interrupted.")
 
 
 def _configure_db(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +89,8 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("survey-results", "show the stored survey rows", survey_results.configure, reads=True),
     Subcommand("conformance", "run functorch's OpInfo checks on every covered op, natively and inside use(); fill "
                "the store", conformance.configure),
+    Subcommand("check", "check your own transformed function: right natively and inside use()? what use() chose, "
+               "and the three timings", check.configure),
     Subcommand("jobs", "show the verify and profile jobs the service has run or queued", jobs.configure,
                reads=True),
     Subcommand("db", "the store's schema: show its revision (db current), or upgrade it (db upgrade)",

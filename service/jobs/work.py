@@ -1,4 +1,4 @@
-"""``make_job_work(store)``: what a verify or a profile job does, the same whether the service's own runner
+"""``make_job_work(store)``: what a verify, a profile or a check job does, the same whether the service's own runner
 (``local``) or a ``multicomposite worker`` (``worker``) runs it."""
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ def make_job_work(store_: Store, on_written: Callable[[], None] = lambda: None) 
         from registry.profiling.stored_profile import profile_into
 
         params = job.params
+        if job.kind == "check":
+            result = run_check(store_, job, progress)
+            on_written()
+            return result
         dtypes = [getattr(torch, name) for name in params["dtypes"]]  # names checked against a closed Literal
 
         def report(done: int, total: int, _label: str = "") -> None:
@@ -45,3 +49,28 @@ def make_job_work(store_: Store, on_written: Callable[[], None] = lambda: None) 
         return {"profiles": len(profiles), "timed": sum(p.valid for p in profiles), "refused": refused}
 
     return run_job
+
+
+def run_check(store_: Store, job: Job, progress: Progress) -> dict[str, Any]:
+    """A check job: one of the built-in programs (``service.check_examples``, named in the params; never code sent
+    with the request) through ``registry.check``; the report is stored under the job's id."""
+    import torch
+
+    import registry
+    from registry.store.checks import write_check
+    from registry.store.records import CheckRecord
+    from service.check_examples import EXAMPLES
+
+    params = job.params
+    example = EXAMPLES[params["example"]]  # checked against EXAMPLES when the job was submitted
+    progress(0, 1)
+    fn, args = example.build()
+    report = registry.check(fn, *args, transform=example.transform, in_dims=example.in_dims, argnums=example.argnums,
+                            policy=params["policy"], rounds=params["rounds"])
+    write_check(store_, CheckRecord(
+        id=job.id, example=example.name, function=report.function, transform=report.transform, policy=report.policy,
+        native_verdict=report.native.verdict, use_verdict=report.use.verdict, summary=report.summary(),
+        native_s=report.native.time_s, use_s=report.use.time_s, reference_s=report.reference.time_s,
+        report=report.to_json(), torch_version=torch.__version__))
+    progress(1, 1)
+    return {"check": job.id, "native": report.native.verdict, "use": report.use.verdict, "ok": report.ok}

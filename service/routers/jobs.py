@@ -1,4 +1,5 @@
-"""Verification and profiling jobs: POST /verify, POST /profiles (202 + Location), GET and DELETE /jobs/{id}."""
+"""Verification and profiling jobs: POST /verify, POST /profiles (202 + Location), GET and DELETE /jobs/{id}; the
+check jobs' POST /checks is ``service/routers/checks.py``'s."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def _check_ops(ops: list[str] | None) -> list[str]:
     return ops or list(registry.OPS)
 
 
-def _submit(backend: JobsDep, kind: str, params: dict, response: Response) -> JobPublic:
+def submit(backend: JobsDep, kind: str, params: dict, response: Response) -> JobPublic:
     try:
         job = backend.submit(kind, params)
     except QueueFullError:
@@ -102,7 +103,7 @@ def post_verify(body: VerifyCreate, backend: JobsDep, settings: SettingsDep, res
         raise HTTPException(status_code=422, detail=f"{contexts} (op, stack, dtype) contexts is over the limit of "
                                                     f"{settings.max_contexts} per job; name fewer ops or stacks")
     params = {"ops": ops, "stacks": stacks, "dtypes": body.dtypes, "device_kind": DEFAULT_KIND}
-    return _submit(backend, "verify", params, response)
+    return submit(backend, "verify", params, response)
 
 
 @router.post("/profiles", status_code=202, dependencies=[Authorized])
@@ -143,7 +144,7 @@ def post_profiles(body: ProfileCreate, backend: JobsDep, settings: SettingsDep, 
     params = {"ops": ops, "workloads": workloads, "batch_sizes": body.batch_sizes, "numels": body.numels,
               "dtypes": body.dtypes, "device": body.device, "min_run_time": body.min_run_time,
               "device_kind": device_kind}
-    return _submit(backend, "profile", params, response)
+    return submit(backend, "profile", params, response)
 
 
 JobId = Annotated[str, FastAPIPath(description="the id POST /verify or POST /profiles answered")]

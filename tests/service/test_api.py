@@ -227,15 +227,16 @@ def test_openapi_declares_the_bearer_scheme_and_describes_every_parameter(client
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"  # /docs: an Authorize button
     secured = {(path, method) for path, operations in schema["paths"].items()
                for method, operation in operations.items() if operation.get("security")}
-    assert secured == {("/verify", "post"), ("/profiles", "post"), ("/jobs/{job_id}", "delete")}
+    assert secured == {("/verify", "post"), ("/profiles", "post"), ("/checks", "post"), ("/jobs/{job_id}", "delete")}
     undescribed = [f"{method.upper()} {path} {parameter['name']}" for path, operations in schema["paths"].items()
                    for method, operation in operations.items() for parameter in operation.get("parameters", [])
                    if not parameter.get("description")]
     assert undescribed == []
-    for name in ("VerifyCreate", "ProfileCreate", "SelectQuery", "JobPublic"):
+    for name in ("VerifyCreate", "ProfileCreate", "SelectQuery", "JobPublic", "CheckCreate", "CheckPublic",
+                 "CheckSummary"):
         model = schema["components"]["schemas"][name]
         assert [field for field, spec in model["properties"].items() if not spec.get("description")] == [], name
-    for name in ("VerifyCreate", "ProfileCreate", "SelectQuery"):
+    for name in ("VerifyCreate", "ProfileCreate", "SelectQuery", "CheckCreate"):
         assert schema["components"]["schemas"][name]["additionalProperties"] is False, name
 
 

@@ -593,11 +593,58 @@ def test_jobs_run_to_completion_and_cancel_from_the_page(browser: WebDriver, ser
     assert console_errors(browser) == []
 
 
+def test_checks_view_starts_a_check_and_shows_its_report(browser: WebDriver, server: str) -> None:
+    viewport(browser, WIDE)
+    open_view(browser, server, "checks")
+    examples = api(server, "/checks/examples")
+    options = browser.execute_script("return [...document.querySelectorAll('#check-example option')]"
+                                     ".map((o) => [o.value, o.disabled])")
+    assert options == [[e["name"], not e["available"]] for e in examples]
+    assert text(browser, "checks-summary") == "The store holds no checks yet: start one above."
+    go(browser, "jobs")
+    browser.find_element(By.ID, "job-token").send_keys(TOKEN)
+    go(browser, "checks")
+    Select(browser.find_element(By.ID, "check-example")).select_by_value("index-fill")
+    assert text(browser, "check-example-help").startswith("the README's example: index_fill")
+    rounds = browser.find_element(By.ID, "check-rounds")
+    rounds.clear()
+    rounds.send_keys("1")
+    browser.find_element(By.ID, "check-start").click()
+    wait_for(browser, lambda d: d.find_element(By.ID, "check-detail").is_displayed(), "the check's report", 90)
+    [listed] = api(server, "/checks")
+    check = api(server, f"/checks/{listed['id']}")
+    report = check["report"]
+    assert text(browser, "check-summary") == report["summary"]
+    assert report["summary"].startswith("native is silently wrong")
+    runs = browser.execute_script("return [...document.querySelectorAll('#check-runs tbody tr')]"
+                                  ".map((tr) => [...tr.cells].map((td) => td.innerText.trim()))")
+    assert [row[:2] for row in runs] == [["native", "mismatch"], ["use()", "ok"]]
+    assert [row[3] for row in runs] == ["result", "result"]
+    # The chart's bars are the three timings on one linear axis.
+    bars = browser.execute_script("return [...document.querySelectorAll('#check-timings rect')]"
+                                  ".map((r) => [r.dataset.side, Number(r.getAttribute('width'))])")
+    assert [side for side, _ in bars] == ["native", "use()", "reference"]
+    times = {"native": check["native_s"], "use()": check["use_s"], "reference": check["reference_s"]}
+    longest = max(times.values())
+    widest = max(width for _, width in bars)
+    for side, width in bars:
+        assert width == pytest.approx(max(times[side] / longest * widest, 1), rel=1e-3, abs=0.5), side
+    decisions = browser.execute_script("return [...document.querySelectorAll('#check-decisions tbody tr')]"
+                                       ".map((tr) => [...tr.cells].map((td) => td.innerText.trim()))")
+    assert [row[:5] for row in decisions] == [[d["op"], d["stack"], ", ".join(d["batched"]) or "none", d["composite"],
+                                               d["kind"]] for d in report["decisions"]]
+    table = browser.execute_script("return [...document.querySelectorAll('#checks-table tbody tr')]"
+                                   ".map((tr) => [...tr.cells].map((td) => td.innerText.trim()))")
+    assert table == [[measured_text(listed), "index-fill", "vmap(grad)", "mismatch", "ok", listed["summary"]]]
+    shoot(browser, "checks")
+    assert console_errors(browser) == []
+
+
 def test_every_view_fits_400_px(browser: WebDriver, server: str) -> None:
     viewport(browser, NARROW)
     open_view(browser, server, "matrix")
     cell_button(browser, "masked_fill/mutating", "vmap").click()
-    for view in ("matrix", "decide", "profiles", "jobs"):
+    for view in ("matrix", "decide", "profiles", "checks", "jobs"):
         go(browser, view)
         if view == "decide":
             Select(browser.find_element(By.ID, "decide-op")).select_by_value("index_fill")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, text
 
+import registry.store.checks
 import registry.store.conformance
 import registry.store.survey
 import registry.store.workers  # noqa: F401  (these define their tables on the same metadata)

@@ -1,4 +1,4 @@
-// The multicomposite dashboard: four views over the service's JSON API, no framework, no build step.
+// The multicomposite dashboard: five views over the service's JSON API, no framework, no build step.
 // Everything from the server is inserted as text (never as HTML): error texts and details come from the store.
 "use strict";
 
@@ -14,6 +14,10 @@ const state = {
   matrix: [],         // GET /matrix, every page
   profiles: [],       // GET /profiles, every page
   jobs: new Map(),    // id -> last GET /jobs/{id}
+  examples: [],       // GET /checks/examples
+  checks: [],         // GET /checks (without their reports)
+  selectedCheck: null, // the id whose report is shown
+  shownCheck: null,   // its GET /checks/{id}
   selectedCell: null, // [rowKey, stackLabel] whose evidence is shown
 };
 
@@ -194,7 +198,7 @@ function optionList(select, values, keepFirst = true) {
 
 // ---------------------------------------------------------------- views and navigation
 
-const VIEWS = ["matrix", "decide", "profiles", "jobs"];
+const VIEWS = ["matrix", "decide", "profiles", "checks", "jobs"];
 
 function showView() {
   const wanted = location.hash.replace("#", "");
@@ -207,6 +211,7 @@ function showView() {
   }
   document.title = `${$(`nav-${name}`).textContent} · multicomposite dashboard`;
   if (name === "profiles") renderProfiles(); // widths depend on the now visible container
+  if (name === "checks") renderCheck();
 }
 
 // ---------------------------------------------------------------- matrix heatmap
@@ -683,6 +688,7 @@ async function pollJob(id, {forgetIfGone = false} = {}) {
       if (job.state === "done" && before?.state !== "done") {
         // What the job wrote is what the other views show next.
         if (job.kind === "verify") loadMatrix();
+        else if (job.kind === "check") loadChecks(job.id);
         else loadProfiles();
       }
       return;
@@ -704,6 +710,7 @@ async function cancelJob(id) {
 function jobSummary(job) {
   const params = job.params || {};
   const ops = (params.ops || []).join(", ");
+  if (job.kind === "check") return `${params.example} with policy ${params.policy}; ${params.rounds} timing rounds`;
   if (job.kind === "verify") {
     const stacks = params.stacks ? params.stacks.map(safeStackLabel).join(", ") : "every generated stack";
     return `${ops} under ${stacks}; ${(params.dtypes || []).join(", ")}`;
@@ -775,6 +782,168 @@ function renderJobs() {
   }
 }
 
+// ---------------------------------------------------------------- checks: a report as a table and its timings
+
+function verdictBadge(verdict) {
+  const status = verdict === "unchecked" ? "unsupported" : verdict;
+  return h("span", {class: `badge status-${SEVERITY.includes(status) ? status : "error"}`, text: verdict});
+}
+
+function formatSeconds(seconds) {
+  return seconds === null || seconds === undefined ? "not timed" : `${formatNumber(seconds * 1e3)} ms`;
+}
+
+function fillExamples() {
+  const select = $("check-example");
+  select.replaceChildren(...state.examples.map((e) => h("option", {value: e.name, disabled: !e.available,
+    text: e.available ? `${e.name} (${e.transform})` : `${e.name} (needs ${e.needs})`})));
+  const first = state.examples.find((e) => e.available);
+  if (first && !select.value) select.value = first.name;
+  describeExample();
+}
+
+function describeExample() {
+  const example = state.examples.find((e) => e.name === $("check-example").value);
+  $("check-example-help").textContent = example ? `${example.description}; under ${example.transform}.` : "";
+}
+
+async function loadChecks(show) {
+  try {
+    state.checks = await api("GET", "/checks");
+    showError("checks-error", null);
+  } catch (error) {
+    showError("checks-error", error);
+  }
+  renderChecks();
+  const wanted = show || state.selectedCheck || (state.checks[0] && state.checks[0].id);
+  if (wanted && state.checks.some((c) => c.id === wanted)) await showCheck(wanted);
+}
+
+function renderChecks() {
+  $("checks-summary").textContent = state.checks.length
+    ? `${state.checks.length} stored check${state.checks.length === 1 ? "" : "s"}, newest first.`
+    : "The store holds no checks yet: start one above.";
+  const columns = ["checked", "program", "transform", "native", "use()", "summary"];
+  $("checks-table").replaceChildren(
+    h("caption", {class: "visually-hidden", text: "stored checks, newest first"}),
+    h("thead", {}, h("tr", {}, columns.map((n) => h("th", {scope: "col", text: n})))),
+    h("tbody", {}, state.checks.map((c) => h("tr", {"data-check": c.id, class: c.id === state.selectedCheck ? "selected" : null},
+      h("td", {}, h("button", {type: "button", class: "link", "aria-label": `show the check of ${c.example} at ${measuredAt(c)}`,
+        onclick: () => showCheck(c.id), text: measuredAt(c)})),
+      h("td", {text: c.example}), h("td", {text: c.transform}),
+      h("td", {}, verdictBadge(c.native_verdict)), h("td", {}, verdictBadge(c.use_verdict)),
+      h("td", {text: c.summary})))));
+}
+
+function runRow(run) {
+  const worst = (run.differences || []).reduce((found, d) => {
+    if (!found) return d;
+    if (found.ok !== d.ok) return d.ok ? found : d;
+    return (d.max_rel ?? Infinity) > (found.max_rel ?? Infinity) ? d : found;
+  }, null);
+  const detail = run.error ? `${run.error}${run.where ? ` at ${run.where}` : ""}`
+    : run.fallbacks && run.fallbacks.length ? `vmap looped over the batch for ${run.fallbacks.join(", ")}`
+      : worst && worst.detail ? worst.detail : "";
+  return h("tr", {"data-run": run.name}, h("th", {scope: "row", text: run.name}), h("td", {}, verdictBadge(run.verdict)),
+    h("td", {text: formatSeconds(run.time_s)}), h("td", {text: worst ? worst.name : "none"}),
+    h("td", {text: worst ? formatNumber(worst.max_abs) : "none"}), h("td", {text: worst ? formatNumber(worst.max_rel) : "none"}),
+    h("td", {text: detail}));
+}
+
+// The three timings as horizontal bars on one linear axis (milliseconds); a side that raised has no bar.
+function timingChart(report, width) {
+  const sides = [["native", report.native.time_s], ["use()", report.use.time_s], ["reference", report.reference.time_s]];
+  const labelWidth = 90;
+  const valueWidth = 90;
+  const rowHeight = 26;
+  const top = 8;
+  const height = top + sides.length * rowHeight + 8;
+  const longest = Math.max(...sides.map(([, t]) => t || 0), 1e-9);
+  const plot = width - labelWidth - valueWidth - 16;
+  const chart = svg("svg", {id: "check-timings", width, height, viewBox: `0 0 ${width} ${height}`, role: "img", class: "chart",
+    "aria-label": `Thread CPU time per call: ${sides.map(([n, t]) => `${n} ${formatSeconds(t)}`).join(", ")}`});
+  sides.forEach(([name, seconds], i) => {
+    const y = top + i * rowHeight;
+    chart.append(svg("text", {x: labelWidth, y: y + 17, class: "label", "text-anchor": "end", text: name}));
+    if (seconds === null || seconds === undefined) {
+      chart.append(svg("text", {x: labelWidth + 8, y: y + 17, class: "note", "data-side": name, text: "not timed (it raised)"}));
+      return;
+    }
+    const bar = svg("rect", {x: labelWidth + 8, y: y + 4, width: Math.max((seconds / longest) * plot, 1), height: rowHeight - 8,
+      class: name === "native" ? "bar native" : name === "use()" ? "bar faster" : "bar reference", "data-side": name});
+    bar.append(svg("title", {text: `${name}: ${formatSeconds(seconds)}`}));
+    chart.append(bar, svg("text", {x: width - valueWidth, y: y + 17, class: "value", "data-side": name, text: formatSeconds(seconds)}));
+  });
+  return chart;
+}
+
+async function showCheck(id) {
+  let check;
+  try {
+    check = await api("GET", `/checks/${encodeURIComponent(id)}`);
+  } catch (error) {
+    showError("checks-error", error);
+    return;
+  }
+  state.selectedCheck = id;
+  state.shownCheck = check;
+  for (const row of document.querySelectorAll("#checks-table tbody tr")) row.classList.toggle("selected", row.dataset.check === id);
+  renderCheck();
+}
+
+// The shown check, drawn for the view's width now (again when the view is shown: a hidden view has no width).
+function renderCheck() {
+  const check = state.shownCheck;
+  if (!check || $("view-checks").hidden) return;
+  const out = $("check-detail");
+  const report = check.report;
+  const available = $("view-checks").clientWidth || 700;
+  const width = Math.max(240, Math.min(available - 40, 760));
+  const decisions = report.decisions || [];
+  out.replaceChildren(
+    h("h3", {text: `${check.example} under ${check.transform} (policy ${check.policy})`}),
+    h("p", {id: "check-summary", class: "reason", text: report.summary}),
+    h("div", {class: "scroll"}, h("table", {id: "check-runs", class: "alternatives"},
+      h("thead", {}, h("tr", {}, ["run", "verdict", "time", "worst output", "max abs", "max rel", "detail"].map((n) => h("th", {scope: "col", text: n})))),
+      h("tbody", {}, runRow(report.native), runRow(report.use)))),
+    h("h4", {text: "Thread CPU time per call"}),
+    h("figure", {class: "card chart-card"}, h("figcaption", {text: report.timing}), timingChart(report, width)),
+    h("h4", {text: "Decisions inside use()"}),
+    decisions.length
+      ? h("div", {class: "scroll"}, h("table", {id: "check-decisions", class: "alternatives"},
+        h("thead", {}, h("tr", {}, ["op", "stack", "batched", "composite", "kind", "calls", "reason"].map((n) => h("th", {scope: "col", text: n})))),
+        h("tbody", {}, decisions.map((d) => h("tr", {}, h("td", {text: d.op}), h("td", {text: d.stack}),
+          h("td", {text: (d.batched || []).join(", ") || "none"}), h("td", {text: d.composite}), h("td", {text: d.kind}),
+          h("td", {text: String(d.calls)}), h("td", {text: d.reason}))))))
+      : h("p", {text: "None: no covered op was called under the transform."}),
+    h("ul", {id: "check-notes"}, [
+      ...(report.functionalized || []).map((f) => h("li", {text: `functionalized automatically: ${f}`})),
+      ...(report.splits || []).map((s) => h("li", {text: `batch split: ${s}`})),
+      h("li", {text: `compared at the ${report.tolerance} tolerance; ${check.function}; torch ${check.torch_version}`})]),
+  );
+  out.hidden = false;
+}
+
+async function startCheck(event) {
+  event.preventDefault();
+  showError("checks-error", null);
+  const rounds = Number($("check-rounds").value);
+  if (!Number.isInteger(rounds) || rounds < 1 || rounds > 20) {
+    showError("checks-error", new Error("check: timing rounds must be a whole number from 1 to 20"));
+    return;
+  }
+  try {
+    const job = await api("POST", "/checks", {example: $("check-example").value, policy: $("check-policy").value, rounds});
+    state.jobs.set(job.id, job);
+    rememberJobs();
+    renderJobs();
+    $("checks-summary").textContent = `Check ${job.id.slice(0, 8)} started; its report shows here when it is done.`;
+    pollJob(job.id);
+  } catch (error) {
+    showError("checks-error", error);
+  }
+}
+
 // ---------------------------------------------------------------- start
 
 async function workloadNames() {
@@ -809,14 +978,23 @@ async function start() {
   $("decide-op").addEventListener("change", fillDecisionForm);
   $("verify-form").addEventListener("submit", (event) => startJob(event, "verify"));
   $("profile-form").addEventListener("submit", (event) => startJob(event, "profile"));
+  $("check-form").addEventListener("submit", startCheck);
+  $("check-example").addEventListener("change", describeExample);
+  $("checks-reload").addEventListener("click", () => loadChecks());
   let resizeTimer = null;
   window.addEventListener("resize", () => {
     clearTimeout(resizeTimer);
-    resizeTimer = setTimeout(renderProfiles, 150);
+    resizeTimer = setTimeout(() => {
+      renderProfiles();
+      renderCheck();
+    }, 150);
   });
 
   try {
-    const [version, ops, workloads] = await Promise.all([api("GET", "/version"), api("GET", "/ops"), workloadNames()]);
+    const [version, ops, workloads, examples] = await Promise.all([api("GET", "/version"), api("GET", "/ops"),
+      workloadNames(), api("GET", "/checks/examples").catch(() => [])]);
+    state.examples = examples;
+    fillExamples();
     $("version").textContent = `${version.multicomposite} · torch ${version.torch} · ${version.device}`;
     state.ops = ops;
     const names = ops.map((o) => o.name);
@@ -831,7 +1009,7 @@ async function start() {
     showError("global-error", error);
   }
   // A remembered job the server no longer knows (restarted, or pruned it) is dropped.
-  const [, , ...remembered] = await Promise.all([loadMatrix(), loadProfiles(), ...rememberedJobs().map((id) =>
+  const [, , , ...remembered] = await Promise.all([loadMatrix(), loadProfiles(), loadChecks(), ...rememberedJobs().map((id) =>
     api("GET", `/jobs/${encodeURIComponent(id)}`).catch(() => null))]);
   for (const job of remembered) if (job) state.jobs.set(job.id, job); // in the order they were started
   rememberJobs();

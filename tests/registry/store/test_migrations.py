@@ -26,9 +26,9 @@ from service.cli import main
 from tests.registry.store.test_store import entry
 
 LEGACY_DDL = (Path(__file__).parent / "data" / "schema_before_migrations.sql").read_text()
-HEAD = "0005"
+HEAD = "0006"
 TABLES = {"matrix_entries", "profiles", "store_meta", "jobs", "bench_runs", "survey_results", "conformance_results",
-          "workers"}
+          "workers", "checks"}
 
 
 def _execute(url: str, *statements: str) -> list[tuple[object, ...]]:
@@ -157,7 +157,7 @@ def test_a_fresh_store_has_exactly_the_schema_of_the_models(empty_url: str) -> N
 
 def test_revisions_go_down_and_up_again(empty_url: str) -> None:
     url = empty_url
-    assert migrate.revisions() == ["0001", "0002", "0003", "0004", HEAD]
+    assert migrate.revisions() == ["0001", "0002", "0003", "0004", "0005", HEAD]
     assert migrate.upgrade(url, "0001") == (None, "0001")
     assert _execute(url, "SELECT key, value FROM store_meta ORDER BY key") == [("generation", 0),
                                                                                ("schema_version", 2)]
@@ -329,7 +329,7 @@ def test_db_commands(empty_url: str, capsys: pytest.CaptureFixture[str]) -> None
     assert json.loads(capsys.readouterr().out) == {"url": shown, "current": HEAD, "head": HEAD, "up_to_date": True}
     assert main(["db", "upgrade", "--url", url, "--revision", "9"]) == 2
     assert capsys.readouterr().err == ("multicomposite db: cannot upgrade to '9': Can't locate revision identified "
-                                       "by '9'; known revisions: 0001, 0002, 0003, 0004, 0005\n")
+                                       "by '9'; known revisions: 0001, 0002, 0003, 0004, 0005, 0006\n")
 
 
 def test_db_commands_name_an_unreachable_server_without_its_password(capsys: pytest.CaptureFixture[str]) -> None:
