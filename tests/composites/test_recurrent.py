@@ -126,12 +126,12 @@ def test_unrolled_equals_native_values_and_gradients(config: Config, zero_state:
     _equals_native("unrolled", config, zero_state)
 
 
-LSTM_CONFIGS = [c for c in CONFIGS if c.op == "lstm"]
+RECURRENCE_CONFIGS = [c for c in CONFIGS if c.op in ("lstm", "gru")]
 
 
-@pytest.mark.parametrize("config", LSTM_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", RECURRENCE_CONFIGS, ids=str)
 @pytest.mark.parametrize("zero_state", [False, True], ids=["given-state", "zero-state"])
-def test_lstm_recurrence_equals_native_values_and_gradients(config: Config, zero_state: bool) -> None:
+def test_recurrence_equals_native_values_and_gradients(config: Config, zero_state: bool) -> None:
     """The recurrence primitive outside any transform: its forward and its own backward (BPTT) against PyTorch's."""
     _equals_native("recurrence", config, zero_state)
 
@@ -199,9 +199,9 @@ def test_per_sample_gradients_inside_use_equal_the_loop(config: Config) -> None:
         torch.testing.assert_close(g, e)
 
 
-@pytest.mark.parametrize("config", LSTM_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", RECURRENCE_CONFIGS, ids=str)
 @pytest.mark.parametrize("stack", ["vmap(grad)", "vmap(jacrev)"])
-def test_lstm_recurrence_per_sample_gradients_equal_the_loop(config: Config, stack: str) -> None:
+def test_recurrence_per_sample_gradients_equal_the_loop(config: Config, stack: str) -> None:
     """Pinned, so that the primitive runs (where a layer has a projection its recurrence stays unrolled)."""
     generator = torch.Generator().manual_seed(5)
     params, x, hx = _params(config, generator), _input(config, generator), _hx(config, generator)
@@ -211,7 +211,7 @@ def test_lstm_recurrence_per_sample_gradients_equal_the_loop(config: Config, sta
         return _loss(_call(config, sample, hx, weights))
 
     transform = grad if stack == "vmap(grad)" else jacrev
-    with registry.use(pins={"lstm": "recurrence"}):
+    with registry.use(pins={config.op: "recurrence"}):
         got = _no_fallback(lambda: vmap(transform(loss), in_dims=(None, 0))(params, x))
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e)
@@ -306,8 +306,8 @@ def test_auto_keeps_native_where_it_works_and_routes_where_it_fails() -> None:
         assert registry.select(op, stack="jacrev", policy="rules").kind == "native"
         for stack in ("vmap", "vmap,grad", "vmap,jvp", "jacfwd"):
             decision = registry.select(op, stack=stack, batched=["input"], policy="rules")
-            expected = ("recurrence", "primitive") if (op, stack) == ("lstm", "vmap,grad") else ("unrolled",
-                                                                                               "functional")
+            expected = (("recurrence", "primitive") if op in ("lstm", "gru") and stack == "vmap,grad"
+                        else ("unrolled", "functional"))
             assert (decision.composite, decision.kind) == expected, (op, stack)
         # Under vmap alone every batching raises (the parameters batched too, which the router cannot see).
         assert registry.select(op, stack="vmap", policy="rules").composite == "unrolled"
@@ -315,7 +315,8 @@ def test_auto_keeps_native_where_it_works_and_routes_where_it_fails() -> None:
         # jacfwd (nothing the op sees is batched) and ensembles under vmap(grad) work natively.
         assert registry.select(op, stack="jacfwd", policy="rules").kind == "native"
         assert registry.select(op, stack="vmap,grad", policy="rules").kind == "native"
-        assert registry.select(op, stack="vmap,grad", batched=["hx"], policy="rules").composite == "unrolled"
+        routed = "recurrence" if op == "gru" else "unrolled"
+        assert registry.select(op, stack="vmap,grad", batched=["hx"], policy="rules").composite == routed
     # The LSTM's state is a Tensor[] the router cannot see, and its forward AD is missing: every vmap routes.
     assert registry.select("lstm", stack="jacfwd", policy="rules").composite == "unrolled"
     # Under vmap(grad) the recurrence primitive (one product per sample for the hidden weight's gradient); where
