@@ -1,16 +1,18 @@
-"""``python -m bench.models [--batch 4 16 64] [--only NAME ...] [--rounds 5] [--clock cpu|wall|both]``: native vs
-use() vs the DP library's hooks vs the per-sample loop, and each against the step's floor.
+"""``python -m bench.models [--batch 4 16 64] [--only NAME ...] [--rounds 5] [--clock cpu|wall|both] [--pins JSON]``:
+native vs use() vs the DP library's hooks vs the per-sample loop, and each against the step's floor.
 
 Every way runs in one process, in alternating rounds; a way's time is its best round (each round the median call).
 ``--clock cpu`` runs one intra-op thread and times the calling thread's CPU time (what time spent descheduled by
 other processes does not inflate); ``--clock wall`` runs every thread and times wall time; ``both`` (the default)
 runs the two one after the other. The floor is the workload's ordinary batched training step plus a fill of fresh
-tensors of its per-sample gradients' sizes, timed in the same rounds.
+tensors of its per-sample gradients' sizes, timed in the same rounds. ``--pins`` adds ``use(pins=...)`` as one more
+way in the same rounds (``pinned``: a baseline of earlier decisions, e.g. ``'{"mm": "native"}'``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -61,9 +63,9 @@ def _matches(result: Any, reference: Any, setup: Setup) -> bool:
                for g, w in zip(got, want, strict=True))
 
 
-def _routed(stmt: Callable[[], Any]) -> Callable[[], Any]:
+def _routed(stmt: Callable[[], Any], pins: dict[str, str] | None = None) -> Callable[[], Any]:
     def inside() -> Any:
-        with registry.use():
+        with registry.use(pins=pins):
             return stmt()
 
     return inside
@@ -76,7 +78,8 @@ def _fill(reference: Any) -> Callable[[], object]:
     return lambda: [torch.empty(shape, dtype=dtype).fill_(1) for shape, dtype in zip(shapes, dtypes, strict=True)]
 
 
-def run(workload: Workload, batch: int, rounds: int, min_run_time: float, clock: str) -> dict[str, Any]:
+def run(workload: Workload, batch: int, rounds: int, min_run_time: float, clock: str,
+        pins: dict[str, str] | None = None) -> dict[str, Any]:
     """One workload at one batch size: each way checked against the loop once, then timed in alternating rounds."""
     row: dict[str, Any] = {"workload": workload.name, "family": workload.family, "batch": batch, "clock": clock}
     try:
@@ -86,7 +89,9 @@ def run(workload: Workload, batch: int, rounds: int, min_run_time: float, clock:
         return row
     reference = setup.loop()
     stmts: dict[str, Callable[[], Any]] = {"native": setup.step, "use": _routed(setup.step), "loop": setup.loop}
-    for way in ("native", "use", "hooks"):
+    if pins:
+        stmts["pinned"] = _routed(setup.step, pins)
+    for way in ("native", "use", "pinned", "hooks") if pins else ("native", "use", "hooks"):
         stmt = stmts.get(way) if way != "hooks" else setup.hooks
         if stmt is None:
             row[way] = "-"
@@ -124,13 +129,17 @@ def _ms(row: dict[str, Any], key: str) -> str:
 
 HEADER = (f"{'workload':32} {'batch':>5} {'native':>8} {'use()':>8} {'hooks':>8} {'native ms':>9} {'use ms':>8}"
           f" {'hooks ms':>8} {'floor ms':>8} {'loop ms':>8} {'use/floor':>9} {'native/use':>10} {'hooks/use':>9}")
+PINNED = f" {'pinned ms':>9} {'pinned/use':>10}"
 
 
 def line(row: dict[str, Any]) -> str:
-    return (f"{row['workload'][:32]:32} {row['batch']:>5} {row['native'][:8]:>8} {row['use'][:8]:>8}"
+    text = (f"{row['workload'][:32]:32} {row['batch']:>5} {row['native'][:8]:>8} {row['use'][:8]:>8}"
             f" {row['hooks'][:8]:>8} {_ms(row, 'native_ms'):>9} {_ms(row, 'use_ms'):>8} {_ms(row, 'hooks_ms'):>8}"
             f" {_ms(row, 'floor_ms'):>8} {_ms(row, 'loop_ms'):>8} {_ratio(row, 'use_ms', 'floor_ms'):>9}"
             f" {_ratio(row, 'native_ms', 'use_ms'):>10} {_ratio(row, 'hooks_ms', 'use_ms'):>9}")
+    if "pinned" in row:
+        text += f" {_ms(row, 'pinned_ms'):>9} {_ratio(row, 'pinned_ms', 'use_ms'):>10}"
+    return text
 
 
 def _geomean(values: list[float]) -> float:
@@ -144,7 +153,11 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     hooked = [r for r in rows if "use_ms" in r and "hooks_ms" in r]
     slower = [f"{r['workload']}@{r['batch']}" for r in hooked if r["use_ms"] > r["hooks_ms"]]
     over = [f"{r['workload']}@{r['batch']}" for r in rows if "floor_ms" in r and r["use_ms"] > 2 * r["floor_ms"]]
-    return [
+    pinned = [r["pinned_ms"] / r["floor_ms"] for r in rows if "pinned_ms" in r and "floor_ms" in r]
+    hooks_pinned = [r for r in hooked if "pinned_ms" in r]
+    before = [f"use(pins)/floor: geomean {_geomean(pinned):.2f}x over {len(pinned)}; as fast as the hooks on "
+              f"{sum(r['pinned_ms'] <= r['hooks_ms'] for r in hooks_pinned)} of {len(hooks_pinned)}"] if pinned else []
+    return [*before,
         f"use()/floor: geomean {_geomean(floors):.2f}x over {len(floors)} (target 1.5x); above 2x: "
         f"{', '.join(over) or 'none'}",
         f"use() at least as fast as the hooks on {len(hooked) - len(slower)} of {len(hooked)}; slower: "
@@ -162,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-run-time", type=float, default=0.2, help="seconds per timing (default 0.2)")
     parser.add_argument("--clock", choices=("cpu", "wall", "both"), default="both",
                         help="cpu: one thread, thread CPU time; wall: all threads, wall time (default both)")
+    parser.add_argument("--pins", type=json.loads, default=None,
+                        help="also time use(pins=PINS) in the same rounds, a JSON object op -> kind or composite")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     workloads = [w for w in all_workloads() if args.only is None or w.name in args.only]
@@ -173,15 +188,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1 if clock == "cpu" else threads)
         what = "one thread, thread CPU time" if clock == "cpu" else f"{threads} threads, wall time"
         print(f"torch {torch.__version__}, {what}, best of {args.rounds} alternating rounds (each the median call)")
-        print(HEADER)
+        print(HEADER + (PINNED if args.pins else ""))
+        if args.pins:
+            print(f"pinned: use(pins={args.pins})")
         rows = []
         for batch in args.batch:
             for workload in workloads:
-                row = run(workload, batch, args.rounds, args.min_run_time, clock)
+                row = run(workload, batch, args.rounds, args.min_run_time, clock, args.pins)
                 rows.append(row)
                 print(line(row), flush=True)
-                for way in ("native", "use", "hooks"):
-                    if row[way] not in ("ok", "mismatch", "-"):
+                for way in ("native", "use", "pinned", "hooks"):
+                    if row.get(way, "-") not in ("ok", "mismatch", "-"):
                         print(f"    {way}: {row[way]}")
         for text in summary(rows):
             print(text)
