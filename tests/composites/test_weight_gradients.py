@@ -140,3 +140,29 @@ def test_per_sample_products_choose_the_composite() -> None:
     decision = registry.select("mm", stack="vmap,grad", batched=["self", "mat2"])
     assert decision.kind == "functional"
     assert "per-sample weight gradient" in decision.reason
+
+
+def test_the_composite_runs_only_where_both_factors_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At run time: an ordinary forward under vmap (activations times a shared weight) never enters the Python
+    composite; the per-sample step's weight gradients do."""
+    from composites import weight_gradients
+
+    entered: list[tuple[int, ...]] = []
+    real = weight_gradients._contracts_one
+
+    def counting(a: torch.Tensor, b: torch.Tensor) -> bool:
+        entered.append((*a.shape, *b.shape))
+        return real(a, b)
+
+    monkeypatch.setattr(weight_gradients, "_contracts_one", counting)
+    model = _mlp()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    x, y = _data()
+    weight = torch.randn(6, 4, dtype=torch.float64)
+    with registry.use():
+        vmap(lambda row: torch.mm(row.unsqueeze(0), weight))(x)
+        vmap(lambda p, xs: functional_call(model, p, (xs.unsqueeze(0),)), in_dims=(None, 0))(params, x)
+    assert entered == []
+    with registry.use():
+        vmap(grad(_per_sample_loss(model)), in_dims=(None, 0, 0))(params, x, y)
+    assert sorted(entered) == [(3, 1, 1, 7), (7, 1, 1, 6)]  # the two weight gradients, (out, 1) x (1, in)
