@@ -17,6 +17,7 @@ from composites import (
     reduce,
     resample,
     statistics,
+    weight_gradients,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "reduce",
     "resample",
     "statistics",
+    "weight_gradients",
 ]

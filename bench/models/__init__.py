@@ -5,6 +5,11 @@ Each module of this package (``transformer.py``, ``recurrent.py``, ``message_pas
 one process, in alternating rounds: natively (torch.func alone), inside ``registry.use()``, and as a per-sample
 ``torch.autograd`` loop outside any transform. It checks that ``use()``'s result equals the loop's, counts vmap's
 fallback warnings both ways, and reports the ratios.
+
+Where a workload gives them, two more ways run in the same rounds: its **floor** (``batched``, one ordinary batched
+training step, plus a fill of fresh tensors of the per-sample gradients' sizes: what no per-sample-gradient step can
+go below), and the DP library's **hooks** (``hooks``: opacus's ``GradSampleModule`` on the same model, where its
+hooks support the layers), whose per-sample gradients are checked against the loop too.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ class Setup:
     loop: Callable[[], Any]
     rtol: float = 1e-4
     atol: float = 1e-5
+    # One ordinary training step over the whole batch (forward, the batch's loss, backward): the floor's first part.
+    batched: Callable[[], Any] | None = None
+    # The per-sample gradients by opacus's hooks (GradSampleModule), a pytree like ``step``'s; None where the hooks do
+    # not support the model's layers or opacus is not installed.
+    hooks: Callable[[], Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,46 @@
-"""``python -m bench.models [--batch 64] [--only NAME ...] [--rounds 5]``: native vs use() vs the per-sample loop."""
+"""``python -m bench.models [--batch 4 16 64] [--only NAME ...] [--rounds 5] [--clock cpu|wall|both] [--pins JSON]``:
+native vs use() vs the DP library's hooks vs the per-sample loop, and each against the step's floor.
+
+Every way runs in one process, in alternating rounds; a way's time is its best round (each round the median call).
+``--clock cpu`` runs one intra-op thread and times the calling thread's CPU time (what time spent descheduled by
+other processes does not inflate); ``--clock wall`` runs every thread and times wall time; ``both`` (the default)
+runs the two one after the other. The floor is the workload's ordinary batched training step plus a fill of fresh
+tensors of its per-sample gradients' sizes, timed in the same rounds. ``--pins`` adds ``use(pins=...)`` as one more
+way in the same rounds (``pinned``: a baseline of earlier decisions, e.g. ``'{"mm": "native"}'``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import statistics
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
-from torch.utils.benchmark import Timer
 
 import registry
 from bench.models import Setup, Workload, all_workloads
+from bench.models.dp import opacus_missing
 from registry.core.messages import described
 from registry.harness.fallback import FALLBACK_WARNING
 
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
+WAYS = ("native", "use", "hooks", "loop", "batched", "fill")
 
-def _ms(stmt: Callable[[], object], min_run_time: float) -> float:
-    timer = Timer(stmt="stmt()", globals={"stmt": stmt}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+def per_call_ms(stmt: Callable[[], object], clock: Callable[[], float], min_run_time: float) -> float:
+    """The median time of one call of ``stmt``, over at least 3 calls and ``min_run_time`` seconds."""
+    times: list[float] = []
+    while len(times) < 3 or (sum(times) < min_run_time and len(times) < 1000):
+        start = clock()
+        stmt()
+        times.append(clock() - start)
+    return statistics.median(times) * 1e3
 
 
 def _attempt(stmt: Callable[[], Any]) -> tuple[Any, int, str | None]:
@@ -38,64 +59,150 @@ def _matches(result: Any, reference: Any, setup: Setup) -> bool:
     want, _ = tree_flatten(reference)
     if len(got) != len(want):
         return False
-    return all(torch.allclose(g, w, rtol=setup.rtol, atol=setup.atol) for g, w in zip(got, want, strict=True))
+    return all(g.shape == w.shape and torch.allclose(g, w, rtol=setup.rtol, atol=setup.atol)
+               for g, w in zip(got, want, strict=True))
 
 
-def run(workload: Workload, batch: int, rounds: int, min_run_time: float) -> dict[str, Any]:
-    setup = workload.build(batch)
-    reference = setup.loop()
-    native, native_fallbacks, native_error = _attempt(setup.step)
-    with registry.use():
-        routed, routed_fallbacks, routed_error = _attempt(setup.step)
-    row: dict[str, Any] = {
-        "workload": workload.name, "family": workload.family, "batch": batch,
-        "native": native_error or ("ok" if _matches(native, reference, setup) else "mismatch"),
-        "use": routed_error or ("ok" if _matches(routed, reference, setup) else "mismatch"),
-        "native_fallbacks": native_fallbacks, "use_fallbacks": routed_fallbacks,
-    }
-    if routed_error is not None:
+def _routed(stmt: Callable[[], Any], pins: dict[str, str] | None = None) -> Callable[[], Any]:
+    def inside() -> Any:
+        with registry.use(pins=pins):
+            return stmt()
+
+    return inside
+
+
+def _fill(reference: Any) -> Callable[[], object]:
+    """Fresh tensors of the per-sample gradients' sizes, each written once: the floor's second part."""
+    shapes = [t.shape for t in tree_flatten(reference)[0]]
+    dtypes = [t.dtype for t in tree_flatten(reference)[0]]
+    return lambda: [torch.empty(shape, dtype=dtype).fill_(1) for shape, dtype in zip(shapes, dtypes, strict=True)]
+
+
+def run(workload: Workload, batch: int, rounds: int, min_run_time: float, clock: str,
+        pins: dict[str, str] | None = None) -> dict[str, Any]:
+    """One workload at one batch size: each way checked against the loop once, then timed in alternating rounds."""
+    row: dict[str, Any] = {"workload": workload.name, "family": workload.family, "batch": batch, "clock": clock}
+    try:
+        setup = workload.build(batch)
+    except Exception as error:  # a model that cannot be built here (a library missing) is reported
+        row.update(native=described(error)[:120], use="-", hooks="-")
         return row
-    native_times, routed_times, loop_times = [], [], []
+    reference = setup.loop()
+    stmts: dict[str, Callable[[], Any]] = {"native": setup.step, "use": _routed(setup.step), "loop": setup.loop}
+    if pins:
+        stmts["pinned"] = _routed(setup.step, pins)
+    for way in ("native", "use", "pinned", "hooks") if pins else ("native", "use", "hooks"):
+        stmt = stmts.get(way) if way != "hooks" else setup.hooks
+        if stmt is None:
+            row[way] = "-"
+            continue
+        result, fallbacks, error = _attempt(stmt)
+        row[way] = error or ("ok" if _matches(result, reference, setup) else "mismatch")
+        row[f"{way}_fallbacks"] = fallbacks
+        if error is None:
+            stmts[way] = stmt
+        else:
+            stmts.pop(way, None)
+    if setup.batched is not None:
+        stmts["batched"], stmts["fill"] = setup.batched, _fill(reference)
+    times: dict[str, list[float]] = {way: [] for way in stmts}
+    timer = CLOCKS[clock]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(rounds):
-            if native_error is None:
-                native_times.append(_ms(setup.step, min_run_time))
-            with registry.use():
-                routed_times.append(_ms(setup.step, min_run_time))
-            loop_times.append(_ms(setup.loop, min_run_time))
-    routed_ms, loop_ms = min(routed_times), min(loop_times)
-    row.update(use_ms=routed_ms, loop_ms=loop_ms, loop_over_use=loop_ms / routed_ms)
-    if native_times:
-        native_ms = min(native_times)
-        row.update(native_ms=native_ms, native_over_use=native_ms / routed_ms)
+            for way, stmt in stmts.items():
+                times[way].append(per_call_ms(stmt, timer, min_run_time))
+    for way, each in times.items():
+        row[f"{way}_ms"] = min(each)
+    if "batched_ms" in row:
+        row["floor_ms"] = row["batched_ms"] + row["fill_ms"]
     return row
+
+
+def _ratio(row: dict[str, Any], top: str, bottom: str) -> str:
+    return f"{row[top] / row[bottom]:.2f}x" if top in row and bottom in row else "-"
+
+
+def _ms(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.2f}" if key in row else "-"
+
+
+HEADER = (f"{'workload':32} {'batch':>5} {'native':>8} {'use()':>8} {'hooks':>8} {'native ms':>9} {'use ms':>8}"
+          f" {'hooks ms':>8} {'floor ms':>8} {'loop ms':>8} {'use/floor':>9} {'native/use':>10} {'hooks/use':>9}")
+PINNED = f" {'pinned ms':>9} {'pinned/use':>10}"
+
+
+def line(row: dict[str, Any]) -> str:
+    text = (f"{row['workload'][:32]:32} {row['batch']:>5} {row['native'][:8]:>8} {row['use'][:8]:>8}"
+            f" {row['hooks'][:8]:>8} {_ms(row, 'native_ms'):>9} {_ms(row, 'use_ms'):>8} {_ms(row, 'hooks_ms'):>8}"
+            f" {_ms(row, 'floor_ms'):>8} {_ms(row, 'loop_ms'):>8} {_ratio(row, 'use_ms', 'floor_ms'):>9}"
+            f" {_ratio(row, 'native_ms', 'use_ms'):>10} {_ratio(row, 'hooks_ms', 'use_ms'):>9}")
+    if "pinned" in row:
+        text += f" {_ms(row, 'pinned_ms'):>9} {_ratio(row, 'pinned_ms', 'use_ms'):>10}"
+    return text
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """The targets' lines: use() over its floor (each, geomean), against the hooks, against native."""
+    floors = [r["use_ms"] / r["floor_ms"] for r in rows if "use_ms" in r and "floor_ms" in r]
+    natives = [r["native_ms"] / r["use_ms"] for r in rows if "use_ms" in r and "native_ms" in r]
+    hooked = [r for r in rows if "use_ms" in r and "hooks_ms" in r]
+    slower = [f"{r['workload']}@{r['batch']}" for r in hooked if r["use_ms"] > r["hooks_ms"]]
+    over = [f"{r['workload']}@{r['batch']}" for r in rows if "floor_ms" in r and r["use_ms"] > 2 * r["floor_ms"]]
+    pinned = [r["pinned_ms"] / r["floor_ms"] for r in rows if "pinned_ms" in r and "floor_ms" in r]
+    hooks_pinned = [r for r in hooked if "pinned_ms" in r]
+    before = [f"use(pins)/floor: geomean {_geomean(pinned):.2f}x over {len(pinned)}; as fast as the hooks on "
+              f"{sum(r['pinned_ms'] <= r['hooks_ms'] for r in hooks_pinned)} of {len(hooks_pinned)}"] if pinned else []
+    return [*before,
+        f"use()/floor: geomean {_geomean(floors):.2f}x over {len(floors)} (target 1.5x); above 2x: "
+        f"{', '.join(over) or 'none'}",
+        f"use() at least as fast as the hooks on {len(hooked) - len(slower)} of {len(hooked)}; slower: "
+        f"{', '.join(slower) or 'none'}",
+        f"native/use(): geomean {_geomean(natives):.2f}x over {len(natives)}, lowest "
+        f"{min(natives, default=float('nan')):.2f}x",
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.models", description=__doc__)
-    parser.add_argument("--batch", type=int, default=64, help="samples per step (default 64)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[4, 16, 64], help="batch sizes (default 4 16 64)")
     parser.add_argument("--only", nargs="*", default=None, help="workload names to run (default: all)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds (default 5)")
     parser.add_argument("--min-run-time", type=float, default=0.2, help="seconds per timing (default 0.2)")
+    parser.add_argument("--clock", choices=("cpu", "wall", "both"), default="both",
+                        help="cpu: one thread, thread CPU time; wall: all threads, wall time (default both)")
+    parser.add_argument("--pins", type=json.loads, default=None,
+                        help="also time use(pins=PINS) in the same rounds, a JSON object op -> kind or composite")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     workloads = [w for w in all_workloads() if args.only is None or w.name in args.only]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}")
-    print(f"{'workload':34} {'native':>12} {'use()':>10} {'fallbacks n/u':>13} {'native ms':>10} {'use ms':>9}"
-          f" {'loop ms':>9} {'native/use':>10} {'loop/use':>9}")
-    for workload in workloads:
-        row = run(workload, args.batch, args.rounds, args.min_run_time)
-        native_ms = f"{row['native_ms']:.2f}" if "native_ms" in row else "-"
-        ratio = f"{row['native_over_use']:.2f}x" if "native_over_use" in row else "-"
-        print(f"{row['workload']:34} {row['native'][:12]:>12} {row['use'][:10]:>10}"
-              f" {row['native_fallbacks']:>6}/{row['use_fallbacks']:<6} {native_ms:>10}"
-              f" {row.get('use_ms', float('nan')):>9.2f} {row.get('loop_ms', float('nan')):>9.2f} {ratio:>10}"
-              f" {row.get('loop_over_use', float('nan')):>8.2f}x")
-        if row["native"] not in ("ok", "mismatch"):
-            print(f"    native: {row['native']}")
-        if row["use"] not in ("ok", "mismatch"):
-            print(f"    use(): {row['use']}")
+    missing = opacus_missing()
+    if missing is not None:
+        print(f"no hooks column: {missing}")
+    threads = torch.get_num_threads()
+    for clock in (("cpu", "wall") if args.clock == "both" else (args.clock,)):
+        torch.set_num_threads(1 if clock == "cpu" else threads)
+        what = "one thread, thread CPU time" if clock == "cpu" else f"{threads} threads, wall time"
+        print(f"torch {torch.__version__}, {what}, best of {args.rounds} alternating rounds (each the median call)")
+        print(HEADER + (PINNED if args.pins else ""))
+        if args.pins:
+            print(f"pinned: use(pins={args.pins})")
+        rows = []
+        for batch in args.batch:
+            for workload in workloads:
+                row = run(workload, batch, args.rounds, args.min_run_time, clock, args.pins)
+                rows.append(row)
+                print(line(row), flush=True)
+                for way in ("native", "use", "pinned", "hooks"):
+                    if row.get(way, "-") not in ("ok", "mismatch", "-"):
+                        print(f"    {way}: {row[way]}")
+        for text in summary(rows):
+            print(text)
+    torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

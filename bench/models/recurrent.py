@@ -54,7 +54,11 @@ def _build(kind: type[nn.Module], num_layers: int, bidirectional: bool) -> Calla
             return {name: torch.stack(column) for (name, _), column in
                     zip(model.named_parameters(), zip(*grads, strict=True), strict=True)}
 
-        return Setup(step=step, loop=loop, rtol=1e-4, atol=1e-5)
+        def batched() -> None:  # the whole batch as (steps, batch, features)
+            model.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x.transpose(0, 1)), y, reduction="sum").backward()
+
+        return Setup(step=step, loop=loop, batched=batched, rtol=1e-4, atol=1e-5)
 
     return build
 

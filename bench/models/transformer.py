@@ -81,7 +81,11 @@ def per_sample_gradients(make: Callable[[], nn.Module]) -> Callable[[int], Setup
                     grads[name].append(p.grad.clone())
             return {name: torch.stack(each) for name, each in grads.items()}
 
-        return Setup(step=step, loop=loop, rtol=1e-4, atol=1e-5)
+        def batched() -> None:
+            model.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(tokens, padding), labels, reduction="sum").backward()
+
+        return Setup(step=step, loop=loop, batched=batched, rtol=1e-4, atol=1e-5)
 
     return build
 

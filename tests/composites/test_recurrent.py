@@ -123,6 +123,20 @@ def _no_fallback(run: Callable[[], object]) -> object:
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 @pytest.mark.parametrize("zero_state", [False, True], ids=["given-state", "zero-state"])
 def test_unrolled_equals_native_values_and_gradients(config: Config, zero_state: bool) -> None:
+    _equals_native("unrolled", config, zero_state)
+
+
+RECURRENCE_CONFIGS = [c for c in CONFIGS if c.op in ("lstm", "gru")]
+
+
+@pytest.mark.parametrize("config", RECURRENCE_CONFIGS, ids=str)
+@pytest.mark.parametrize("zero_state", [False, True], ids=["given-state", "zero-state"])
+def test_recurrence_equals_native_values_and_gradients(config: Config, zero_state: bool) -> None:
+    """The recurrence primitive outside any transform: its forward and its own backward (BPTT) against PyTorch's."""
+    _equals_native("recurrence", config, zero_state)
+
+
+def _equals_native(name: str, config: Config, zero_state: bool) -> None:
     generator = torch.Generator().manual_seed(0)
     params = [p.requires_grad_() for p in _params(config, generator)]
     x = _input(config, generator, batch=None).requires_grad_()
@@ -130,7 +144,7 @@ def test_unrolled_equals_native_values_and_gradients(config: Config, zero_state:
     hx_leaves = hx if isinstance(hx, list) else [hx]
     for h in hx_leaves:
         h.requires_grad_()
-    composite = registry.COMPOSITES[config.op]["unrolled"].fn
+    composite = registry.COMPOSITES[config.op][name].fn
     expected = _call(config, x, hx, params)
     got = composite(x, hx, params, config.bias, config.num_layers, 0.0, False, config.bidirectional,
                     config.batch_first)
@@ -181,6 +195,24 @@ def test_per_sample_gradients_inside_use_equal_the_loop(config: Config) -> None:
 
     with registry.use():
         got = _no_fallback(lambda: vmap(grad(loss), in_dims=(None, 0))(params, x))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("config", RECURRENCE_CONFIGS, ids=str)
+@pytest.mark.parametrize("stack", ["vmap(grad)", "vmap(jacrev)"])
+def test_recurrence_per_sample_gradients_equal_the_loop(config: Config, stack: str) -> None:
+    """Pinned, so that the primitive runs (where a layer has a projection its recurrence stays unrolled)."""
+    generator = torch.Generator().manual_seed(5)
+    params, x, hx = _params(config, generator), _input(config, generator), _hx(config, generator)
+    _, expected = _per_sample(config, x, hx, params, batched_params=False)
+
+    def loss(weights: list[torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
+        return _loss(_call(config, sample, hx, weights))
+
+    transform = grad if stack == "vmap(grad)" else jacrev
+    with registry.use(pins={config.op: "recurrence"}):
+        got = _no_fallback(lambda: vmap(transform(loss), in_dims=(None, 0))(params, x))
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e)
 
@@ -274,17 +306,24 @@ def test_auto_keeps_native_where_it_works_and_routes_where_it_fails() -> None:
         assert registry.select(op, stack="jacrev", policy="rules").kind == "native"
         for stack in ("vmap", "vmap,grad", "vmap,jvp", "jacfwd"):
             decision = registry.select(op, stack=stack, batched=["input"], policy="rules")
-            assert (decision.composite, decision.kind) == ("unrolled", "functional"), (op, stack)
+            expected = (("recurrence", "primitive") if op in ("lstm", "gru") and stack == "vmap,grad"
+                        else ("unrolled", "functional"))
+            assert (decision.composite, decision.kind) == expected, (op, stack)
         # Under vmap alone every batching raises (the parameters batched too, which the router cannot see).
         assert registry.select(op, stack="vmap", policy="rules").composite == "unrolled"
     for op in ("rnn_tanh", "rnn_relu", "gru"):
         # jacfwd (nothing the op sees is batched) and ensembles under vmap(grad) work natively.
         assert registry.select(op, stack="jacfwd", policy="rules").kind == "native"
         assert registry.select(op, stack="vmap,grad", policy="rules").kind == "native"
-        assert registry.select(op, stack="vmap,grad", batched=["hx"], policy="rules").composite == "unrolled"
+        routed = "recurrence" if op == "gru" else "unrolled"
+        assert registry.select(op, stack="vmap,grad", batched=["hx"], policy="rules").composite == routed
     # The LSTM's state is a Tensor[] the router cannot see, and its forward AD is missing: every vmap routes.
     assert registry.select("lstm", stack="jacfwd", policy="rules").composite == "unrolled"
-    assert registry.select("lstm", stack="vmap,grad", policy="rules").composite == "unrolled"
+    # Under vmap(grad) the recurrence primitive (one product per sample for the hidden weight's gradient); where
+    # it has no derivative (forward AD, second derivatives) the unrolled cells.
+    assert registry.select("lstm", stack="vmap,grad", policy="rules").composite == "recurrence"
+    for stack in ("hessian", "vmap,grad,grad", "vmap,jvp,grad"):
+        assert registry.select("lstm", stack=stack, policy="rules").composite == "unrolled", stack
 
 
 @pytest.mark.parametrize("op", ["rnn_tanh", "gru", "lstm"])
