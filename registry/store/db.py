@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
 import socket
 import sqlite3
@@ -45,6 +47,7 @@ from registry.core.messages import first_line
 from registry.core.stacks import format_stack
 from registry.core.status import STATUSES
 from registry.store.connection import (
+    BUSY_TIMEOUT_MS,
     StoreUnavailableError,
     default_url,
     sqlite_pragmas,
@@ -264,11 +267,16 @@ def _profile_from_row(row: Row[Any]) -> ProfileEntry:
 class Store:
     """The compatibility matrix in a SQL database (SQLite by default)."""
 
-    def __init__(self, url: str | None = None, *, create: bool = True) -> None:
+    def __init__(self, url: str | None = None, *, create: bool = True, timeout_s: float | None = None) -> None:
         """Open the store at ``url``. With ``create``, check its schema revision (once, when a process opens it: a
         server does it in its lifespan, never per request): a SQLite file is created or migrated to the newest
         revision here; a server database below it raises SchemaError saying to run ``multicomposite db upgrade``
-        (see registry/store/migrate.py for why)."""
+        (see registry/store/migrate.py for why).
+
+        ``timeout_s`` bounds every wait of a reader that must not hang (the library's evidence read): SQLite's
+        busy timeout; PostgreSQL's connect timeout (the whole handshake: a server that accepts and never answers),
+        its statement timeout, and the TCP user timeout (a network that drops packets). Without it a writer waits
+        ``BUSY_TIMEOUT_MS`` for SQLite's lock and 10 s for a server to answer a connect."""
         self.url = url if url is not None else default_url()
         self.display_url = safe_url(self.url)  # for messages: never the password
         options: dict[str, Any] = {}
@@ -276,16 +284,35 @@ class Store:
             # A server restarts, or ends idle connections: test each pooled connection before handing it out, so
             # the first request after a restart gets a new one instead of an error.
             options["pool_pre_ping"] = True
-            if "connect_timeout" not in make_url(self.url).query:
-                options["connect_args"] = {"connect_timeout": 10}  # a server that is down: fail in seconds
+            query = make_url(self.url).query
+            connect_args: dict[str, Any] = {}
+            if "connect_timeout" not in query:
+                # A server that is down: fail in seconds (libpq counts whole seconds, at least 2).
+                connect_args["connect_timeout"] = 10 if timeout_s is None else max(2, math.ceil(timeout_s))
+            if timeout_s is not None:
+                milliseconds = max(1, int(timeout_s * 1000))
+                if "options" not in query:
+                    connect_args["options"] = f"-c statement_timeout={milliseconds}"
+                if "tcp_user_timeout" not in query:
+                    connect_args["tcp_user_timeout"] = milliseconds
+                options["pool_timeout"] = timeout_s
+            if connect_args:
+                options["connect_args"] = connect_args
+        elif timeout_s is not None:
+            options["connect_args"] = {"timeout": timeout_s}
         self.engine: Engine = create_engine(self.url, **options)
         self._sqlite = self.engine.dialect.name == "sqlite"
         if self._sqlite:
-            event.listen(self.engine, "connect", sqlite_pragmas)
+            busy_ms = BUSY_TIMEOUT_MS if timeout_s is None else max(1, int(timeout_s * 1000))
+            event.listen(self.engine, "connect", functools.partial(sqlite_pragmas, busy_timeout_ms=busy_ms))
         if create:
             from registry.store.migrate import ensure_current
 
-            ensure_current(self.engine, self.url, self.display_url)
+            try:
+                ensure_current(self.engine, self.url, self.display_url)
+            except BaseException:
+                self.engine.dispose()  # a store that cannot be opened keeps no connection (nor its file) open
+                raise
         self._replacing = threading.Lock()
         self._file_id = self._sqlite_file_id()
 
