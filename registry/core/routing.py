@@ -38,6 +38,7 @@ from torch._C._functorch import maybe_current_level
 from registry.core import control_flow, dynamic, functionalization
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
+from registry.core.kernels.background import BUILD as _BUILD
 from registry.core.model import KINDS, Op, Overload
 from registry.core.ops import OPS, ORIGINAL, aten_schema
 from registry.core.registration import COMPOSITES, DERIVATIVES, load
@@ -348,12 +349,15 @@ def _choose_backend() -> str:
     from registry.core import kernels
 
     try:
-        _cpp = kernels.load()
+        # cpp: wait for the build; unset: never wait, the build runs in the background (kernels/background.py)
+        _cpp = kernels.load(wait=wanted == "cpp")
     except kernels.KernelBuildError as error:
         if wanted == "cpp":
             raise
         warnings.warn(f"multicomposite: use() runs its Python routing kernels (a few microseconds more per call "
                       f"under a transform): {error}; or set {BACKEND_ENV}=python to choose them", stacklevel=4)
+        return "python"
+    if _cpp is None:
         return "python"
     CACHE_LISTENERS.append(_cpp.clear)
     return "cpp"
@@ -509,6 +513,8 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
         return dict(self._frame.pins)
 
     def __enter__(self) -> use:
+        if _BUILD.landed:  # the C++ kernels compiled in the background: switch to them here, outside any kernel call
+            _BUILD.adopt(lambda: set_routing_backend("cpp"), inside_use=bool(_local.frames))
         local = _local
         frames = local.frames
         if frames.__class__ is tuple:
