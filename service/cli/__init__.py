@@ -12,7 +12,8 @@ Only the command being run is configured, and every module imports torch, the re
 functions that need them: ``multicomposite --help`` answers without loading any of them.
 
 Exit codes: 0 done; 1 done, but what ran found a failure (``verify``); 2 bad input, said in one line on stderr;
-130 interrupted (Ctrl-C), said in one line; 141 stdout was closed early (``multicomposite ops | head``).
+3 the store refused a write or a read (disk full, read-only, server gone), said in one line, nothing of the write
+stored; 130 interrupted (Ctrl-C), said in one line; 141 stdout was closed early (``multicomposite ops | head``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ DESCRIPTION = ("Verify, profile and choose among the decompositions of each PyTo
                "what the store holds, and serve it over HTTP with a dashboard.")
 EPILOG = ("start with `multicomposite ops`, then `multicomposite select index_fill --stack \"vmap(grad)\"`; "
           "`multicomposite verify` and `profile` fill the store that `select`, `matrix`, `report` and the service "
-          "read. Exit codes: 0 done, 1 a failure was found (verify), 2 bad input, 130 interrupted.")
+          "read. Exit codes: 0 done, 1 a failure was found (verify), 2 bad input, 3 the store refused a write, "
+          "130 interrupted.")
 
 
 def _configure_db(parser: argparse.ArgumentParser) -> None:
@@ -148,11 +150,16 @@ def _main(argv: list[str]) -> int:
         print(f"multicomposite {args.command}: unrecognized arguments: {' '.join(unknown)} (see multicomposite "
               f"{args.command} --help)", file=sys.stderr)
         return 2
+    from registry.store.connection import StoreUnavailableError  # no driver: where the store is, and its errors
+
     try:
         return args.run(args)
     except UsageError as error:
         print(f"multicomposite {args.command}: {error}", file=sys.stderr)
         return 2
+    except StoreUnavailableError as error:  # a write refused (disk full, read-only, server gone): nothing of it stored
+        print(f"multicomposite {args.command}: {error}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt as interrupt:
         why = f"; {interrupt}" if str(interrupt) else ""
         print(f"\nmulticomposite {args.command}: interrupted{why}", file=sys.stderr)
