@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.api import CONCURRENCY, _fill_store, _rss_mb, _serve
+from bench.api import CONCURRENCY, fill_store, rss_mb, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "soak-token"
@@ -229,9 +229,9 @@ class _Load:
         while True:
             now = self.elapsed()
             try:
-                self.soak.rss_mb.append((round(now, 1), round(_rss_mb(self.server_pid), 1)))
+                self.soak.rss_mb.append((round(now, 1), round(rss_mb(self.server_pid), 1)))
                 if self.worker_pid is not None:
-                    self.soak.worker_rss_mb.append((round(now, 1), round(_rss_mb(self.worker_pid), 1)))
+                    self.soak.worker_rss_mb.append((round(now, 1), round(rss_mb(self.worker_pid), 1)))
             except (OSError, RuntimeError):  # the process ended: the soak's end says so
                 return
             if self.stop.wait(10):
@@ -268,13 +268,13 @@ def soak_one(store: str, minutes: float, folder: Path) -> Soak:
         pg = PostgresServer().start()
         url = pg.create_database()
         upgrade(url)
-    _fill_store(url)
+    fill_store(url)
     env = {key: value for key, value in os.environ.items() if not key.startswith("MULTICOMPOSITE_")}
     env.update({"PYTHONPATH": str(ROOT), "MULTICOMPOSITE_DB": url, "MULTICOMPOSITE_TOKEN": TOKEN})
     window = _windows(minutes)
     soak = Soak(store=store, minutes=minutes, window_s=window)
     worker = None
-    server, base = _serve(["-m", "service.cli", "serve"], env, "/healthz")
+    server, base = serve(["-m", "service.cli", "serve"], env, "/healthz")
     try:
         if pg is not None:
             worker = subprocess.Popen([sys.executable, "-m", "service.cli", "worker"], env=env, cwd=ROOT,
