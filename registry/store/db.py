@@ -338,7 +338,9 @@ class Store:
         """One transaction, committed when the block ends. A lost or refused connection (a server killed or
         restarted, a backend terminated, SQLite's file locked past the timeout) becomes StoreUnavailableError:
         before the commit, the transaction was rolled back by the database and nothing of it is stored; during the
-        commit, whether it was stored cannot be known from here."""
+        commit, whether it was stored cannot be known from here. A SQLite file deleted or replaced since this
+        process opened it refuses the write (``_same_file``)."""
+        self._same_file()
         stage = "write"
         try:
             with self.engine.connect() as conn, conn.begin():
@@ -399,6 +401,22 @@ class Store:
         except OSError:
             return None
         return stat.st_dev, stat.st_ino
+
+    def _same_file(self) -> None:
+        """Raise StoreUnavailableError when the SQLite file at the path is not the one this process opened (a stat):
+        a pooled connection would write into the deleted or moved file, which no other process reads, and the write
+        would be lost. The service's check (``_check_sqlite_file``) reopens a replaced file; a command runs again."""
+        with self._replacing:
+            opened = self._file_id
+        if opened is None:
+            return
+        now = self._sqlite_file_id()
+        if now == opened:
+            return
+        what = "does not exist any more" if now is None else "was replaced by another file"
+        raise StoreUnavailableError(f"the store file {self._sqlite_path()} {what} since this process opened it; "
+                                    "nothing of this write is stored; put the file back, or run again to write the "
+                                    "one there now")
 
     def _check_sqlite_file(self) -> None:
         """The file is there and is a SQLite database, read fresh: a pooled connection in WAL mode answers from its

@@ -181,3 +181,28 @@ def test_postgres_gone_in_the_middle_of_a_write(postgres_own_server) -> None:
         store.close()
     postgres_own_server.restart()
     assert _stored(url) == sorted((e.op, e.composite, e.pattern, e.torch_version) for e in earlier)
+
+
+@pytest.mark.parametrize("damage", ["deleted", "replaced"])
+def test_a_write_into_a_file_deleted_or_replaced_is_refused(tmp_path: Path, damage: str) -> None:
+    """A process that opened the store before its file was deleted or replaced would write into the old file, which
+    no one reads: the write is refused instead, saying so, and the file at the path is left as it is."""
+    path = tmp_path / "store.db"
+    url = f"sqlite:///{path}"
+    earlier = _earlier_rows(url)
+    store = Store(url)
+    try:
+        store.generation()  # a pooled connection on the file
+        moved = tmp_path / "moved.db"
+        path.rename(moved)
+        for suffix in ("-wal", "-shm"):
+            if Path(f"{path}{suffix}").exists():
+                Path(f"{path}{suffix}").rename(f"{moved}{suffix}")
+        if damage == "replaced":
+            _earlier_rows(url)  # another store made at the path
+        what = "does not exist any more" if damage == "deleted" else "was replaced by another file"
+        with pytest.raises(StoreUnavailableError, match=f"{what} since this process opened it; nothing of this"):
+            store.write_entries(earlier)
+    finally:
+        store.close()
+    assert _stored(f"sqlite:///{moved}") == sorted((e.op, e.composite, e.pattern, e.torch_version) for e in earlier)
