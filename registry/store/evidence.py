@@ -145,6 +145,8 @@ _warned: list[bool] = []  # the missing-SQLAlchemy warning was given
 def _read_default_store(read: str) -> list[Any]:
     """``registry.store.fresh.<read>``: the entries fresh for this torch and these composites' sources, from the
     default store; nothing (and one warning a process, ``registry.store.health``) where it cannot be read."""
+    if HEALTH.failing():
+        return []  # it failed a moment ago: the background retry reads it next
     try:
         return _read_store(read)
     except store_errors() as error:

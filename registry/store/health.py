@@ -14,10 +14,12 @@ Errors are recognised by their type: the drivers' (``sqlite3.Error``, SQLAlchemy
 
 from __future__ import annotations
 
+import math
 import os
 import sqlite3
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,6 +95,7 @@ class StoreHealth:
         self.read: set[str] = set()  # stores read in this process (a file of them that vanishes was deleted)
         self._timer: threading.Timer | None = None
         self._epoch = 0  # bumped by reset(): a retry started before it leaves the new state alone
+        self._failed_at = -math.inf  # time.monotonic() of the last failed read
         self.on_recovery: Callable[[], None] | None = None  # called once a retry reads the store
         self.probe: Callable[[], object] | None = None  # one read of the store; raises what store_errors() names
 
@@ -106,6 +109,7 @@ class StoreHealth:
         problem = describe(error)
         with self._lock:
             self.url, self.problem = url, problem
+            self._failed_at = time.monotonic()
             warn = not self.warned
             self.warned = True
             self._schedule()
@@ -113,6 +117,11 @@ class StoreHealth:
             warnings.warn(f"multicomposite: the store at {url or '(no place for it)'} cannot be read: {problem}. "
                           f"use() decides from the rules and the reference profiles shipped with it until the store "
                           f"answers (tried again every {RETRY_S:g} s)", RuntimeWarning, stacklevel=stacklevel + 1)
+
+    def failing(self) -> bool:
+        """A read failed less than ``RETRY_S`` ago: the next read is the background retry's, not a decision's (a
+        store that hangs would cost every read its timeout: the matrix's, then the profiles')."""
+        return self.problem is not None and time.monotonic() - self._failed_at < RETRY_S
 
     def _schedule(self) -> None:
         if self._timer is None and self.probe is not None:
@@ -156,6 +165,7 @@ class StoreHealth:
         self.cancel()
         with self._lock:
             self.problem, self.url, self.warned = None, None, False
+            self._failed_at = -math.inf
             self.read.clear()
             self._epoch += 1
 
