@@ -73,7 +73,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _serve(args: list[str], env: dict[str, str], probe: str) -> tuple[subprocess.Popen, str]:
+def serve(args: list[str], env: dict[str, str], probe: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     process = subprocess.Popen([sys.executable, *args, "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
@@ -116,14 +116,14 @@ def wrk(url: str, seconds: float, script: str | None = None) -> Load:
     return _parse_wrk(result.stdout)
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def _fill_store(url: str, entries: int = 1200) -> None:
+def fill_store(url: str, entries: int = 1200) -> None:
     """``entries`` fresh matrix rows (the size /matrix was measured at) and profiles that make /select timed."""
     import itertools
 
@@ -168,11 +168,11 @@ def bench_api(seconds: float = 10.0, rss_requests: int = 100_000) -> dict[str, o
         (Path(folder) / "hello_app.py").write_text(HELLO)
         (Path(folder) / "distinct.lua").write_text(DISTINCT_LUA)
         url = f"sqlite:///{folder}/bench.db"
-        _fill_store(url)
+        fill_store(url)
         env = {key: value for key, value in os.environ.items() if not key.startswith("MULTICOMPOSITE_")}
         env.update({"PYTHONPATH": f"{ROOT}{os.pathsep}{folder}", "MULTICOMPOSITE_DB": url})
-        ours, base = _serve(["-m", "service.cli", "serve"], env, "/healthz")
-        hello, hello_base = _serve(["-m", "uvicorn", "hello_app:app", "--log-level", "warning", "--no-access-log",
+        ours, base = serve(["-m", "service.cli", "serve"], env, "/healthz")
+        hello, hello_base = serve(["-m", "uvicorn", "hello_app:app", "--log-level", "warning", "--no-access-log",
                                     "--loop", "uvloop", "--http", "httptools"], env, "/hello")
         urls = {
             "select": f"{base}/select?op=index_fill&stack=vmap(grad)&batched=value&dtype=float32&numel=1024",
@@ -193,11 +193,11 @@ def bench_api(seconds: float = 10.0, rss_requests: int = 100_000) -> dict[str, o
             # the machine during one hello run cannot flatter the ratios.
             results["hello"] = max(before, after, key=lambda load: load.rps)
             wrk(f"{base}/select", 2, script=f"{folder}/distinct.lua")  # warm up the distinct-query path
-            start_rss = _rss_mb(ours.pid)
+            start_rss = rss_mb(ours.pid)
             served = 0
             while served < rss_requests:
                 served += wrk(f"{base}/select", 5, script=f"{folder}/distinct.lua").requests
-            results["rss"] = (start_rss, _rss_mb(ours.pid), served)
+            results["rss"] = (start_rss, rss_mb(ours.pid), served)
         finally:
             for process in (ours, hello):
                 process.terminate()

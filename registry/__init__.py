@@ -60,6 +60,11 @@ from registry.store import evidence as _store_evidence  # noqa: E402
 _evidence.register_source(_store_evidence.SOURCE)
 
 
+def store_status() -> _store_evidence.StoreStatus:
+    """Which store ``use()`` reads its evidence from (``MULTICOMPOSITE_DB``, else the default SQLite file) and
+    whether it can read it now; ``str()`` of it says so in one line, with what to do where it cannot."""
+    return _store_evidence.store_status()
+
 
 def __getattr__(name: str) -> object:
     """``registry.check`` and its report, loaded when first asked for: ``import registry`` stays without the
@@ -102,6 +107,7 @@ __all__ = [
     "routing_active",
     "routing_backend",
     "select",
+    "store_status",
     "uninstall",
     "unregister",
     "use",

@@ -39,6 +39,7 @@ from torch._C._functorch import maybe_current_level
 from registry.core import control_flow, dynamic, fresh_buffers, functionalization
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
+from registry.core.kernels.background import BUILD as _BUILD
 from registry.core.model import KINDS, Op, Overload
 from registry.core.ops import ORIGINAL
 from registry.core.recording import RecordedDecision, Run
@@ -423,12 +424,15 @@ class Router:
         from registry.core import kernels
 
         try:
-            self.cpp = kernels.load()
+            # cpp: wait for the build; unset: never wait, the build runs in the background (kernels/background.py)
+            self.cpp = kernels.load(wait=wanted == "cpp")
         except kernels.KernelBuildError as error:
             if wanted == "cpp":
                 raise
             warnings.warn(f"multicomposite: use() runs its Python routing kernels (a few microseconds more per call "
                           f"under a transform): {error}; or set {BACKEND_ENV}=python to choose them", stacklevel=5)
+            return "python"
+        if self.cpp is None:
             return "python"
         self.cpp.set_capacity(DECISION_CAPACITY)
         return "cpp"
@@ -597,6 +601,8 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
     def __enter__(self) -> use:
         router = self._router
         local = router.local
+        if _BUILD.landed:  # the C++ kernels compiled in the background: switch to them here, outside any kernel call
+            _BUILD.adopt(lambda: router.set_routing_backend("cpp"), inside_use=bool(local.frames))
         frames = local.frames
         if frames.__class__ is tuple:
             frames = local.frames = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,11 @@ def default_url() -> str:
     return f"sqlite:///{folder / 'multicomposite.db'}"
 
 
+def shown_url(url: str) -> str:
+    """``url`` with a password masked (``***``), without SQLAlchemy: what a warning may show."""
+    return re.sub(r"^([\w+.-]+://[^:/@]*):[^@]*@", r"\1:***@", url)
+
+
 def default_store_exists() -> bool:
     """Whether the default store could hold anything: a URL in ``$MULTICOMPOSITE_DB``, or the SQLite file exists."""
     if os.environ.get(ENV_VAR):
@@ -41,17 +47,17 @@ def default_store_exists() -> bool:
     return not url.startswith("sqlite:///") or os.path.exists(url.removeprefix("sqlite:///"))
 
 
-def sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+def sqlite_pragmas(dbapi_connection: Any, _record: Any, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
     """Set up a new SQLite connection: a busy timeout, and WAL (SQLAlchemy calls this on every connect)."""
     import sqlite3  # here: knowing where the store is needs no database driver
 
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         # WAL lets readers proceed while a writer commits and keeps the file consistent if a writer is killed.
         # Switching a new file to WAL while another connection holds its lock fails at once (SQLite calls no busy
         # handler there): two processes creating one store together. Retry until the other is done.
-        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+        deadline = time.monotonic() + busy_timeout_ms / 1000
         while True:
             attempt = dbapi_connection.cursor()
             try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
 import socket
 import sqlite3
@@ -45,6 +47,7 @@ from registry.core.messages import first_line
 from registry.core.stacks import format_stack
 from registry.core.status import STATUSES
 from registry.store.connection import (
+    BUSY_TIMEOUT_MS,
     StoreUnavailableError,
     default_url,
     sqlite_pragmas,
@@ -264,11 +267,16 @@ def _profile_from_row(row: Row[Any]) -> ProfileEntry:
 class Store:
     """The compatibility matrix in a SQL database (SQLite by default)."""
 
-    def __init__(self, url: str | None = None, *, create: bool = True) -> None:
+    def __init__(self, url: str | None = None, *, create: bool = True, timeout_s: float | None = None) -> None:
         """Open the store at ``url``. With ``create``, check its schema revision (once, when a process opens it: a
         server does it in its lifespan, never per request): a SQLite file is created or migrated to the newest
         revision here; a server database below it raises SchemaError saying to run ``multicomposite db upgrade``
-        (see registry/store/migrate.py for why)."""
+        (see registry/store/migrate.py for why).
+
+        ``timeout_s`` bounds every wait of a reader that must not hang (the library's evidence read): SQLite's
+        busy timeout; PostgreSQL's connect timeout (the whole handshake: a server that accepts and never answers),
+        its statement timeout, and the TCP user timeout (a network that drops packets). Without it a writer waits
+        ``BUSY_TIMEOUT_MS`` for SQLite's lock and 10 s for a server to answer a connect."""
         self.url = url if url is not None else default_url()
         self.display_url = safe_url(self.url)  # for messages: never the password
         options: dict[str, Any] = {}
@@ -276,16 +284,35 @@ class Store:
             # A server restarts, or ends idle connections: test each pooled connection before handing it out, so
             # the first request after a restart gets a new one instead of an error.
             options["pool_pre_ping"] = True
-            if "connect_timeout" not in make_url(self.url).query:
-                options["connect_args"] = {"connect_timeout": 10}  # a server that is down: fail in seconds
+            query = make_url(self.url).query
+            connect_args: dict[str, Any] = {}
+            if "connect_timeout" not in query:
+                # A server that is down: fail in seconds (libpq counts whole seconds, at least 2).
+                connect_args["connect_timeout"] = 10 if timeout_s is None else max(2, math.ceil(timeout_s))
+            if timeout_s is not None:
+                milliseconds = max(1, int(timeout_s * 1000))
+                if "options" not in query:
+                    connect_args["options"] = f"-c statement_timeout={milliseconds}"
+                if "tcp_user_timeout" not in query:
+                    connect_args["tcp_user_timeout"] = milliseconds
+                options["pool_timeout"] = timeout_s
+            if connect_args:
+                options["connect_args"] = connect_args
+        elif timeout_s is not None:
+            options["connect_args"] = {"timeout": timeout_s}
         self.engine: Engine = create_engine(self.url, **options)
         self._sqlite = self.engine.dialect.name == "sqlite"
         if self._sqlite:
-            event.listen(self.engine, "connect", sqlite_pragmas)
+            busy_ms = BUSY_TIMEOUT_MS if timeout_s is None else max(1, int(timeout_s * 1000))
+            event.listen(self.engine, "connect", functools.partial(sqlite_pragmas, busy_timeout_ms=busy_ms))
         if create:
             from registry.store.migrate import ensure_current
 
-            ensure_current(self.engine, self.url, self.display_url)
+            try:
+                ensure_current(self.engine, self.url, self.display_url)
+            except BaseException:
+                self.engine.dispose()  # a store that cannot be opened keeps no connection (nor its file) open
+                raise
         self._replacing = threading.Lock()
         self._file_id = self._sqlite_file_id()
 
@@ -311,7 +338,9 @@ class Store:
         """One transaction, committed when the block ends. A lost or refused connection (a server killed or
         restarted, a backend terminated, SQLite's file locked past the timeout) becomes StoreUnavailableError:
         before the commit, the transaction was rolled back by the database and nothing of it is stored; during the
-        commit, whether it was stored cannot be known from here."""
+        commit, whether it was stored cannot be known from here. A SQLite file deleted or replaced since this
+        process opened it refuses the write (``_same_file``)."""
+        self._same_file()
         stage = "write"
         try:
             with self.engine.connect() as conn, conn.begin():
@@ -372,6 +401,22 @@ class Store:
         except OSError:
             return None
         return stat.st_dev, stat.st_ino
+
+    def _same_file(self) -> None:
+        """Raise StoreUnavailableError when the SQLite file at the path is not the one this process opened (a stat):
+        a pooled connection would write into the deleted or moved file, which no other process reads, and the write
+        would be lost. The service's check (``_check_sqlite_file``) reopens a replaced file; a command runs again."""
+        with self._replacing:
+            opened = self._file_id
+        if opened is None:
+            return
+        now = self._sqlite_file_id()
+        if now == opened:
+            return
+        what = "does not exist any more" if now is None else "was replaced by another file"
+        raise StoreUnavailableError(f"the store file {self._sqlite_path()} {what} since this process opened it; "
+                                    "nothing of this write is stored; put the file back, or run again to write the "
+                                    "one there now")
 
     def _check_sqlite_file(self) -> None:
         """The file is there and is a SQLite database, read fresh: a pooled connection in WAL mode answers from its

@@ -11,7 +11,9 @@ an entry speaks for the samples that were run, and a rule may know of an overloa
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import threading
 import warnings
 from collections.abc import Iterable
@@ -24,12 +26,14 @@ from registry.core.selector import clear_cache
 from registry.core.sources import source_hashes
 from registry.core.stacks import format_stack
 from registry.core.status import FAILING, worst
-from registry.store.connection import default_store_exists, default_url
+from registry.store import health
+from registry.store.connection import StoreUnavailableError, default_store_exists, default_url, shown_url
+from registry.store.health import HEALTH, StoreStatus, describe, store_errors
 from registry.store.records import MatrixEntry
 
 __all__ = ["FAILING", "SOURCE", "Evidence", "StoreEvidence", "Timing", "clear", "evidence", "reload", "set_entries",
-           "set_profiles", "stored_entries", "stored_profiles", "timings", "use_loader", "use_profile_loader",
-           "use_store"]
+           "set_profiles", "store_status", "stored_entries", "stored_profiles", "timings", "use_loader",
+           "use_profile_loader", "use_store"]
 
 
 _lock = threading.Lock()
@@ -140,12 +144,31 @@ _warned: list[bool] = []  # the missing-SQLAlchemy warning was given
 
 def _read_default_store(read: str) -> list[Any]:
     """``registry.store.fresh.<read>``: the entries fresh for this torch and these composites' sources, from the
-    default store.
+    default store; nothing (and one warning a process, ``registry.store.health``) where it cannot be read."""
+    if HEALTH.failing():
+        return []  # it failed a moment ago: the background retry reads it next
+    try:
+        return _read_store(read)
+    except store_errors() as error:
+        HEALTH.failed(_shown_url(), error, stacklevel=3)
+        return []
 
-    Nothing is created: without a store (no ``MULTICOMPOSITE_DB`` and no SQLite file yet) there is no evidence, and
-    SQLAlchemy is not imported; nor is it for a SQLite store at the newest schema (``sqlite_reader``, the standard
-    library's driver). With a store but without SQLAlchemy (the library installed without its ``service``
-    extra) the rules decide, and a warning says how to read the store.
+
+def _shown_url() -> str | None:
+    try:
+        return shown_url(default_url())
+    except OSError:  # no data folder can be made: there is no default store
+        return None
+
+
+def _read_store(read: str) -> list[Any]:
+    """What ``_read_default_store`` reads; raises what ``store_errors()`` names.
+
+    Nothing is created: without a store (no ``MULTICOMPOSITE_DB`` and no SQLite file yet, or a SQLite file named
+    there but not made yet) there is no evidence, and SQLAlchemy is not imported; nor is it for a SQLite store at the
+    newest schema (``sqlite_reader``, the standard library's driver). With a store but without SQLAlchemy (the
+    library installed without its ``service`` extra) the rules decide, and a warning says how to read the store.
+    Every wait is bounded by ``health.READ_TIMEOUT_S``.
     """
     import torch
 
@@ -154,9 +177,19 @@ def _read_default_store(read: str) -> list[Any]:
     from registry.store import sqlite_reader
 
     url = default_url()
+    path = sqlite_reader.sqlite_path(url)
+    if path is not None and not os.path.exists(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise StoreUnavailableError(f"the folder {folder} of the store file does not exist")
+        if url in HEALTH.read:
+            raise StoreUnavailableError(f"the store file {path} was read earlier and does not exist now")
+        return []  # named but never written: nothing measured yet
     read_fresh = getattr(sqlite_reader, read)
-    stored = read_fresh(url, source_hashes=source_hashes(), torch_version=torch.__version__)
+    stored = read_fresh(url, source_hashes=source_hashes(), torch_version=torch.__version__,
+                        timeout_s=health.READ_TIMEOUT_S)
     if stored is not None:
+        HEALTH.succeeded(url)
         return stored
     try:
         from registry.store import fresh
@@ -164,14 +197,42 @@ def _read_default_store(read: str) -> list[Any]:
     except ModuleNotFoundError as error:
         if not _warned:  # once a process: the matrix and the profiles are read apart
             _warned.append(True)
-            warnings.warn(f"the store at {default_url()} is not read: {error.name} is not installed, so the rules "
-                          "alone decide; pip install 'multicomposite[service]' to use its evidence", stacklevel=2)
+            warnings.warn(f"the store at {shown_url(url)} is not read: {error.name} is not installed, so the rules "
+                          "alone decide; pip install 'multicomposite[service]' to use its evidence", stacklevel=3)
         return []
-    store = Store(url)
+    store = Store(url, timeout_s=health.READ_TIMEOUT_S)
     try:
-        return getattr(fresh, read)(store)
+        result = getattr(fresh, read)(store)
     finally:
         store.close()
+    HEALTH.succeeded(url)
+    return result
+
+
+def store_status() -> StoreStatus:
+    """Which store ``use()`` reads its evidence from, and whether it can read it now (one bounded read). A read that
+    succeeds while the evidence was left out for a failed one reloads it."""
+    try:
+        exists = default_store_exists()
+        url = default_url()
+    except OSError as error:
+        return StoreStatus(None, False, False, describe(error))
+    path = None
+    if exists:
+        from registry.store import sqlite_reader
+
+        path = sqlite_reader.sqlite_path(url)
+    if not exists or (path is not None and not os.path.exists(path) and url not in HEALTH.read
+                      and os.path.isdir(os.path.dirname(os.path.abspath(path)))):
+        return StoreStatus(shown_url(url), False, False)
+    failing = HEALTH.problem is not None
+    try:
+        _read_store("fresh_entries")
+    except store_errors() as error:
+        return StoreStatus(shown_url(url), True, False, describe(error))
+    if failing:
+        reload()
+    return StoreStatus(shown_url(url), True, True)
 
 
 def use_store(store: Any) -> None:
@@ -245,3 +306,7 @@ class StoreEvidence:
 
 
 SOURCE = StoreEvidence()
+
+# A store that could not be read is tried again in the background; once it reads, the evidence reloads.
+HEALTH.probe = functools.partial(_read_store, "fresh_entries")
+HEALTH.on_recovery = reload

@@ -60,9 +60,10 @@ _ORDER = {"matrix_entries": "op, composite, stack, pattern, dtype, id",
           "profiles": "op, workload, numel_bucket, batch_size, composite"}
 
 
-def _read(path: str, table: str, convert: Callable[[Mapping[str, Any]], Any], torch_version: str) -> list[Any] | None:
+def _read(path: str, table: str, convert: Callable[[Mapping[str, Any]], Any], torch_version: str,
+          timeout_s: float) -> list[Any] | None:
     try:
-        connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
+        connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
     except sqlite3.Error:
         return None
     try:
@@ -80,19 +81,20 @@ def _read(path: str, table: str, convert: Callable[[Mapping[str, Any]], Any], to
 
 
 def _fresh(url: str, table: str, convert: Callable[[Mapping[str, Any]], Any],
-           source_hashes: Mapping[tuple[str, str], str], torch_version: str) -> list[Any] | None:
+           source_hashes: Mapping[tuple[str, str], str], torch_version: str, timeout_s: float) -> list[Any] | None:
     path = sqlite_path(url)
-    rows = None if path is None else _read(path, table, convert, torch_version)
+    rows = None if path is None else _read(path, table, convert, torch_version, timeout_s)
     return None if rows is None else of_current_sources(rows, source_hashes)
 
 
-def fresh_entries(url: str, *, source_hashes: Mapping[tuple[str, str], str],
-                  torch_version: str) -> list[MatrixEntry] | None:
-    """The matrix rows fresh for these sources and this torch, or None where this reader cannot tell."""
-    return _fresh(url, "matrix_entries", matrix_entry_from_mapping, source_hashes, torch_version)
+def fresh_entries(url: str, *, source_hashes: Mapping[tuple[str, str], str], torch_version: str,
+                  timeout_s: float = BUSY_TIMEOUT_MS / 1000) -> list[MatrixEntry] | None:
+    """The matrix rows fresh for these sources and this torch, or None where this reader cannot tell (``timeout_s``:
+    how long to wait for a lock another process holds)."""
+    return _fresh(url, "matrix_entries", matrix_entry_from_mapping, source_hashes, torch_version, timeout_s)
 
 
-def fresh_profiles(url: str, *, source_hashes: Mapping[tuple[str, str], str],
-                   torch_version: str) -> list[ProfileEntry] | None:
+def fresh_profiles(url: str, *, source_hashes: Mapping[tuple[str, str], str], torch_version: str,
+                   timeout_s: float = BUSY_TIMEOUT_MS / 1000) -> list[ProfileEntry] | None:
     """The timings fresh for these sources and this torch, or None where this reader cannot tell."""
-    return _fresh(url, "profiles", profile_from_mapping, source_hashes, torch_version)
+    return _fresh(url, "profiles", profile_from_mapping, source_hashes, torch_version, timeout_s)

@@ -12,7 +12,8 @@ Only the command being run is configured, and every module imports torch, the re
 functions that need them: ``multicomposite --help`` answers without loading any of them.
 
 Exit codes: 0 done; 1 done, but what ran found a failure (``verify``; ``check``: use() is not ok); 2 bad input, said
-in one line on stderr; 130 interrupted (Ctrl-C), said in one line; 141 stdout was closed early
+in one line on stderr; 3 the store refused a write or a read (disk full, read-only, server gone), said in one line,
+nothing of the write stored; 130 interrupted (Ctrl-C), said in one line; 141 stdout was closed early
 (``multicomposite ops | head``).
 """
 
@@ -49,7 +50,8 @@ DESCRIPTION = ("Verify, profile and choose among the decompositions of each PyTo
 EPILOG = ("start with `multicomposite ops`, then `multicomposite select index_fill --stack \"vmap(grad)\"`; "
           "`multicomposite verify` and `profile` fill the store that `select`, `matrix`, `report` and the service "
           "read; `multicomposite check model.py:loss --example model.py:make_args` checks your own function. Exit "
-          "codes: 0 done, 1 a failure was found (verify, check), 2 bad input, 130 interrupted.")
+          "codes: 0 done, 1 a failure was found (verify, check), 2 bad input, 3 the store refused a write, "
+          "130 interrupted.")
 
 
 def _configure_db(parser: argparse.ArgumentParser) -> None:
@@ -153,11 +155,16 @@ def _main(argv: list[str]) -> int:
         print(f"multicomposite {args.command}: unrecognized arguments: {' '.join(unknown)} (see multicomposite "
               f"{args.command} --help)", file=sys.stderr)
         return 2
+    from registry.store.connection import StoreUnavailableError  # no driver: where the store is, and its errors
+
     try:
         return args.run(args)
     except UsageError as error:
         print(f"multicomposite {args.command}: {error}", file=sys.stderr)
         return 2
+    except StoreUnavailableError as error:  # a write refused (disk full, read-only, server gone): nothing of it stored
+        print(f"multicomposite {args.command}: {error}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt as interrupt:
         why = f"; {interrupt}" if str(interrupt) else ""
         print(f"\nmulticomposite {args.command}: interrupted{why}", file=sys.stderr)

@@ -2,11 +2,15 @@
 folder, then loaded from it in milliseconds; never downloaded.
 
 ``build_kernels()`` (or ``multicomposite build-kernels``) compiles them ahead of time; otherwise the first ``use()``
-does, which takes about a minute on two cores. The cache folder is ``$MULTICOMPOSITE_KERNELS_DIR`` when set, else
-``~/.cache/multicomposite/kernels``; each build lives in a subfolder named by the hash of what it depends on.
+starts the compile in a background process (about a minute on two cores) and routes with the Python kernels until
+it lands (``background.py``). One compile serves every process: the build runs under a file lock in the cache
+folder, and a build appears in it whole (a temporary folder renamed) or not at all. The cache folder is
+``$MULTICOMPOSITE_KERNELS_DIR`` when set, else ``~/.cache/multicomposite/kernels``; each build lives in a subfolder
+named by the hash of what it depends on.
 
 Without a compiler or the headers (``DynamicLayer.h`` includes ``<nlohmann/json.hpp>``, which the torch wheel does not
-ship: Debian's ``nlohmann-json3-dev``), ``load()`` returns None and says why; the routing then runs its Python kernels.
+ship: Debian's ``nlohmann-json3-dev``), ``load()`` raises KernelBuildError saying why; the routing then runs its
+Python kernels.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -92,6 +97,12 @@ def build_kernels(*, quiet: bool = False) -> Path:
 
 
 def _build(quiet: bool) -> Path:
+    """Build under two locks: a thread's (``_lock``) and the cache folder's (an inter-process file lock), so that N
+    processes starting at once compile once: the first compiles, the others wait for it and load its build. The
+    compiler writes into a temporary folder beside the build's, renamed to it when the compile succeeded: a compile
+    killed halfway leaves only that temporary folder, which no process loads and the next build removes."""
+    from filelock import FileLock  # torch depends on it: a kept inter-process lock (fcntl.flock on POSIX)
+
     with _lock:
         path = extension_path()
         if path.exists():
@@ -99,29 +110,74 @@ def _build(quiet: bool) -> Path:
         compiler = _compiler()
         if compiler is None:
             raise KernelBuildError(f"no C++ compiler found (c++ or g++ on PATH, or $CXX); {HOW_TO}")
+        root = cache_root()
+        root.mkdir(parents=True, exist_ok=True)
+        identity = path.parent.name
+        lock = FileLock(root / f"{identity}.lock")
+        try:
+            lock.acquire(timeout=0)
+        except TimeoutError:  # filelock.Timeout: another process compiles this build now
+            if not quiet:
+                print(f"multicomposite: waiting for another process compiling the routing kernels into {root}",
+                      file=sys.stderr, flush=True)
+            lock.acquire()
+        try:
+            if path.exists():  # the other process built it while this one waited
+                return path
+            return _compile(compiler, path, quiet)
+        finally:
+            lock.release()
+
+
+def _compile(compiler: str, path: Path, quiet: bool) -> Path:
+    """Compile into a fresh temporary folder, then rename it to the build's folder (one atomic step). Called with
+    the cache's file lock held: any temporary folder of this build left there is a killed compile's."""
+    root, identity = path.parent.parent, path.parent.name
+    for stale in root.glob(f".{identity}.*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if path.parent.exists():  # a folder without the extension: an older layout's partial build
+        shutil.rmtree(path.parent)
+    if not quiet:
+        print(f"multicomposite: compiling the routing kernels into {path.parent} (once; 20 s to a minute)",
+              file=sys.stderr, flush=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{identity}.", dir=root))
+    try:
         name = path.name.partition(".")[0]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not quiet:
-            print(f"multicomposite: compiling the routing kernels into {path.parent} (once; 20 s to a minute)",
-                  file=sys.stderr, flush=True)
-        partial = path.with_suffix(f".{os.getpid()}.partial")
-        done = subprocess.run(_command(compiler, partial, name), capture_output=True, text=True)
-        if done.returncode != 0:
-            partial.unlink(missing_ok=True)
+        done = subprocess.run(_command(compiler, staging / path.name, name), capture_output=True, text=True)
+        if done.returncode != 0 or not (staging / path.name).exists():
             errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
             first = errors[0].strip() if errors else f"exit status {done.returncode}"
             if "nlohmann/json.hpp" in done.stderr:
                 first = "the header <nlohmann/json.hpp> is missing (functorch's DynamicLayer.h includes it)"
             raise KernelBuildError(f"compiling {SOURCE.name} failed: {first}; {HOW_TO}")
-        partial.replace(path)  # atomic: a concurrent process sees either no build or a whole one
-        return path
+        staging.chmod(0o755)  # mkdtemp's folder is private; the cache may be shared by a team's image
+        staging.rename(path.parent)  # atomic: every process sees either no build or a whole one
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
 
 
-def load() -> ModuleType:
-    """The kernels' module, built first when the cache has none. Raises KernelBuildError."""
+def built() -> bool:
+    """Whether this torch's, Python's and source's build is in the cache (a stat: it loads nothing)."""
+    return extension_path().exists()
+
+
+def load(*, wait: bool = True) -> ModuleType | None:
+    """The kernels' module, built first when the cache has none. Raises KernelBuildError.
+
+    ``wait=False`` (the first ``use()``): where the cache has no build yet, start one in the background
+    (``background.BUILD``) and return None at once; the routing switches to the kernels when it lands."""
     global _module
     if _module is not None:
         return _module
+    if not wait and not built():
+        if _compiler() is None:
+            raise KernelBuildError(f"no C++ compiler found (c++ or g++ on PATH, or $CXX); {HOW_TO}")
+        from registry.core.kernels.background import BUILD
+
+        BUILD.start()
+        return None
     path = build_kernels()
     name = path.name.partition(".")[0]
     spec = importlib.util.spec_from_file_location(name, path)
