@@ -17,6 +17,7 @@ from composites import (
     reduce,
     resample,
     statistics,
+    view_scatter,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "reduce",
     "resample",
     "statistics",
+    "view_scatter",
 ]
