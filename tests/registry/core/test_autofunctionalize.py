@@ -515,3 +515,57 @@ def test_an_out_argument_keeps_out_semantics() -> None:
         torch.testing.assert_close(func.vmap(into)(X), X * 2)
         with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
             func.vmap(lambda x: torch.mul(x, 2, out=torch.empty(3, dtype=torch.long)))(X)
+
+
+# --- out[idx] += v with repeated indices (Why 5(a) of issue 25) ----------------------------------------------------
+
+REPEATED = torch.tensor([0, 2, 0, 1, 2, 0])
+MESSAGES = torch.tensor([0.5, -1.5, 2.0, 1.0, 0.25, -0.75])
+
+
+def repeated_augmented_write(x: torch.Tensor) -> torch.Tensor:
+    """``out[idx] += v`` with repeated indices: Python's ``out[idx] = out[idx] + v``, an index_put without
+    accumulate (one of the repeated positions' values lands; PyTorch leaves which unspecified)."""
+    out = torch.zeros(3)
+    out[REPEATED] += MESSAGES * x.repeat(2)
+    return (out.sin() * torch.tensor([1.0, 2.0, 3.0])).sum()
+
+
+def test_repeated_augmented_write_native_forward_and_reverse_mode_disagree() -> None:
+    """The bug itself, natively and outside any vmap: jacfwd gives only the landing position's values a derivative,
+    jacrev (and torch.autograd) gives every repeated position's values the gradient."""
+    if not torch.__version__.startswith("2.13"):
+        pytest.skip("measured on PyTorch 2.13")
+    forward, reverse = func.jacfwd(repeated_augmented_write)(X[0]), func.jacrev(repeated_augmented_write)(X[0])
+    assert not torch.allclose(forward, reverse)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_repeated_augmented_write_inside_use_equals_the_per_sample_loop(
+        transform: str, fallback_warnings: list[warnings.WarningMessage]) -> None:
+    expected = torch.stack([_per_sample(transform, repeated_augmented_write, sample) for sample in X])
+    with registry.use():
+        got = TRANSFORMS[transform](repeated_augmented_write)(X)
+    torch.testing.assert_close(got, expected)
+    assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd", "hessian"])
+def test_repeated_augmented_write_one_sample_jacobians_inside_use(transform: str) -> None:
+    reference = torch.autograd.functional.hessian if transform == "hessian" else torch.autograd.functional.jacobian
+    with registry.use():
+        got = getattr(func, transform)(repeated_augmented_write)(X[0])
+    torch.testing.assert_close(got, reference(repeated_augmented_write, X[0]))
+
+
+def test_repeated_writes_with_infinite_values_keep_their_value() -> None:
+    """Where the written values are not finite the derivative's zero would be nan (inf - inf): it is left out."""
+    def write(x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(3)
+        out[REPEATED[:3]] = torch.stack([x[0], torch.tensor(float("inf")), x[1]])
+        return out
+
+    expected = torch.stack([write(sample) for sample in X])
+    with registry.use():
+        got = func.vmap(lambda x: func.jvp(write, (x,), (torch.ones(3),))[0])(X)
+    torch.testing.assert_close(got, expected)
