@@ -35,7 +35,7 @@ import torch
 import torch._functorch.vmap as functorch_vmap
 from torch._functorch.eager_transforms import functionalize
 
-from registry.core import control_flow, fresh_buffers, write_target
+from registry.core import control_flow, fresh_buffers, out_arguments, write_target
 from registry.core.frames import raising_user_frame
 
 # PyTorch's refusal of an in-place write of a batched value into an unbatched self (every in-place op's batching rule
@@ -207,6 +207,10 @@ def functionalizing_flat_vmap(func: Callable[..., Any], batch_size: int, flat_in
         return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
     except RuntimeError as error:
         failure = error
+    if out_arguments.is_out_refusal(failure):  # the first out= call inside use(): its kernels, then again
+        out_arguments.register_kernels()
+        _set_rng_state(state)
+        return functionalizing_flat_vmap(func, *args, **kwargs)
     if isinstance(failure, control_flow.BooleanMaskError):  # an inner level's, already saying where
         raise failure
     if control_flow.MASK_REFUSAL in str(failure):

@@ -12,16 +12,24 @@ from outside the function it gets the error that names it.
 
 The kernels sit at the functorch front key (never reached outside a transform); outside ``use()``, with policy
 ``native``, inside a composite, or for an overload without a functional twin, PyTorch's own kernel runs.
+
+Registering a kernel for each of the 1100 ``out=`` overloads costs about 50 ms, four times what a first call inside
+``use()`` costs otherwise, and few programs pass ``out=``. So they are registered the first time PyTorch refuses an
+``out=`` call inside ``use()`` (one of ``OUT_REFUSALS``): the transform that raised it (vmap, grad, vjp or jvp; jacrev,
+jacfwd and hessian are made of those) sets the random number generator back and runs again, now with the kernels.
+That once per process, Python side effects before the ``out=`` call happen twice.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch._functorch.eager_transforms as eager_transforms
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 
@@ -32,20 +40,29 @@ _SCALAR_TYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "Double", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
 }
 
+# What PyTorch says when an out= call meets a transform: vmap's, autograd's and forward AD's refusals.
+OUT_REFUSALS = ("the fallback path doesn't work on out= or view ops",
+                "functions with out=... arguments don't support automatic differentiation",
+                "because it is an out= function")
+# The transforms whose refusal of an out= call registers the kernels and runs them again (vmap's is in
+# registry.core.functionalization, which replaces vmap's implementation already).
+RETRYING = ("grad_and_value_impl", "_vjp_with_argnums", "_jvp_with_argnums")
+
 _register_lock = threading.Lock()
 _registered: list[bool] = []
+_pending: list[tuple[torch.library.Library, Callable[[], bool], frozenset[str]]] = []  # what install() was given
 
 
-def out_overloads() -> list[tuple[str, str]]:
-    """Every aten overload with out arguments, as (op, overload name)."""
+def out_overloads() -> list[tuple[str, str, tuple[str, ...]]]:
+    """Every aten overload with out arguments, as (op, overload name, the out arguments' names)."""
     found = []
     for qualified in torch._C._dispatch_get_all_op_names():
         if not qualified.startswith("aten::"):
             continue
         name, _, overload = qualified.partition(".")
-        schema = torch._C._get_schema(name, overload)
-        if any(argument.is_out for argument in schema.arguments):
-            found.append((name.removeprefix("aten::"), overload))
+        outs = tuple(argument.name for argument in torch._C._get_schema(name, overload).arguments if argument.is_out)
+        if outs:
+            found.append((name.removeprefix("aten::"), overload, outs))
     return found
 
 
@@ -85,10 +102,9 @@ def write_into(out: torch.Tensor, result: torch.Tensor) -> None:
     out.copy_(result)
 
 
-def _make_kernel(op: str, overload: str, native: Any, active: Callable[[], bool]) -> Callable[..., Any]:
+def _make_kernel(op: str, overload: str, out_names: tuple[str, ...], native: Any,
+                 active: Callable[[], bool]) -> Callable[..., Any]:
     call_native = native.call_boxed
-    schema = getattr(getattr(torch.ops.aten, op), overload)._schema
-    out_names = tuple(argument.name for argument in schema.arguments if argument.is_out)
     twin: list[torch._ops.OpOverload | None] = []  # looked up on the first call inside use()
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
@@ -111,20 +127,73 @@ def _make_kernel(op: str, overload: str, native: Any, active: Callable[[], bool]
     return kernel
 
 
-def register(library: torch.library.Library, active: Callable[[], bool], taken: Iterable[str] = ()) -> None:
-    """Register the kernel of every aten ``out=`` overload, once per process (about 30 ms for the 1100 of them);
-    ``active()``: whether this thread is inside ``use()`` with a policy that routes, outside a composite; ``taken``:
-    overloads (``name.overload``) that have a kernel of their own at the front key already."""
+def registered() -> bool:
+    return bool(_registered)
+
+
+def is_out_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is PyTorch refusing an out= call under a transform while the kernels are not registered."""
+    return not _registered and isinstance(error, (RuntimeError, NotImplementedError)) and any(
+        refusal in str(error) for refusal in OUT_REFUSALS)
+
+
+def register_kernels() -> None:
+    """Register the kernel of every aten ``out=`` overload, once per process (about 50 ms for the 1100 of them)."""
     with _register_lock:
-        if _registered:
+        if _registered or not _pending:
             return
-        skip = set(taken)
+        library, active, taken = _pending[0]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Warning only once for all operators")
-            for op, overload in out_overloads():
+            for op, overload, outs in out_overloads():
                 name = f"{op}.{overload}"
-                if name in skip:
+                if name in taken:
                     continue
                 native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
-                library.impl(name, _make_kernel(op, overload, native, active), DISPATCH_KEY, with_keyset=True)
+                library.impl(name, _make_kernel(op, overload, outs, native, active), DISPATCH_KEY,
+                             with_keyset=True)
         _registered.append(True)
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _retrying(transform: Callable[..., Any], active: Callable[[], bool]) -> Callable[..., Any]:
+    """``transform`` (grad's, vjp's or jvp's implementation) that, inside ``use()`` and until the kernels are
+    registered, registers them where PyTorch refuses an out= call in it, and runs again from the same random state."""
+
+    @functools.wraps(transform)
+    def retrying(*args: Any, **kwargs: Any) -> Any:
+        if _registered or torch.compiler.is_compiling() or not active():
+            return transform(*args, **kwargs)
+        state = _rng_state()
+        try:
+            return transform(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as error:
+            if not is_out_refusal(error):
+                raise
+        register_kernels()
+        _set_rng_state(state)
+        return transform(*args, **kwargs)
+
+    return retrying
+
+
+def install(library: torch.library.Library, active: Callable[[], bool], taken: Iterable[str] = ()) -> None:
+    """Make ``out=`` work inside ``use()``, once per process: the kernels are registered into ``library`` the first
+    time PyTorch refuses an ``out=`` call there. ``active()``: whether this thread is inside ``use()`` with a policy
+    that routes, outside a composite; ``taken``: overloads (``name.overload``) with a kernel of their own at the
+    front key already."""
+    with _register_lock:
+        if _pending:
+            return
+        _pending.append((library, active, frozenset(taken)))
+        for name in RETRYING:
+            setattr(eager_transforms, name, _retrying(getattr(eager_transforms, name), active))

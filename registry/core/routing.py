@@ -331,7 +331,7 @@ def register_kernels() -> None:
             dynamic.register(library, _routing_on, _refusing)
             control_flow.register(library, _routing_on)
             functionalization.install(_routing_on)
-            out_arguments.register(library, _routing_on, {o.name for op in OPS.values() for o in op.overloads})
+            out_arguments.install(library, _routing_on, {o.name for op in OPS.values() for o in op.overloads})
             torch.Tensor.contiguous = _contiguous  # type: ignore[method-assign]
             _libraries.append(library)  # every Library object stays alive: dropping one unregisters its kernels
         else:

@@ -8,7 +8,10 @@ one sample.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -569,3 +572,37 @@ def test_repeated_writes_with_infinite_values_keep_their_value() -> None:
     with registry.use():
         got = func.vmap(lambda x: func.jvp(write, (x,), (torch.ones(3),))[0])(X)
     torch.testing.assert_close(got, expected)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+FIRST_OUT_CALL = """
+import torch
+from torch import func
+import registry
+from registry.core import out_arguments
+
+weight = torch.tensor([0.5, -1.5, 2.0])
+
+def f(x):
+    buffer = torch.empty(3)
+    torch.mul(x, weight, out=buffer)
+    return (buffer * torch.rand(3)).sum()
+
+with registry.use():
+    func.vmap(func.grad(lambda x: (x * weight).sum()))(torch.ones(2, 3))
+    print(out_arguments.registered())
+    torch.manual_seed(0)
+    got = func.grad(f)(torch.ones(3))
+    print(out_arguments.registered())
+torch.manual_seed(0)
+print(torch.equal(got, weight * torch.rand(3)))
+"""
+
+
+def test_out_kernels_are_registered_at_the_first_refused_out_call() -> None:
+    """A process whose transforms pass no out= never registers the out= kernels; the first refused out= call (here
+    under plain grad) registers them and runs again from the same random state."""
+    done = subprocess.run([sys.executable, "-c", FIRST_OUT_CALL], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "True"]
