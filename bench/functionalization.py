@@ -7,6 +7,11 @@
      hand, outside ``use()``; the same model rewritten with out-of-place scatters (``scatter_add``, ``index_add``),
      natively
 (f3) the first call of (f2) inside ``use()`` (the refused run, then the functionalized one) vs a remembered call
+(f4) a write-heavy step: an integrator's per-sample gradients through a preallocated trajectory
+     (``solution = torch.empty(T, d); solution[0] = y0; solution[t] = ...``, and the same with each step computed
+     by ``torch.add(..., out=workspace)``) inside ``use()``, vs the same integrator written with ``torch.stack``
+     natively (native cannot run the writing forms: vmap refuses the write, and functionalized by hand the backward
+     reaches ``as_strided_scatter``, which has no batching rule), vs a per-sample ``torch.autograd`` loop
 
 Each pair is timed in alternating rounds, on one thread and its CPU time (what other processes do adds nothing); the
 minimum over rounds is reported, since noise only ever adds time.
@@ -108,6 +113,57 @@ def f2_f3(batch: int, rounds: int, min_run_time: float) -> None:
           f"{first_ms / found['automatic']:.2f}x a remembered call")
 
 
+def _integrate(form: str, weight: torch.Tensor, y0: torch.Tensor, steps: int) -> torch.Tensor:
+    """Explicit Euler steps of dy/dt = tanh(y W), the trajectory's mean square: into a preallocated buffer by index
+    (``index``), by ``out=`` (``out``), or stacked out of place (``stack``)."""
+    if form == "stack":
+        states = [y0]
+        for _ in range(1, steps):
+            states.append(states[-1] + 0.1 * torch.tanh(states[-1] @ weight))
+        return torch.stack(states).square().mean()
+    solution = torch.empty(steps, *y0.shape)
+    solution[0] = y = y0
+    for step in range(1, steps):
+        if form == "index":
+            y = y + 0.1 * torch.tanh(y @ weight)
+        else:  # a solver's workspace: each step's state computed into a buffer of its own
+            y = torch.add(y, torch.tanh(y @ weight), alpha=0.1, out=torch.empty_like(y))
+        solution[step] = y
+    return solution.square().mean()
+
+
+def f4(batch: int, rounds: int, min_run_time: float, steps: int = 20, width: int = 16) -> None:
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(width, width, generator=generator) / width ** 0.5
+    y0 = torch.randn(batch, width, generator=generator)
+
+    def step(form: str) -> Callable[[], object]:
+        grads = func.vmap(func.grad(lambda w, y: _integrate(form, w, y, steps)), in_dims=(None, 0))
+        if form == "stack":
+            return lambda: grads(weight, y0)
+
+        def inside() -> object:
+            with registry.use():
+                return grads(weight, y0)
+
+        return inside
+
+    def loop() -> object:
+        leaf = weight.clone().requires_grad_()
+        return torch.stack([torch.autograd.grad(_integrate("index", leaf, y, steps), leaf)[0] for y in y0])
+
+    stmts = {"index": step("index"), "out": step("out"), "stack": step("stack"), "loop": loop}
+    expected = loop()
+    for name in ("index", "out", "stack"):
+        torch.testing.assert_close(stmts[name](), expected)  # also registers and remembers outside the timing
+    found = _rounds(stmts, rounds, min_run_time)
+    print(f"(f4) integrator per-sample gradients, {steps} steps of width {width}, batch {batch}: use() with index "
+          f"writes {found['index']:.2f} ms, with out= {found['out']:.2f} ms; torch.stack natively "
+          f"{found['stack']:.2f} ms (use() {found['index'] / found['stack']:.2f}x / "
+          f"{found['out'] / found['stack']:.2f}x of it); per-sample torch.autograd loop {found['loop']:.2f} ms "
+          f"({found['loop'] / found['index']:.1f}x of use())")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.functionalization", description=__doc__)
     parser.add_argument("--batch", type=int, default=64, help="graphs per step in (f2) and (f3) (default 64)")
@@ -120,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         warnings.simplefilter("ignore")
         f1(args.rounds, args.min_run_time)
         f2_f3(args.batch, args.rounds, args.min_run_time)
+        f4(args.batch, args.rounds, args.min_run_time)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from composites import (
     reduce,
     resample,
     statistics,
+    view_scatter,
     weight_gradients,
 )
 
@@ -37,5 +38,6 @@ __all__ = [
     "reduce",
     "resample",
     "statistics",
+    "view_scatter",
     "weight_gradients",
 ]

@@ -1,4 +1,5 @@
-"""Composites of the flat-index family: ``take``."""
+"""Composites of the flat-index family: ``take``, ``put``, ``embedding_bag``, and ``index_put`` (``buf[idx] = v``)
+under forward-mode AD."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import torch
 
 from composites.embedding import with_recorded_renorms
+from composites.statistics import every_sample
 from registry.core import rules
 from registry.core.ops import overloads
 from registry.core.registration import define_op, register
@@ -163,3 +165,42 @@ def nonzero_static_functional(self, *, size, fill_value=-1):
         rest = rest // extent
     found = torch.stack(coordinates[::-1], -1)
     return torch.where((picked >= 0).unsqueeze(-1), found, fill_value)
+
+
+# --- index_put (buf[idx] = v) under forward-mode AD ----------------------------------------------------------------
+
+_INDEX_PUT_EVIDENCE = (
+    "where indices repeat and accumulate is False, aten::index_put's forward-AD formula writes the tangent of one of "
+    "the repeated positions (the one whose value wins) while its backward gives every one of them the gradient: "
+    "jacfwd and hessian disagree with jacrev and the per-sample loop of torch.autograd (measured: out[idx] += v into "
+    "zeros, max abs diff 1.2 under jacfwd and 0.7 under hessian)")
+define_op("index_put", "", tensors=("self", "values"), doc="self with values written (or added) at indices",
+          opinfo=("index_put",), overloads=overloads("index_put", only=("index_put", "index_put_")),
+          rules={"native": rules.fails_when(lambda ctx: "jvp" in ctx.stack, "mismatch", _INDEX_PUT_EVIDENCE)})
+
+
+def _repeats(self: torch.Tensor, indices: list[torch.Tensor | None]) -> bool:
+    """Whether, in any sample of any vmap level, two of the positions ``indices`` writes are the same."""
+    positions = torch.arange(self.numel(), device=self.device).view(self.shape)
+    written = positions[tuple(slice(None) if index is None else index for index in indices)].reshape(-1)
+    if written.shape[0] < 2:
+        return False
+    ordered = written.sort().values
+    return bool(every_sample((ordered[1:] == ordered[:-1]).any()).any())
+
+
+@register("index_put", "functional")
+def index_put_functional(self, indices, values, accumulate=False):
+    """PyTorch's own index_put; where indices repeat without accumulate, its value with the derivative its backward
+    has (every repeated position's values get the gradient): masked self, plus the written values, plus the
+    accumulated values' derivative (a zero whose tangent is theirs), so that forward and reverse mode agree."""
+    if accumulate or not (self.is_floating_point() or self.is_complex()) or not _repeats(self, indices):
+        return aten.index_put.default(self, indices, values, accumulate)
+    values = values.to(self.dtype)
+    zero = torch.zeros((), dtype=self.dtype, device=self.device)
+    masked = aten.index_put.default(self, indices, zero, False)
+    written = aten.index_put.default(torch.zeros_like(self), indices, values, False).detach()
+    summed = aten.index_put.default(torch.zeros_like(self), indices, values, True)
+    plain = summed.detach()
+    derivative = torch.where(plain.isfinite(), summed - plain, zero)  # inf - inf would be nan
+    return masked + written + derivative

@@ -13,6 +13,8 @@ import math
 from typing import Any
 
 import torch
+from torch._C._functorch import _unwrap_batched as unwrap_batched
+from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_level
 from torch.autograd import Function
 
 from composites.checks import check_dim
@@ -389,3 +391,59 @@ def hash_tensor_functional(self, dim=(), *, keepdim=False, mode=0):
     if keepdim and self.dim():
         folded = folded.reshape([1 if d in reduced else self.shape[d] for d in range(self.dim())])
     return folded.view(torch.uint64)
+
+
+# --- bincount ----------------------------------------------------------------------------------------------------
+
+define_op("bincount", "", tensors=("self", "weights"),
+          doc="how often each value of self (1-d, non-negative integers) occurs, or the sum of its weights",
+          opinfo=("bincount",), inplace=False,
+          rules={"native": rules.batched_without_batching_rule("aten::bincount", "self", "weights")})
+
+
+def every_sample(tensor: torch.Tensor) -> torch.Tensor:
+    """A per-sample 0-d ``tensor`` as one plain tensor of every sample's value (all vmap levels' batch dimensions):
+    the functorch wrappers peeled down to the physical tensor. Read in Python, it decides what every sample shares."""
+    while (level := maybe_get_level(tensor)) != -1:
+        tensor = unwrap_batched(tensor, level)[0] if is_batchedtensor(tensor) else get_unwrapped(tensor)
+    return tensor
+
+
+def _bincount_length(self: torch.Tensor, minlength: int) -> int:
+    """The one length every sample's counts have: max(largest value + 1, minlength), where that is the same in
+    every sample; raises where it is not (each sample's counts would have their own length)."""
+    if self.numel() == 0:
+        return minlength
+    lowest, largest = every_sample(self.min()), every_sample(self.max())
+    if bool((lowest < 0).any()):
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    top = int(largest.max()) + 1
+    if minlength >= top:
+        return minlength
+    if int(largest.min()) + 1 != top:
+        raise RuntimeError(
+            f"bincount under vmap: the samples' counts would have different lengths (the samples' largest values "
+            f"range from {int(largest.min())} to {top - 1}, and minlength={minlength} is less than {top}), and one "
+            f"batched tensor cannot hold them. Pass minlength={top} or more (at least the largest value any sample "
+            "can hold + 1, e.g. the number of classes): every sample's counts then have that length.")
+    return top
+
+
+@register("bincount", "functional")
+def bincount_functional(self, weights=None, minlength=0):
+    """scatter_add of ones (or the weights) at self's values into zeros of the length every sample shares, read once
+    from the batched values (not differentiable, as native)."""
+    if self.dim() != 1 or self.is_floating_point() or self.is_complex() or self.dtype == torch.bool:
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    if minlength < 0:
+        raise RuntimeError("minlength should be >= 0")
+    if weights is not None and (weights.dim() != 1 or weights.shape[0] != self.shape[0]):
+        raise RuntimeError("weights should be 1-d and have the same length as input")
+    length = _bincount_length(self, minlength)
+    if weights is None:
+        dtype = torch.int64
+        added = torch.ones((), dtype=dtype, device=self.device).expand(self.shape)
+    else:
+        dtype = weights.dtype if weights.is_floating_point() else torch.float64
+        added = weights.detach().to(dtype)
+    return torch.zeros(length, dtype=dtype, device=self.device).scatter_add(0, self.long(), added)

@@ -35,7 +35,7 @@ import torch
 import torch._functorch.vmap as functorch_vmap
 from torch._functorch.eager_transforms import functionalize
 
-from registry.core import batch_split, control_flow, fresh_buffers, write_target
+from registry.core import batch_split, control_flow, fresh_buffers, out_arguments, write_target
 from registry.core.context import functorch_stack
 from registry.core.disagree import SamplesDisagreeError
 from registry.core.frames import raising_user_frame
@@ -211,6 +211,10 @@ def functionalizing_flat_vmap(func: Callable[..., Any], batch_size: int, flat_in
         return _split(error, state, func, *args, **kwargs)
     except RuntimeError as error:
         failure = error
+    if out_arguments.is_out_refusal(failure):  # the first out= call inside use(): its kernels, then again
+        out_arguments.register_kernels()
+        _set_rng_state(state)
+        return functionalizing_flat_vmap(func, *args, **kwargs)
     if isinstance(failure, control_flow.BooleanMaskError):  # an inner level's, already saying where
         raise failure
     if control_flow.MASK_REFUSAL in str(failure):

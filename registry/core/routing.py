@@ -36,7 +36,7 @@ import torch
 import torch._functorch.vmap as functorch_vmap
 from torch._C._functorch import maybe_current_level
 
-from registry.core import control_flow, dynamic, fresh_buffers, functionalization
+from registry.core import control_flow, dynamic, fresh_buffers, functionalization, out_arguments
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
 from registry.core.kernels.background import BUILD as _BUILD
@@ -376,6 +376,8 @@ class Router:
             if self.library is None:
                 self.library = torch.library.Library("aten", "IMPL")
                 control_flow.register(self.library, self.routing_on)
+                out_arguments.install(self.library, self.routing_on,
+                                      {o.name for op in self.table.ops.values() for o in op.overloads})
             dynamic.register(self.library, self.routing_on, self.refusing)
             if not self.installed:
                 functionalization.install(self.routing_on)
@@ -405,6 +407,7 @@ class Router:
                 setattr(owner, attribute, original)
             self.patches.clear()
             functionalization.uninstall()
+            out_arguments.uninstall()
             self.routed_ops.clear()
             self.installed = False
             self.removed = True

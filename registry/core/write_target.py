@@ -19,7 +19,8 @@ from registry.core.frames import UserFrame
 
 def _written_expression(source: str) -> ast.expr | None:
     """The expression a line writes into in place: the receiver of ``x.name_(...)``, the subscripted tensor of
-    ``x[i] = v`` / ``x[i] += v``, the target of ``x += v``; None when the line is not one of those."""
+    ``x[i] = v`` / ``x[i] += v``, the target of ``x += v``, the ``out=`` argument of a call; None when the line is
+    not one of those."""
     try:
         tree = ast.parse(source.strip().rstrip(":"))
     except SyntaxError:
@@ -32,6 +33,10 @@ def _written_expression(source: str) -> ast.expr | None:
                     return target.value
                 if isinstance(node, ast.AugAssign):
                     return target
+        if isinstance(node, ast.Call):
+            for keyword in node.keywords:
+                if keyword.arg == "out":  # torch.mul(a, b, out=buf): the op's result is written into buf
+                    return keyword.value
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.endswith("_")
                 and not node.func.attr.endswith("__")):
             return node.func.value

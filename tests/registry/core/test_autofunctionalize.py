@@ -8,6 +8,10 @@ one sample.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -318,3 +322,287 @@ def test_a_functionalized_function_reaching_an_op_only_a_primitive_batches_runs_
         warnings.simplefilter("ignore")  # the loop's fallback warning: native runs there
         for _ in range(2):  # detected, then remembered
             torch.testing.assert_close(func.vmap(solve)(ld, pivots, b), expected)
+
+
+# --- writes through views and out= arguments (what functionalization turns into select/slice/diagonal/as_strided
+# scatters, and out= computed out of place then copied) -------------------------------------------------------------
+
+
+def trajectory(x: torch.Tensor) -> torch.Tensor:
+    """An ODE solver's preallocated trajectory: ``solution = torch.empty(T, *y0.shape); solution[0] = y0``, then a
+    step per row (integer-index writes: select, then copy_)."""
+    solution = torch.empty(3, 3)
+    solution[0] = x
+    for step in range(1, 3):
+        solution[step] = solution[step - 1] * WEIGHT + x.sin()
+    return (solution * solution).sum()
+
+
+def slice_open_end(x: torch.Tensor) -> torch.Tensor:
+    """``out[:, 1:] = v``: functionalization records the open end as 2**63 - 1."""
+    out = torch.zeros(2, 4)
+    out[:, 1:] = x * WEIGHT
+    return out.sin().sum() + out[:, 0].sum()
+
+
+def slice_step(x: torch.Tensor) -> torch.Tensor:
+    """``out[::2] = v``: an open end and a step."""
+    out = torch.ones(6)
+    out[::2] = x.exp()
+    return (out * torch.arange(6.0)).sin().sum()
+
+
+def slice_ellipsis(x: torch.Tensor) -> torch.Tensor:
+    """``out[..., :-1] = v``."""
+    out = torch.zeros(2, 4)
+    out[..., :-1] = x * x
+    return (out.cos() * torch.arange(8.0).reshape(2, 4)).sum()
+
+
+def select_copy(x: torch.Tensor) -> torch.Tensor:
+    """``out[1].copy_(v)``."""
+    out = torch.zeros(3, 3)
+    out[1].copy_(x)
+    return (out.sin() * torch.arange(9.0).reshape(3, 3)).sum()
+
+
+def narrow_copy(x: torch.Tensor) -> torch.Tensor:
+    """``out.narrow(0, 1, 2).copy_(v)`` into zeros made from an outside tensor."""
+    out = WEIGHT.new_zeros(4, 3)
+    out.narrow(0, 1, 2).copy_(torch.stack([x, 2 * x]))
+    return (out.sin() * torch.arange(12.0).reshape(4, 3)).sum()
+
+
+def diagonal_copy(x: torch.Tensor) -> torch.Tensor:
+    """``out.diagonal().copy_(v)``."""
+    out = torch.ones(3, 3)
+    out.diagonal().copy_(x * WEIGHT)
+    return (out @ x).sin().sum()
+
+
+def unfold_copy(x: torch.Tensor) -> torch.Tensor:
+    """``out.unfold(0, 2, 2).copy_(v)``: windows of a flat buffer."""
+    out = torch.zeros(6)
+    out.unfold(0, 2, 2).copy_(torch.stack([x[:2], x[1:], x[::2]]))
+    return (out.sin() * torch.arange(6.0)).sum()
+
+
+def as_strided_copy(x: torch.Tensor) -> torch.Tensor:
+    """``out.as_strided(size, stride, offset).copy_(v)``."""
+    out = torch.zeros(8)
+    out.as_strided((2, 3), (4, 1), 1).copy_(torch.stack([x, x * x]))
+    return (out.sin() * torch.arange(8.0)).sum()
+
+
+def select_add(x: torch.Tensor) -> torch.Tensor:
+    """``out.select(1, 0).add_(v)``: in-place arithmetic through a view."""
+    out = torch.ones(3, 4)
+    out.select(1, 0).add_(x)
+    return (out.sin() * torch.arange(12.0).reshape(3, 4)).sum()
+
+
+def empty_like_slices(x: torch.Tensor) -> torch.Tensor:
+    """``out = torch.empty_like(weight); out[:] = 0; out[1:] = v``."""
+    out = torch.empty_like(WEIGHT)
+    out[:] = 0
+    out[1:] = x[:2] * x[1:]
+    return out.exp().sum()
+
+
+def mul_out(x: torch.Tensor) -> torch.Tensor:
+    """``torch.mul(a, b, out=buf)``."""
+    buffer = torch.empty(3)
+    torch.mul(x, WEIGHT, out=buffer)
+    return buffer.sin().sum()
+
+
+def add_out_resized(x: torch.Tensor) -> torch.Tensor:
+    """``torch.add(a, b, alpha=2, out=buf)`` into an empty buffer, which out= resizes."""
+    buffer = torch.empty(0)
+    torch.add(x, WEIGHT, alpha=2, out=buffer)
+    return (buffer * x).sin().sum()
+
+
+def matmul_out(x: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(m, v, out=buf)`` (a composite op whose out= form decomposes into mv.out)."""
+    buffer = WEIGHT.new_empty(3)
+    torch.matmul(torch.eye(3) + x[:, None] * WEIGHT, x, out=buffer)
+    return buffer.sin().sum()
+
+
+# Native autograd refuses out= with a tensor that requires grad, outside any transform too: the loop of those three
+# runs their out-of-place form.
+OUT_OF_PLACE: dict[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] = {
+    mul_out: lambda x: torch.mul(x, WEIGHT).sin().sum(),
+    add_out_resized: lambda x: (torch.add(x, WEIGHT, alpha=2) * x).sin().sum(),
+    matmul_out: lambda x: torch.matmul(torch.eye(3) + x[:, None] * WEIGHT, x).sin().sum(),
+}
+WRITES = [trajectory, slice_open_end, slice_step, slice_ellipsis, select_copy, narrow_copy, diagonal_copy,
+          unfold_copy, as_strided_copy, select_add, empty_like_slices, mul_out, add_out_resized, matmul_out]
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("f", WRITES, ids=[f.__name__ for f in WRITES])
+def test_writes_through_views_and_out_equal_the_per_sample_loop(
+        f: Callable[[torch.Tensor], torch.Tensor], transform: str,
+        fallback_warnings: list[warnings.WarningMessage]) -> None:
+    expected = torch.stack([_per_sample(transform, OUT_OF_PLACE.get(f, f), sample) for sample in X])
+    with registry.use(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="An output with one or more elements was resized")
+        first = TRANSFORMS[transform](f)(X)
+        again = TRANSFORMS[transform](f)(X)
+    torch.testing.assert_close(first, expected)
+    torch.testing.assert_close(again, expected)
+    assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd", "hessian"])
+@pytest.mark.parametrize("f", WRITES, ids=[f.__name__ for f in WRITES])
+def test_writes_through_views_and_out_one_sample_jacobians(f: Callable[[torch.Tensor], torch.Tensor],
+                                                            transform: str) -> None:
+    reference = torch.autograd.functional.hessian if transform == "hessian" else torch.autograd.functional.jacobian
+    with registry.use():
+        got = getattr(func, transform)(f)(X[0])
+    torch.testing.assert_close(got, reference(OUT_OF_PLACE.get(f, f), X[0]))
+
+
+@pytest.mark.parametrize(("f", "error"), [
+    (slice_open_end, INPLACE_REFUSAL),
+    (as_strided_copy, INPLACE_REFUSAL),
+    (mul_out, "mul(): functions with out=... arguments don't support automatic differentiation"),
+])
+def test_writes_outside_use_fail_as_before(f: Callable[[torch.Tensor], torch.Tensor], error: str) -> None:
+    """Outside use() vmap refuses the write (it is never functionalized there), and out= its own way."""
+    with pytest.raises(RuntimeError, match=re.escape(error)):
+        func.vmap(func.grad(f))(X)
+
+
+SHARED = torch.zeros(4, 3)
+
+
+def test_a_slice_write_into_a_global_names_it() -> None:
+    def write(x: torch.Tensor) -> torch.Tensor:
+        SHARED[1:] = x
+        return x.sum()
+
+    with registry.use(), pytest.raises(OutsideWriteError) as raised:
+        func.vmap(write)(X)
+    assert "(`SHARED[1:] = x`) puts per-sample values into `SHARED` (a global, shape [4, 3], float32)" in \
+        str(raised.value)
+    assert torch.equal(SHARED, torch.zeros(4, 3))
+
+
+def test_an_out_argument_from_outside_names_it() -> None:
+    totals = torch.zeros(3)
+
+    def write(x: torch.Tensor) -> torch.Tensor:
+        torch.mul(x, WEIGHT, out=totals)
+        return x.sum()
+
+    with registry.use(), pytest.raises(OutsideWriteError) as raised:
+        func.vmap(write)(X)
+    assert ("(`torch.mul(x, WEIGHT, out=totals)`) puts per-sample values into `totals` (a closure variable, "
+            "shape [3], float32)") in str(raised.value)
+    assert torch.equal(totals, torch.zeros(3))
+
+
+def test_an_out_argument_keeps_out_semantics() -> None:
+    """The result is out itself; a result that cannot be cast to out's dtype is refused as PyTorch refuses it."""
+    def into(x: torch.Tensor) -> torch.Tensor:
+        buffer = torch.empty(3)
+        result = torch.mul(x, 2, out=buffer)
+        assert result is buffer
+        return result
+
+    with registry.use():
+        torch.testing.assert_close(func.vmap(into)(X), X * 2)
+        with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
+            func.vmap(lambda x: torch.mul(x, 2, out=torch.empty(3, dtype=torch.long)))(X)
+
+
+# --- out[idx] += v with repeated indices (Why 5(a) of issue 25) ----------------------------------------------------
+
+REPEATED = torch.tensor([0, 2, 0, 1, 2, 0])
+MESSAGES = torch.tensor([0.5, -1.5, 2.0, 1.0, 0.25, -0.75])
+
+
+def repeated_augmented_write(x: torch.Tensor) -> torch.Tensor:
+    """``out[idx] += v`` with repeated indices: Python's ``out[idx] = out[idx] + v``, an index_put without
+    accumulate (one of the repeated positions' values lands; PyTorch leaves which unspecified)."""
+    out = torch.zeros(3)
+    out[REPEATED] += MESSAGES * x.repeat(2)
+    return (out.sin() * torch.tensor([1.0, 2.0, 3.0])).sum()
+
+
+def test_repeated_augmented_write_native_forward_and_reverse_mode_disagree() -> None:
+    """The bug itself, natively and outside any vmap: jacfwd gives only the landing position's values a derivative,
+    jacrev (and torch.autograd) gives every repeated position's values the gradient."""
+    if not torch.__version__.startswith("2.13"):
+        pytest.skip("measured on PyTorch 2.13")
+    forward, reverse = func.jacfwd(repeated_augmented_write)(X[0]), func.jacrev(repeated_augmented_write)(X[0])
+    assert not torch.allclose(forward, reverse)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_repeated_augmented_write_inside_use_equals_the_per_sample_loop(
+        transform: str, fallback_warnings: list[warnings.WarningMessage]) -> None:
+    expected = torch.stack([_per_sample(transform, repeated_augmented_write, sample) for sample in X])
+    with registry.use():
+        got = TRANSFORMS[transform](repeated_augmented_write)(X)
+    torch.testing.assert_close(got, expected)
+    assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd", "hessian"])
+def test_repeated_augmented_write_one_sample_jacobians_inside_use(transform: str) -> None:
+    reference = torch.autograd.functional.hessian if transform == "hessian" else torch.autograd.functional.jacobian
+    with registry.use():
+        got = getattr(func, transform)(repeated_augmented_write)(X[0])
+    torch.testing.assert_close(got, reference(repeated_augmented_write, X[0]))
+
+
+def test_repeated_writes_with_infinite_values_keep_their_value() -> None:
+    """Where the written values are not finite the derivative's zero would be nan (inf - inf): it is left out."""
+    def write(x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(3)
+        out[REPEATED[:3]] = torch.stack([x[0], torch.tensor(float("inf")), x[1]])
+        return out
+
+    expected = torch.stack([write(sample) for sample in X])
+    with registry.use():
+        got = func.vmap(lambda x: func.jvp(write, (x,), (torch.ones(3),))[0])(X)
+    torch.testing.assert_close(got, expected)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+FIRST_OUT_CALL = """
+import torch
+from torch import func
+import registry
+from registry.core import out_arguments
+
+weight = torch.tensor([0.5, -1.5, 2.0])
+
+def f(x):
+    buffer = torch.empty(3)
+    torch.mul(x, weight, out=buffer)
+    return (buffer * torch.rand(3)).sum()
+
+with registry.use():
+    func.vmap(func.grad(lambda x: (x * weight).sum()))(torch.ones(2, 3))
+    print(out_arguments.registered())
+    torch.manual_seed(0)
+    got = func.grad(f)(torch.ones(3))
+    print(out_arguments.registered())
+torch.manual_seed(0)
+print(torch.equal(got, weight * torch.rand(3)))
+"""
+
+
+def test_out_kernels_are_registered_at_the_first_refused_out_call() -> None:
+    """A process whose transforms pass no out= never registers the out= kernels; the first refused out= call (here
+    under plain grad) registers them and runs again from the same random state."""
+    done = subprocess.run([sys.executable, "-c", FIRST_OUT_CALL], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "True"]
