@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch._C._functorch import maybe_current_level
 
-from registry.core import control_flow, dynamic, functionalization
+from registry.core import control_flow, dynamic, functionalization, library_patches
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
 from registry.core.model import KINDS, Op, Overload
@@ -331,6 +331,7 @@ def register_kernels() -> None:
             dynamic.register(library, _routing_on, _refusing)
             control_flow.register(library, _routing_on)
             functionalization.install(_routing_on)
+            library_patches.install(_routing_on)  # Function.apply, checkpoint, flex_attention (library_patches)
             torch.Tensor.contiguous = _contiguous  # type: ignore[method-assign]
             _libraries.append(library)  # every Library object stays alive: dropping one unregisters its kernels
         else:
