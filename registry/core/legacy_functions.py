@@ -70,7 +70,7 @@ class LegacyDecision(NamedTuple):
 
     function: str
     stack: str
-    composite: str  # "adapted", "autograd" or "direct" (a known Function's own transform-free form)
+    composite: str  # "adapted", "autograd", or a registered direct form's ("keep activations"), or "recompute"
     reason: str
 
 
@@ -306,15 +306,27 @@ class LegacyFunctions:
     _adapted: dict[type, type] = field(default_factory=dict)
     _looped: set[type] = field(default_factory=set)  # old classes whose forward is not batchable
     _looped_backward: set[type] = field(default_factory=set)  # old classes whose backward is not batchable
-    _decisions: OrderedDict[tuple[type, tuple[str, ...]], LegacyDecision] = field(default_factory=OrderedDict)
-    _direct: dict[type, tuple[Callable[..., Any], str]] = field(default_factory=dict)
+    _decisions: OrderedDict[tuple[Any, Any], LegacyDecision] = field(default_factory=OrderedDict)
+    _direct: dict[type, tuple[Callable[..., Any], str, str]] = field(default_factory=dict)
     _local: _CallState = field(default_factory=_CallState)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def register_direct(self, cls: type, fn: Callable[..., Any], reason: str) -> None:
+    def register_direct(self, cls: type, fn: Callable[..., Any], reason: str,
+                        composite: str = "keep activations") -> None:
         """Run ``cls.apply(*args)`` under transforms as ``fn(*args)`` (a Function whose backward only recomputes
-        what its forward computed: running the computation directly is the same program)."""
-        self._direct[cls] = (fn, reason)
+        what its forward computed, such as checkpointing's: running the computation directly is the same program);
+        ``composite`` names that choice in the decision log."""
+        self._direct[cls] = (fn, composite, reason)
+
+    def record(self, function: str, stack: str, composite: str, reason: str) -> None:
+        """Log a choice made elsewhere (checkpointing's), under the same bound."""
+        key = (function, stack)
+        if self._decisions.get(key, (None, None, None))[2] == composite:
+            return
+        with self._lock:
+            self._decisions[key] = LegacyDecision(function, stack, composite, reason)
+            while len(self._decisions) > self.decision_limit:
+                self._decisions.popitem(last=False)
 
     def decisions(self) -> list[LegacyDecision]:
         with self._lock:
@@ -343,7 +355,7 @@ class LegacyFunctions:
 
     def _composite(self, cls: type, stack: tuple[str, ...]) -> tuple[str, str]:
         if cls in self._direct:
-            return "direct", self._direct[cls][1]
+            return self._direct[cls][1], self._direct[cls][2]
         has_backward = cls.backward is not _BASE_BACKWARD or cls.vjp is not _BASE_BACKWARD
         has_jvp = cls.jvp is not _BASE_JVP
         if "jvp" in stack and not has_jvp:
@@ -371,7 +383,7 @@ class LegacyFunctions:
 
     def apply(self, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         decision = self.choose(cls)
-        if decision.composite == "direct":
+        if cls in self._direct:
             return self._direct[cls][0](*args, **kwargs)
         needs = tuple(isinstance(a, torch.Tensor) and _needs_grad(a) for a in args)
         if decision.composite == "autograd":
