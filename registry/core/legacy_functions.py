@@ -43,6 +43,7 @@ from torch._C._functorch import (
     peek_interpreter_stack,
 )
 from torch._C._functorch import TransformType as _TransformType
+from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
 from torch.autograd.function import Function, _SingleLevelFunction, once_differentiable
 
 from registry.core.context import functorch_stack
@@ -52,7 +53,7 @@ from registry.core.stacks import format_stack
 # it with that code, which the patched code calls for everything it does not take over.
 _APPLY_FUNCTION = Function.__dict__["apply"].__func__
 PYTORCH_APPLY_CODE = _APPLY_FUNCTION.__code__
-_pytorch_apply = types.FunctionType(PYTORCH_APPLY_CODE, _APPLY_FUNCTION.__globals__, "apply",
+pytorch_apply = types.FunctionType(PYTORCH_APPLY_CODE, _APPLY_FUNCTION.__globals__, "apply",
                                     _APPLY_FUNCTION.__defaults__, _APPLY_FUNCTION.__closure__)
 _BASE_SETUP_CONTEXT = _SingleLevelFunction.setup_context
 _BASE_BACKWARD = _SingleLevelFunction.backward
@@ -60,6 +61,13 @@ _BASE_JVP = _SingleLevelFunction.jvp
 _BASE_VMAP = Function.vmap
 _ONCE_DIFFERENTIABLE_CODE = once_differentiable(lambda ctx: None).__code__
 _transforms_active = torch._C._are_functorch_transforms_active
+_FRONT_KEY = torch._C.DispatchKey.FuncTorchDynamicLayerFrontMode
+
+
+def _below_functorch() -> bool:
+    """Whether the caller runs inside a dispatcher kernel below functorch's front key (which is excluded while a
+    level's kernels run), rather than in Python code above the dispatcher."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(_FRONT_KEY)
 _NO_CODE = (lambda: None).__code__
 # Names in a forward's code that take its values past autograd: differentiating its ops would drop their tangents.
 _NOT_DIFFERENTIABLE = frozenset({"data", "detach", "detach_", "numpy", "no_grad", "item", "tolist", "set_"})
@@ -70,7 +78,7 @@ class LegacyDecision(NamedTuple):
 
     function: str
     stack: str
-    composite: str  # "adapted", "autograd", or a registered direct form's ("keep activations"), or "recompute"
+    composite: str  # "adapted", "autograd", "autograd kernel", a direct form's ("keep activations"), "recompute"
     reason: str
 
 
@@ -382,6 +390,14 @@ class LegacyFunctions:
     # -- running -------------------------------------------------------------------------------------------------
 
     def apply(self, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _below_functorch():
+            # A dispatcher kernel applies it (a torch.library custom op's autograd kernel): the transform levels
+            # are already being processed, so it records at the level the dispatcher is at, as an aten op's
+            # autograd kernel does, and as PyTorch's own apply does outside transforms.
+            self.record(cls.__qualname__, format_stack(name for name, _ in functorch_stack()), "autograd kernel",
+                        "applied by a dispatcher kernel below the transforms: recorded as an autograd node there")
+            with enable_single_level_autograd_function():
+                return super(Function, cls).apply(*unwrap_dead_wrappers(args), **kwargs)  # type: ignore[misc]
         decision = self.choose(cls)
         if cls in self._direct:
             return self._direct[cls][0](*args, **kwargs)
@@ -414,7 +430,7 @@ class LegacyFunctions:
         calls = self._local.calls
         calls.append(call)
         try:
-            result = _pytorch_apply(adapted, *args, **kwargs)
+            result = pytorch_apply(adapted, *args, **kwargs)
         finally:
             calls.pop()
         record = call.record
@@ -478,7 +494,7 @@ class LegacyFunctions:
             records = []
             for b in range(info.batch_size):
                 sample = tuple(a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True))
-                results.append(_pytorch_apply(looped, *sample))
+                results.append(pytorch_apply(looped, *sample))
                 records.append(local.calls[-1].record)
             _check_same_constants(cls, records, local.calls[-1].stack)
             outputs = []
@@ -655,7 +671,7 @@ def _apply(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if (cls.setup_context is _BASE_SETUP_CONTEXT and _transforms_active() and _active and _active[0]()
             and not torch.compiler.is_compiling()):
         return ADAPTER.apply(cls, args, kwargs)
-    return _pytorch_apply(cls, *args, **kwargs)
+    return pytorch_apply(cls, *args, **kwargs)
 
 
 def _patched_apply_code() -> types.CodeType:

@@ -423,3 +423,31 @@ def test_outside_use_the_patch_is_pytorchs_apply() -> None:
     torch.testing.assert_close(x.grad, 3 * x.detach() ** 2)
     with registry.use(policy="native"), pytest.raises(RuntimeError, match=SETUP_CONTEXT_REFUSAL):
         func.grad(loss_of(SaveInput.apply))(BATCH[0].clone())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_custom_ops_pre_2_0_autograd_kernel(reduction: str) -> None:
+    """PyTorch's chunked ``linear_cross_entropy`` is a torch.library custom op whose autograd kernel applies a pre-2.0
+    Function from inside the dispatcher: natively every reverse-mode transform refuses it; inside use() it records
+    as an autograd node at the level being processed, and equals the unchunked loss."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, dtype=torch.float64, generator=generator)
+    weight = torch.randn(10, 8, dtype=torch.float64, generator=generator)
+    target = torch.randint(0, 10, (6,), generator=generator)
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2, allow_retain_graph=reduction != "none")
+
+    def chunked(w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear_cross_entropy(x, w, target, reduction=reduction, options=options).sum()
+
+    def reference(w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(x @ w.T, target, reduction=reduction).sum()
+
+    ensemble = torch.stack([weight, weight * 0.5, -weight])
+    with pytest.raises(RuntimeError, match=SETUP_CONTEXT_REFUSAL):
+        func.grad(chunked)(weight)
+    with registry.use():
+        torch.testing.assert_close(func.grad(chunked)(weight), func.grad(reference)(weight))
+        torch.testing.assert_close(func.vmap(func.grad(chunked))(ensemble), func.vmap(func.grad(reference))(ensemble))
+        torch.testing.assert_close(func.jacrev(chunked)(weight), func.jacrev(reference)(weight))
+    chosen = {d.stack: d.composite for d in legacy_functions.decisions() if "linear_cross_entropy" in d.function}
+    assert chosen["grad"] == "autograd kernel"
