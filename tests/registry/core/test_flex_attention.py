@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import func
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 import registry
 
@@ -67,3 +67,25 @@ def test_captured_per_sample_tensors_and_two_levels() -> None:
                                                  VALUE.unsqueeze(1).expand(V, 2, *VALUE.shape[1:]))
     torch.testing.assert_close(nested, torch.stack([torch.stack([attention(Q[i], K[i], VALUE[i])] * 2)
                                                     for i in range(V)]))
+
+
+def test_log_sum_exp_and_a_block_mask_made_per_sample() -> None:
+    """The auxiliary log-sum-exp unfolds too; a block mask built inside the vmapped function from a per-sample
+    length (a padding mask) is batched itself and folds with the samples."""
+    lengths = torch.tensor([5, 9, 16])
+
+    def with_lse(q):
+        out, aux = flex_attention(q, q, q, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+
+    def padded(q, length):
+        block_mask = create_block_mask(lambda b, h, m, n: n < length, None, None, L, L, device="cpu", BLOCK_SIZE=8)
+        return flex_attention(q, q, q, block_mask=block_mask)
+
+    with registry.use():
+        out, lse = func.vmap(with_lse)(Q)
+        masked = func.vmap(padded)(Q, lengths)
+    expected = [with_lse(Q[i]) for i in range(V)]
+    torch.testing.assert_close(out, torch.stack([e[0] for e in expected]))
+    torch.testing.assert_close(lse, torch.stack([e[1] for e in expected]))
+    torch.testing.assert_close(masked, torch.stack([padded(Q[i], lengths[i]) for i in range(V)]))
