@@ -36,7 +36,7 @@ import torch
 import torch._functorch.vmap as functorch_vmap
 from torch._C._functorch import maybe_current_level
 
-from registry.core import control_flow, dynamic, fresh_buffers, functionalization, out_arguments
+from registry.core import control_flow, dynamic, fresh_buffers, functionalization, library_patches, out_arguments
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
 from registry.core.kernels.background import BUILD as _BUILD
@@ -381,6 +381,7 @@ class Router:
             dynamic.register(self.library, self.routing_on, self.refusing)
             if not self.installed:
                 functionalization.install(self.routing_on)
+                library_patches.install(self.routing_on)  # Function.apply, checkpoint, flex_attention
                 self.patch(functorch_vmap, "_flat_vmap", functionalization.functionalizing_flat_vmap)
                 self.patch(torch.Tensor, "contiguous", _contiguous)
                 self.installed = True
@@ -408,6 +409,7 @@ class Router:
             self.patches.clear()
             functionalization.uninstall()
             out_arguments.uninstall()
+            library_patches.uninstall()
             self.routed_ops.clear()
             self.installed = False
             self.removed = True
