@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import torch
 
+from registry.core import cost
 from registry.core import rules as rule_tables
 from registry.core.model import KINDS, Composite, Kind, Op, Overload
 from registry.core.ops import OPS, aten_schema, define, schema_params
@@ -99,6 +100,7 @@ def define_op(
     eager_autograd: tuple[str, ...] = (),
     generate: tuple[str, ...] = ("native",),
     preference: Callable[[rule_tables.Context], rule_tables.Order | None] | None = None,
+    sizes: cost.SizeSignature | None = None,
 ) -> Op:
     """Cover ``aten::name.overload``: the one entry an op needs, next to its composites in ``composites/<family>.py``.
 
@@ -109,6 +111,8 @@ def define_op(
     ``inplace``, their in-place variants). ``generate``: composites made from the schema where they are mechanical:
     ``native`` (PyTorch's own kernel) and ``mutating`` (clone, then the in-place overload). ``preference``: the
     op's own order of kinds where measurement ranks them otherwise than ``rules.preference`` (None: the general one).
+    ``sizes``: the op's size signature (``registry.core.cost``): where native is correct and only loops, native or a
+    composite is chosen by their measured cost at the call's size bucket.
     """
     if name in OPS:
         raise RegistrationError(f"define_op: {name} is already defined by {OPS[name].family or 'an earlier call'}")
@@ -127,6 +131,8 @@ def define_op(
         if kind not in KINDS:
             raise RegistrationError(f"define_op({name}): rules for unknown kind {kind!r}; kinds are {', '.join(KINDS)}")
     OPS[name] = op
+    if sizes is not None:
+        cost.declare(name, sizes)
     COMPOSITES[name] = {}
     DERIVATIVES[name] = {}
     rule_tables.OP_RULES[name] = dict(rules or {})

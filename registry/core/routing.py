@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch._C._functorch import maybe_current_level
 
-from registry.core import control_flow, dynamic, functionalization
+from registry.core import control_flow, cost, dynamic, functionalization
 from registry.core.collector import collection_paused
-from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
+from registry.core.context import context_of, functorch_stack, size_key, vmap_active, vmap_levels
 from registry.core.model import KINDS, Op, Overload
 from registry.core.ops import OPS, ORIGINAL, aten_schema
 from registry.core.registration import COMPOSITES, DERIVATIVES, load
@@ -157,7 +157,7 @@ def _decide(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]
     records = torch.is_grad_enabled() and any(t.requires_grad for t in values)
     key = (frame.prefixes[op.name], functorch, compiling, tuple(tensors), tuple(map(vmap_levels, values)),
            None if first is None else first.dtype, None if first is None else first.device.type,
-           0 if first is None else first.numel().bit_length(), records)
+           0 if first is None else first.numel().bit_length(), records, size_key(values))
     try:
         return _decisions[key]
     except KeyError:
@@ -260,12 +260,15 @@ def _records_autograd(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(value, torch.Tensor) and value.requires_grad for value in (*args, *kwargs.values()))
 
 
-def _make_derivative_kernel(name: str, functional: Callable[..., Any], native: Any) -> Callable[..., Any]:
-    """A derivative op (``masked_scatter_backward``): its functional form under vmap, where PyTorch's kernel has no
-    batching rule and loops; PyTorch's own kernel everywhere else."""
+def _make_derivative_kernel(name: str, functional: Callable[..., Any], native: Any,
+                            op: Op | None = None) -> Callable[..., Any]:
+    """A derivative op (``masked_scatter_backward``) of ``op``: its functional form under vmap, where PyTorch's
+    kernel has no batching rule and loops, unless ``op`` chooses native at these sizes by cost (registry.core.cost);
+    PyTorch's own kernel everywhere else."""
     call_native = native.call_boxed
     local = _local
     tensor_positions = _tensor_positions(name)
+    of_op = None if op is None else cost.derivative_arguments(op.name, name)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         rewrapped = _rewrapped(args, tensor_positions)
@@ -276,6 +279,8 @@ def _make_derivative_kernel(name: str, functional: Callable[..., Any], native: A
             return call_native(keyset, *args, **kwargs)
         if not vmap_active():
             return call_native(keyset, *args, **kwargs)
+        if of_op is not None and _decide(op, frames[-1], (), of_op(args, kwargs), False)[1] == "native":
+            return call_native(keyset, *args, **kwargs)  # the op itself runs natively at these sizes
         _python_calls[name] = _python_calls.get(name, 0) + 1
         local.busy = True
         try:
@@ -392,7 +397,7 @@ def _register_routing(ops: list[Op]) -> None:
                                  "Autograd", with_keyset=True)
             for name, functional in DERIVATIVES[op.name].items():
                 native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
-                library.impl(name, _make_derivative_kernel(name, functional, native), DISPATCH_KEY,
+                library.impl(name, _make_derivative_kernel(name, functional, native, op), DISPATCH_KEY,
                              with_keyset=True)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from registry.core import cost
 from registry.core.context import vmap_active
 from registry.core.model import Op, Overload
 from registry.core.registration import DERIVATIVES
@@ -86,11 +87,17 @@ def _decider(python: PythonRouting, op: Op, overload: Overload, *, eager_autogra
     return decide
 
 
-def _derivative_decider(python: PythonRouting, functional: Callable[..., Any]) -> Callable[..., Any]:
-    frames = python.frames
+def _derivative_decider(python: PythonRouting, functional: Callable[..., Any], op: Op,
+                        name: str) -> Callable[..., Any]:
+    frames, decide_call = python.frames, python.decide
+    of_op = cost.derivative_arguments(op.name, name)  # None: always the functional form under vmap
 
     def decide(*args: Any, **kwargs: Any) -> Any:
-        if frames()[-1].policy == "native" or not vmap_active():
+        frame = frames()[-1]
+        if frame.policy == "native" or not vmap_active():
+            return PASS
+        # Where the op itself runs natively at these sizes (selection by cost), so does its derivative.
+        if of_op is not None and decide_call(op, frame, (), of_op(args, kwargs), False)[1] == "native":
             return PASS
         return functional
 
@@ -113,4 +120,4 @@ def register(module: ModuleType, ops: list[Op], python: PythonRouting) -> None:
         for name, functional in DERIVATIVES[op.name].items():
             native = torch.library.get_kernel(f"aten::{name}", key)
             slow = python.make_derivative_kernel(name, functional, native)
-            module.register(name, key, key, _derivative_decider(python, functional), slow)
+            module.register(name, key, key, _derivative_decider(python, functional, op, name), slow)

@@ -393,7 +393,8 @@ def _measure(runners: dict[str, Callable[[], Any]], native: str | None, earlier_
         # GIL, delays each call, so the composite of more calls loses more). Native far from its earlier profile is
         # re-measured once (the earlier profile may be the odd one); only a ranking that stays unstable, or a load
         # that stays uneven, is refused.
-        ranking = noise.unstable(timed) + noise.uneven(timed) if spread_limit != math.inf else []
+        ranking = (noise.unstable(timed) + noise.uneven(timed) + noise.contended(timed)
+                   if spread_limit != math.inf else [])
         drift = noise.disturbed(timed, native=native, earlier_native_us=earlier_native_us, spread_limit=math.inf)
         reasons = ranking + drift
         if not ranking and (not drift or attempt > 0):

@@ -137,10 +137,16 @@ bool build_key(const Overload& o, const c10::IValue* args, size_t count, bool* w
     key.push_back((static_cast<int64_t>(tensor.scalar_type()) << 16) |
                   (static_cast<int64_t>(tensor.device().type()) << 1) | (tensor.requires_grad() ? 1 : 0));
     key.push_back(bit_length(tensor.numel()));
+    // The size bucket (registry.core.context.size_key): each per-sample dimension's bit length, and below each
+    // vmap level its batch size's; decisions by cost (registry.core.cost) differ between buckets.
+    for (int64_t size : tensor.sizes()) {
+      key.push_back(-1024 - bit_length(size));
+    }
     const at::Tensor* current = &tensor;
     while (true) {
       if (auto* batched = at::functorch::maybeGetBatchedImpl(*current)) {
         key.push_back(batched->level() * 2);
+        key.push_back(-2048 - bit_length(batched->value().size(batched->bdim())));
         current = &batched->value();
       } else if (auto* wrapper = at::functorch::maybeGetTensorWrapper(*current)) {
         key.push_back(wrapper->level().value_or(-1) * 2 + 1);
