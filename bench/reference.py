@@ -156,7 +156,8 @@ def measure_sizes(path: Path, min_run_time: float, rounds: int) -> dict[str, Any
                         best = (share, timed)
                     if not noise.contended(timed):
                         break
-                assert best is not None
+                if best is None:
+                    raise ValueError(f"bench.reference sizes: SIZES_ATTEMPTS is {SIZES_ATTEMPTS}; it must be >= 1")
                 share, timed = best
                 ranked = noise.relative(timed)
                 point: dict[str, Any] = {"at": at, "times_us": {n: round(t.median_us, 2) for n, t in ranked.items()}}

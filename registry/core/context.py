@@ -46,6 +46,8 @@ class Context:
     # and the number of samples the first one stands for (the product of its vmap batch sizes; 1 outside vmap).
     shapes: tuple[tuple[int, ...], ...] = ()
     batch_size: int = 1
+    # The other arguments set away from their schema default (``memory_format``): a rule may depend on them.
+    given: tuple[str, ...] = ()
 
 
 def functorch_stack() -> tuple[tuple[str, int], ...]:
@@ -136,6 +138,7 @@ def context_of(
     *,
     compiling: bool | None = None,
     records: bool | None = None,
+    given: tuple[str, ...] = (),
 ) -> Context:
     """The context of a call whose tensor arguments, by schema name, are ``tensor_args`` (``self`` first).
 
@@ -177,7 +180,19 @@ def context_of(
         tensors=tuple(tensor_args),
         shapes=tuple(tuple(t.shape) for t in tensors),
         batch_size=batch_size(first) if first is not None and "vmap" in names else 1,
+        given=given,
     )
+
+
+def given_arguments(defaults: dict[str, Any], params: tuple[str, ...], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[str, ...]:
+    """The names of a call's non-tensor arguments that are away from their schema ``defaults`` (name -> default;
+    ``params``: the schema's parameter names in order)."""
+    given = [name for name, value in zip(params, args, strict=False)
+             if name in defaults and not isinstance(value, torch.Tensor) and value != defaults[name]]
+    given += [name for name, value in kwargs.items()
+              if name in defaults and not isinstance(value, torch.Tensor) and value != defaults[name]]
+    return tuple(given)
 
 
 # What an op's forward sees under each: jacrev is vjp (grad), then a vmap over the backward only; jacfwd is vmap over

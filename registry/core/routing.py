@@ -25,6 +25,7 @@ the kernel routes it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import warnings
@@ -37,7 +38,7 @@ from torch._C._functorch import maybe_current_level
 
 from registry.core import control_flow, cost, dynamic, functionalization
 from registry.core.collector import collection_paused
-from registry.core.context import context_of, functorch_stack, size_key, vmap_active, vmap_levels
+from registry.core.context import context_of, functorch_stack, given_arguments, size_key, vmap_active, vmap_levels
 from registry.core.model import KINDS, Op, Overload
 from registry.core.ops import OPS, ORIGINAL, aten_schema
 from registry.core.registration import COMPOSITES, DERIVATIVES, load
@@ -146,6 +147,20 @@ def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> di
     return found
 
 
+@functools.cache
+def _schema_defaults(name: str, overload: str) -> dict[str, Any]:
+    """The schema defaults of an op's own overload, by parameter name (what ``Context.given`` is measured from)."""
+    schema = aten_schema(f"{name}.{overload}" if overload else name)
+    return {arg.name: _MEMORY_FORMATS.get(arg.default_value, arg.default_value)
+            if "MemoryFormat" in str(arg.type) else arg.default_value
+            for arg in schema.arguments if arg.has_default_value()}
+
+
+# c10::MemoryFormat as a schema default (an int) and as a call passes it.
+_MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.preserve_format, 2: torch.channels_last,
+                   3: torch.channels_last_3d}
+
+
 def _decide(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any], compiling: bool,
             ) -> tuple[Callable[..., Any], str, bool]:
     """(composite, kind, self covers the batching) for this call: the cache key, then on a miss the context and the
@@ -155,14 +170,15 @@ def _decide(op: Op, frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]
     values = tuple(tensors.values())
     first = values[0] if values else None
     records = torch.is_grad_enabled() and any(t.requires_grad for t in values)
+    given = given_arguments(_schema_defaults(op.name, op.overload), op.params, args, kwargs)
     key = (frame.prefixes[op.name], functorch, compiling, tuple(tensors), tuple(map(vmap_levels, values)),
            None if first is None else first.dtype, None if first is None else first.device.type,
-           0 if first is None else first.numel().bit_length(), records, size_key(values))
+           0 if first is None else first.numel().bit_length(), records, size_key(values), given)
     try:
         return _decisions[key]
     except KeyError:
         pass
-    ctx = context_of(tensors, functorch, compiling=compiling, records=records)
+    ctx = context_of(tensors, functorch, compiling=compiling, records=records, given=given)
     decision = decide(op.name, ctx, frame.policy, frame.pins.get(op.name))
     chosen = _decisions[key] = (decision.fn, decision.kind, ctx.self_covers_batching)
     return chosen

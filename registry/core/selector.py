@@ -126,7 +126,7 @@ def decide(op: str, ctx: Context, policy: str = "auto", pin: str | None = None) 
     """The decision for ``op`` in ``ctx``: cached per (op, context, policy, pin)."""
     size = (ctx.numel or 1).bit_length()  # profiles are kept per power-of-two size
     key = (op, ctx.stack, ctx.batched, ctx.dtype, ctx.device, ctx.self_covers_batching, ctx.tensors, size, policy,
-           pin, cost.bucket(op, ctx))
+           pin, cost.bucket(op, ctx), ctx.given)
     with _cache_lock:
         decision = _cache.get(key)
         if decision is not None:

@@ -42,8 +42,8 @@ UNEVEN_LIMIT = 1.5
 # The timing thread ran less than this share of the wall time of its blocks (median over every block of every
 # composite): other processes or threads held the cores, and a ranking measured so may not be the quiet one (a
 # memory-bound composite loses more to a neighbour than a compute-bound one). Measured on 2-core x86_64, torch 2.13.0
-# CPU (masked_scatter under vmap(grad), b=256, one torch thread): quiet 0.97-1.00; a 2-thread matmul loop in another
-# process 0.55-0.70.
+# CPU (masked_scatter under vmap(grad), b=256, one torch thread, blocks timed in wall time): 0.90-0.96 with the
+# machine otherwise idle; 0.14-0.38 with a 2-thread matmul loop or other busy processes on the cores.
 CONTENDED_SHARE = 0.85
 
 

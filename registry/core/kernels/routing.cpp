@@ -106,6 +106,10 @@ int64_t bit_length(int64_t n) {
   return n <= 0 ? 0 : 64 - __builtin_clzll(static_cast<unsigned long long>(n));
 }
 
+bool is_default(const Argument& argument, const c10::IValue& value) {
+  return argument.default_value.has_value() && c10::_fastEqualsForContainer(value, *argument.default_value);
+}
+
 // The key of this call into tls_key; false when the call must go to Python whole (symbolic shapes).
 // wrapped: a wrapped number (the 0-d tensor C++ makes of a Python scalar) is an argument: PyTorch's kernel.
 bool build_key(const Overload& o, const c10::IValue* args, size_t count, bool* wrapped) {
@@ -119,6 +123,10 @@ bool build_key(const Overload& o, const c10::IValue* args, size_t count, bool* w
   key.push_back(at::GradMode::is_enabled() ? -2 : -3);
   for (size_t i = 0; i < count; ++i) {
     if (!args[i].isTensor()) {
+      // An argument away from its default (memory_format): rules may read it (Context.given).
+      if (!is_default(o.arguments[i], args[i])) {
+        key.push_back(-4096 - static_cast<int64_t>(i));
+      }
       continue;
     }
     const at::Tensor& tensor = args[i].toTensor();
@@ -184,10 +192,6 @@ py::object to_python(const Argument& argument, const c10::IValue& value) {
     default:
       return torch::jit::toPyObject(value);
   }
-}
-
-bool is_default(const Argument& argument, const c10::IValue& value) {
-  return argument.default_value.has_value() && c10::_fastEqualsForContainer(value, *argument.default_value);
 }
 
 // The call as Python sees it from a torch.library kernel: positional arguments up to the last one not at its
