@@ -74,6 +74,108 @@ def measure(path: Path, min_run_time: float, workloads: list[str]) -> dict[str, 
     return document
 
 
+# The reference costs by size (``sizes``): scaled_dot_product_attention on per-sample (1, heads, length, head_dim)
+# queries, keys and values, under vmap and vmap(grad), with and without a per-sample key padding mask, on a grid.
+# A point whose forward does more than SIZES_FLOP_CAP multiply-adds is not measured (the selector takes its nearest
+# measured neighbour's ratio there: at such sizes the fused kernel dominates every composite alike).
+SIZES_GRID = {"batch": (1, 4, 16, 64, 256), "length": (8, 32, 128, 512), "heads": (2, 8), "head_dim": (16, 64)}
+SIZES_FLOP_CAP = 3e8
+SIZES_WORKLOADS = {"vmap": ("vmap",), "vmap(grad)": ("vmap", "grad")}
+SIZES_OP = "scaled_dot_product_attention"
+SIZES_ATTEMPTS = 3  # a point measured under contention is re-measured (after a pause) this many times in all
+
+
+def _attention_runners(batch: int, length: int, heads: int, head_dim: int, mask: bool, workload: str,
+                       composites: list[str]) -> dict[str, Any]:
+    import registry
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, 1, heads, length, head_dim, generator=g) for _ in range(3))
+    keep = torch.ones(batch, 1, 1, 1, length, dtype=torch.bool)
+    for b in range(batch):
+        keep[b, ..., length - (b % max(length // 2, 1)):] = False  # each sample its own padding (never all keys)
+    attention = torch.nn.functional.scaled_dot_product_attention
+
+    if mask:
+        def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            return attention(q, k, v, attn_mask=m)
+        inputs: tuple[torch.Tensor, ...] = (q, k, v, keep)
+    else:
+        def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attention(q, k, v)
+        inputs = (q, k, v)
+    if workload == "vmap":
+        run = func.vmap(forward)
+    else:
+        run = func.vmap(func.grad(lambda *t: forward(*t).square().sum(), argnums=(0, 1, 2)))
+
+    def routed(composite: str) -> Any:
+        # Native too inside use(), with policy native (nothing routed, its derivative ops included): use()'s own
+        # cost on entry is paid by every runner alike, so the ratios are the op's.
+        within = {"policy": "native"} if composite == "native" else {"pins": {SIZES_OP: composite}}
+
+        def call() -> Any:
+            with registry.use(**within):
+                return run(*inputs)
+        return call
+
+    return {c: routed(c) for c in composites}
+
+
+def measure_sizes(path: Path, min_run_time: float, rounds: int) -> dict[str, Any]:
+    """Thread CPU time (one thread) of native and every other composite of SDPA over ``SIZES_GRID``, in interleaved
+    rounds per point; a point measured under contention (``noise.contended``) is re-measured, then left out."""
+    from itertools import product
+
+    from registry.core.registration import COMPOSITES, load
+    from registry.profiling import noise
+
+    load()
+    torch.set_num_threads(1)
+    composites = list(COMPOSITES[SIZES_OP])
+    axes = list(SIZES_GRID)
+    grids = []
+    for workload, stack in SIZES_WORKLOADS.items():
+        for mask in (False, True):
+            points = []
+            for values in product(*SIZES_GRID.values()):
+                at = dict(zip(axes, values, strict=True))
+                if 4 * at["batch"] * at["heads"] * at["length"] ** 2 * at["head_dim"] > SIZES_FLOP_CAP:
+                    continue
+                runners = _attention_runners(**at, mask=mask, workload=workload, composites=composites)
+                best: tuple[float, dict[str, noise.Timed]] | None = None
+                for attempt in range(SIZES_ATTEMPTS):
+                    if attempt:
+                        time.sleep(attempt)  # let another process's burst pass
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time,
+                                                  clock=time.thread_time, wall_clock=time.monotonic)
+                    share = statistics.median(s for t in timed.values() for s in t.ran)
+                    if best is None or share > best[0]:
+                        best = (share, timed)
+                    if not noise.contended(timed):
+                        break
+                if best is None:
+                    raise ValueError(f"bench.reference sizes: SIZES_ATTEMPTS is {SIZES_ATTEMPTS}; it must be >= 1")
+                share, timed = best
+                ranked = noise.relative(timed)
+                point: dict[str, Any] = {"at": at, "times_us": {n: round(t.median_us, 2) for n, t in ranked.items()}}
+                if noise.contended(timed):
+                    # Kept, in thread CPU time and per-round ratios (what descheduling moves least), with its share.
+                    point["ran"] = round(share, 2)
+                points.append(point)
+                print(f"{workload:10s} mask={mask!s:5s} {at} " + " ".join(
+                    f"{n} {t.median_us:.0f}" for n, t in ranked.items()), flush=True)
+            grids.append({"op": SIZES_OP, "stack": list(stack), "workload": workload,
+                          "fixed": {"mask": mask, "rank": 4}, "axes": SIZES_GRID, "points": points})
+    document = {"machine": machine_name(), "measured_by": "python -m bench.reference sizes",
+                "clock": "thread CPU time, one thread; median per-round ratio to the fastest, interleaved rounds",
+                "flop_cap": SIZES_FLOP_CAP, "grids": grids}
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    return document
+
+
 def _case(op: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(0)
     self = torch.randn(BATCH, NUMEL, generator=g)
@@ -143,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     measuring.add_argument("--min-run-time", type=float, default=0.5, help="seconds per context (default 0.5)")
     measuring.add_argument("--workload", action="append", choices=WORKLOADS,
                            help=f"repeatable (default: {', '.join(DEFAULT_WORKLOADS)})")
+    sizing = actions.add_parser("sizes", help="measure the reference costs by size (reference_costs.json)")
+    sizing.add_argument("--out", type=Path, default=None, help="default: registry/core/reference_costs.json")
+    sizing.add_argument("--min-run-time", type=float, default=0.1, help="thread CPU seconds per point and composite")
+    sizing.add_argument("--rounds", type=int, default=5)
     checking = actions.add_parser("check", help="auto on an empty store against the fastest valid composite")
     checking.add_argument("--rounds", type=int, default=7)
     checking.add_argument("--min-run-time", type=float, default=1.0)
@@ -154,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
 
         document = measure(args.out or reference.PATH, args.min_run_time, args.workload or list(DEFAULT_WORKLOADS))
         print(f"{len(document['contexts'])} contexts measured on {document['machine']}")
+        return 0
+    if args.action == "sizes":
+        from registry.core import cost
+
+        document = measure_sizes(args.out or cost.PATH, args.min_run_time, args.rounds)
+        print(f"{sum(len(g['points']) for g in document['grids'])} points measured on {document['machine']}")
         return 0
     results = check(args.rounds, args.min_run_time, args.cpu_time)
     for result in results:

@@ -49,25 +49,39 @@ def _fused_first(ctx: rules.Context) -> rules.Order | None:
     return None
 
 
+def _attention_sizes(ctx: rules.Context) -> dict[str, int | bool] | None:
+    """What the fused kernel's cost and the fold's depend on: the samples folded into one call (the vmap batch times
+    the sample's own leading dimensions), heads, query length, head size, a mask or not, and the sample's rank (4-d
+    samples reach the fused kernel natively; fewer dimensions take the math path, which batches)."""
+    if not ctx.shapes or len(ctx.shapes[0]) < 2:
+        return None
+    query = ctx.shapes[0]
+    return {"batch": ctx.batch_size * math.prod(query[:-3]), "heads": query[-3] if len(query) >= 3 else 1,
+            "length": query[-2], "head_dim": query[-1], "mask": "attn_mask" in ctx.tensors, "rank": len(query)}
+
+
 define_op(
     "scaled_dot_product_attention", "", tensors=("query", "key", "value", "attn_mask"),
     doc="softmax(query key^T * scale + mask) value over the last two dimensions, with dropout",
     opinfo=("nn.functional.scaled_dot_product_attention",), inplace=False,
     rules={
+        # The errors first: where native raises, its loop under vmap is not a choice (selection by cost weighs
+        # native only where it is correct and only loops).
         "native": rules.first_of(
-            rules.no_batching_rule("aten::_scaled_dot_product_flash_attention_for_cpu",
-                                   detail="vmap runs a per-sample loop over 4-d samples"),
             rules.fails_when(lambda ctx: "jvp" in ctx.stack, "error",
                              "forward AD of aten::_scaled_dot_product_flash_attention_for_cpu is not implemented "
                              "(jvp and jacfwd raise on 4-d inputs)"),
             rules.fails_when(_second_derivative, "error",
                              "the derivative of aten::_scaled_dot_product_flash_attention_for_cpu_backward is not "
-                             "implemented (hessian and grad of grad raise on 4-d inputs)")),
+                             "implemented (hessian and grad of grad raise on 4-d inputs)"),
+            rules.no_batching_rule("aten::_scaled_dot_product_flash_attention_for_cpu",
+                                   detail="vmap runs a per-sample loop over 4-d samples")),
         "primitive": rules.fails_when(_second_derivative, "error",
                                       "FusedAttentionBackward (PyTorch's fused backward kernel) has no derivative "
                                       "of its own: the functional composite takes second derivatives"),
     },
     preference=_fused_first,
+    sizes=_attention_sizes,
 )
 
 

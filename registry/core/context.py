@@ -12,6 +12,7 @@ from torch._C._functorch import (
     get_interpreter_stack,
     get_unwrapped,
     is_batchedtensor,
+    maybe_get_bdim,
     maybe_get_level,
 )
 
@@ -41,6 +42,12 @@ class Context:
     # layer inside that level makes the write out of place): writing that argument into ``self`` cannot work there.
     self_covers_batching: bool = True
     tensors: tuple[str, ...] = ("self",)  # which arguments are tensors (``value`` may be a Python number)
+    # The sizes an op's cost depends on (registry.core.cost): each tensor's per-sample shape, in ``tensors`` order,
+    # and the number of samples the first one stands for (the product of its vmap batch sizes; 1 outside vmap).
+    shapes: tuple[tuple[int, ...], ...] = ()
+    batch_size: int = 1
+    # The other arguments set away from their schema default (``memory_format``): a rule may depend on them.
+    given: tuple[str, ...] = ()
 
 
 def functorch_stack() -> tuple[tuple[str, int], ...]:
@@ -88,12 +95,50 @@ def vmap_levels(tensor: torch.Tensor) -> tuple[int, ...]:
     return levels
 
 
+def batch_size(tensor: torch.Tensor) -> int:
+    """The number of samples ``tensor`` stands for: the product of its batch sizes at every vmap level."""
+    samples = 1
+    while maybe_get_level(tensor) != -1:
+        if is_batchedtensor(tensor):
+            bdim = maybe_get_bdim(tensor)
+            tensor = get_unwrapped(tensor)
+            samples *= tensor.size(bdim)
+            continue
+        try:
+            tensor = get_unwrapped(tensor)
+        except RuntimeError:  # a wrapper functorch cannot peel (functionalization): nothing batched below it
+            break
+    return samples
+
+
+def size_key(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
+    """The power-of-two size buckets of a call, as the routing key holds them (kernels/routing.cpp builds the same):
+    per tensor, each per-sample dimension's bit length, then each vmap batch size's, -1 between tensors. Decisions by
+    cost (registry.core.cost) differ between buckets, so a decision is cached per bucket."""
+    key: list[int] = []
+    for tensor in tensors:
+        key.extend(size.bit_length() for size in tensor.shape)
+        while maybe_get_level(tensor) != -1:
+            if is_batchedtensor(tensor):
+                bdim = maybe_get_bdim(tensor)
+                tensor = get_unwrapped(tensor)
+                key.append(-2 - tensor.size(bdim).bit_length())
+                continue
+            try:
+                tensor = get_unwrapped(tensor)
+            except RuntimeError:
+                break
+        key.append(-1)
+    return tuple(key)
+
+
 def context_of(
     tensor_args: dict[str, torch.Tensor],
     functorch: tuple[tuple[str, int], ...] | None = None,
     *,
     compiling: bool | None = None,
     records: bool | None = None,
+    given: tuple[str, ...] = (),
 ) -> Context:
     """The context of a call whose tensor arguments, by schema name, are ``tensor_args`` (``self`` first).
 
@@ -133,7 +178,21 @@ def context_of(
         numel=first.numel() if first is not None else None,
         self_covers_batching=covers,
         tensors=tuple(tensor_args),
+        shapes=tuple(tuple(t.shape) for t in tensors),
+        batch_size=batch_size(first) if first is not None and "vmap" in names else 1,
+        given=given,
     )
+
+
+def given_arguments(defaults: dict[str, Any], params: tuple[str, ...], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[str, ...]:
+    """The names of a call's non-tensor arguments that are away from their schema ``defaults`` (name -> default;
+    ``params``: the schema's parameter names in order)."""
+    given = [name for name, value in zip(params, args, strict=False)
+             if name in defaults and not isinstance(value, torch.Tensor) and value != defaults[name]]
+    given += [name for name, value in kwargs.items()
+              if name in defaults and not isinstance(value, torch.Tensor) and value != defaults[name]]
+    return tuple(given)
 
 
 # What an op's forward sees under each: jacrev is vjp (grad), then a vmap over the backward only; jacfwd is vmap over

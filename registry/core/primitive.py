@@ -29,6 +29,7 @@ from torch._C._functorch import (
     unwrap_if_dead,
 )
 from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
+from torch.autograd import forward_ad
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 # Dimension order of each memory format, as a permutation of the logical dimensions.
@@ -178,6 +179,13 @@ def _single_level_function(function: type, level: int, key: Any) -> type:
     return generated
 
 
+def _recorded(args: tuple[Any, ...]) -> bool:
+    """Whether autograd (backward or forward mode, outside torch.func) would record a call on ``args``."""
+    if forward_ad._current_level >= 0:
+        return True
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in args)
+
+
 def apply(function: type, *args: Any) -> Any:
     """``function.apply(*args)`` for a primitive (an autograd.Function with its own vmap rule and one tensor
     output, or a tuple of tensors whose vmap rule returns a tuple of batch dimensions), through the lighter functorch
@@ -186,9 +194,14 @@ def apply(function: type, *args: Any) -> Any:
         return function.apply(*args)
     interpreter = peek_interpreter_stack()
     if interpreter is None:
-        # Below every transform: autograd's own apply, without Function.apply's per-call inspect.signature (a
-        # primitive's forward takes every argument positionally, with no defaults to bind).
-        return _base_apply.__get__(None, function)(*unwrap_dead_wrappers(args))
+        args = unwrap_dead_wrappers(args)
+        if not _recorded(args):
+            # Below every transform with nothing for autograd to record (the levels above record their own nodes):
+            # the forward itself, without the Function machinery (about 20 us a call).
+            return function.forward(*args)
+        # Autograd's own apply, without Function.apply's per-call inspect.signature (a primitive's forward takes
+        # every argument positionally, with no defaults to bind).
+        return _base_apply.__get__(None, function)(*args)
     # A tensor saved by a level that has exited (jacrev's backward runs after its grad level) is a dead wrapper:
     # read as what it wraps, as functorch does.
     args = tuple(unwrap_if_dead(x) if isinstance(x, torch.Tensor) else x for x in args)

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import torch
 
+from registry.core import cost
 from registry.core import rules as rule_tables
 from registry.core.model import KINDS, Composite, Kind, Op, OpDef, Overload
 from registry.core.ops import OPS, aten_schema, define, schema_params
@@ -185,6 +186,7 @@ class OpTable:
         generate: tuple[str, ...] = ("native",),
         preference: Callable[[rule_tables.Context], rule_tables.Order | None] | None = None,
         samples: Callable[..., object] | None = None,
+        sizes: cost.SizeSignature | None = None,
     ) -> OpDef:
         """Cover ``aten::name.overload``: the one entry an op needs, next to its composites in
         ``composites/<family>.py``; returns its ``OpDef`` (``.register(kind)``, ``.rules``, ``.samples``).
@@ -197,6 +199,8 @@ class OpTable:
         mechanical: ``native`` (PyTorch's own kernel) and ``mutating`` (clone, then the in-place overload).
         ``preference``: the op's own order of kinds where measurement ranks them otherwise than
         ``rules.preference`` (None: the general one). ``samples``: its seed samples, kept on the ``OpDef``.
+        ``sizes``: the op's size signature (``registry.core.cost``): where native is correct and only loops, native
+        or a composite is chosen by their measured cost at the call's size bucket.
         """
         if name in self.ops:
             raise RegistrationError(f"define_op: {name} is already defined by "
@@ -220,6 +224,8 @@ class OpTable:
         definition = OpDef(**{f.name: getattr(op, f.name) for f in dataclasses.fields(Op)}, rules=own_rules,
                            preference=preference, samples=samples, table=self)
         self.ops[name] = definition
+        if sizes is not None:
+            cost.declare(name, sizes)
         self.composites[name] = {}
         self.derivatives[name] = {}
         self.op_rules[name] = own_rules

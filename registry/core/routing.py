@@ -25,6 +25,7 @@ the kernel routes it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import warnings
@@ -36,12 +37,12 @@ import torch
 import torch._functorch.vmap as functorch_vmap
 from torch._C._functorch import maybe_current_level
 
-from registry.core import control_flow, dynamic, fresh_buffers, functionalization, library_patches, out_arguments
+from registry.core import control_flow, cost, dynamic, fresh_buffers, functionalization, library_patches, out_arguments
 from registry.core.collector import collection_paused
-from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
+from registry.core.context import context_of, functorch_stack, given_arguments, size_key, vmap_active, vmap_levels
 from registry.core.kernels.background import BUILD as _BUILD
 from registry.core.model import KINDS, Op, Overload
-from registry.core.ops import ORIGINAL
+from registry.core.ops import ORIGINAL, aten_schema
 from registry.core.recording import RecordedDecision, Run
 from registry.core.registration import TABLE, OpTable
 from registry.core.runners import inplace_message, records_autograd, rewrapped, tensor_positions
@@ -110,6 +111,20 @@ def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> di
     return found
 
 
+@functools.cache
+def _schema_defaults(name: str, overload: str) -> dict[str, Any]:
+    """The schema defaults of an op's own overload, by parameter name (what ``Context.given`` is measured from)."""
+    schema = aten_schema(f"{name}.{overload}" if overload else name)
+    return {arg.name: _MEMORY_FORMATS.get(arg.default_value, arg.default_value)
+            if "MemoryFormat" in str(arg.type) else arg.default_value
+            for arg in schema.arguments if arg.has_default_value()}
+
+
+# c10::MemoryFormat as a schema default (an int) and as a call passes it.
+_MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.preserve_format, 2: torch.channels_last,
+                   3: torch.channels_last_3d}
+
+
 # A decision as the kernels keep it: (composite, kind, whether self is batched wherever another argument is, the
 # recorded decision it counts into where its frame records).
 Chosen = tuple[Callable[..., Any], str, bool, RecordedDecision | None]
@@ -127,15 +142,16 @@ def _decider(router: Router) -> Callable[..., Chosen]:
         values = tuple(tensors.values())
         first = values[0] if values else None
         records = torch.is_grad_enabled() and any(t.requires_grad for t in values)
+        given = given_arguments(_schema_defaults(op.name, op.overload), op.params, args, kwargs)
         key = (frame.prefixes[op.name], functorch, compiling, tuple(tensors), tuple(map(vmap_levels, values)),
                None if first is None else first.dtype, None if first is None else first.device.type,
-               0 if first is None else first.numel().bit_length(), records)
+               0 if first is None else first.numel().bit_length(), records, size_key(values), given)
         try:
             return decisions[key]
         except KeyError:
             pass
         generation = router.generation
-        ctx = context_of(tensors, functorch, compiling=compiling, records=records)
+        ctx = context_of(tensors, functorch, compiling=compiling, records=records, given=given)
         decision = decide(op.name, ctx, frame.policy, frame.pins.get(op.name))
         run = frame.run
         recorded = None if run is None else run.decided(op.name, ctx.stack, decision.composite, decision.kind,
@@ -323,11 +339,15 @@ class Router:
 
     def make_derivative_kernel(self, op: str, name: str, functional: Callable[..., Any], native: Any,
                                ) -> Callable[..., Any]:
-        """A derivative op (``masked_scatter_backward``): its functional form under vmap, where PyTorch's kernel has
-        no batching rule and loops; PyTorch's own kernel everywhere else."""
+        """A derivative op (``masked_scatter_backward``) of ``op``: its functional form under vmap, where PyTorch's
+        kernel has no batching rule and loops, unless ``op`` chooses native at these sizes by cost
+        (registry.core.cost); PyTorch's own kernel everywhere else."""
         call_native = native.call_boxed
         local = self.local
         positions = tensor_positions(name)
+        decide_call = self.decide
+        of_op = cost.derivative_arguments(op, name)
+        op_def = self.table.ops[op]
 
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             fixed = rewrapped(args, positions)
@@ -338,6 +358,8 @@ class Router:
                 return call_native(keyset, *args, **kwargs)
             if not vmap_active():
                 return call_native(keyset, *args, **kwargs)
+            if of_op is not None and decide_call(op_def, frames[-1], (), of_op(args, kwargs), False)[1] == "native":
+                return call_native(keyset, *args, **kwargs)  # the op itself runs natively at these sizes
             run = frames[-1].run
             if run is not None:
                 _record_derivative(run, op, name, functional)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from registry.core import cost
 from registry.core.context import vmap_active
 from registry.core.model import Op, Overload
 from registry.core.runners import inplace_message, records_autograd, runner, runs_native
@@ -67,11 +68,17 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
     return decide
 
 
-def _derivative_decider(router: PythonRouting, functional: Callable[..., Any]) -> Callable[..., Any]:
-    local = router.local
+def _derivative_decider(router: PythonRouting, functional: Callable[..., Any], op: Op,
+                        name: str) -> Callable[..., Any]:
+    local, decide_call = router.local, router.decide
+    of_op = cost.derivative_arguments(op.name, name)  # None: always the functional form under vmap
 
     def decide(*args: Any, **kwargs: Any) -> Any:
-        if local.frames[-1].policy == "native" or not vmap_active():
+        frame = local.frames[-1]
+        if frame.policy == "native" or not vmap_active():
+            return PASS
+        # Where the op itself runs natively at these sizes (selection by cost), so does its derivative.
+        if of_op is not None and decide_call(op, frame, (), of_op(args, kwargs), False)[1] == "native":
             return PASS
         return functional
 
@@ -95,4 +102,4 @@ def register(module: ModuleType, ops: list[Op], router: PythonRouting) -> None:
         for name, functional in derivatives[op.name].items():
             native = torch.library.get_kernel(f"aten::{name}", key)
             slow = router.make_derivative_kernel(op.name, name, functional, native)
-            module.register(name, key, key, _derivative_decider(router, functional), slow)
+            module.register(name, key, key, _derivative_decider(router, functional, op, name), slow)

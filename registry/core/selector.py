@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from registry.core import evidence, reference, rules
+from registry.core import cost, evidence, reference, rules
 from registry.core.context import Context
 from registry.core.model import KINDS, Composite
 from registry.core.ops import OPS
@@ -126,7 +126,7 @@ def decide(op: str, ctx: Context, policy: str = "auto", pin: str | None = None) 
     """The decision for ``op`` in ``ctx``: cached per (op, context, policy, pin)."""
     size = (ctx.numel or 1).bit_length()  # profiles are kept per power-of-two size
     key = (op, ctx.stack, ctx.batched, ctx.dtype, ctx.device, ctx.self_covers_batching, ctx.tensors, size, policy,
-           pin)
+           pin, cost.bucket(op, ctx), ctx.given)
     with _cache_lock:
         decision = _cache.get(key)
         if decision is not None:
@@ -187,6 +187,12 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
                 f"select({op}): no composite is valid under {where}; registered: {listed}. Register a functional "
                 "or primitive composite, or run this op outside the transform"
             )
+        costed = cost.choose(op, ctx, judged, policy)  # native or a composite by cost at the call's sizes
+        if costed is not None:
+            chosen = COMPOSITES[op][costed.composite]
+            return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=costed.reason + ".",
+                            alternatives=_alternatives(judged, chosen), context=ctx, policy=policy,
+                            speedup=costed.speedup)
         chosen = min(valid, key=lambda item: (order.index(item[0].kind), list(COMPOSITES[op]).index(item[0].name)))[0]
         skipped = [(c, p) for c, p in judged if p is not None and order.index(c.kind) < order.index(chosen.kind)]
         measured = (evidence.source().timings(op, ctx, [c.name for c, _ in judged])

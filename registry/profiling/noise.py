@@ -39,6 +39,12 @@ WIN_SHARE = 0.75
 # vmap, b=64): quiet 1.03-1.11, two busy processes on both cores 1.04-1.25, a busy Python thread in the profiling
 # process 2.3-4.4.
 UNEVEN_LIMIT = 1.5
+# The timing thread ran less than this share of the wall time of its blocks (median over every block of every
+# composite): other processes or threads held the cores, and a ranking measured so may not be the quiet one (a
+# memory-bound composite loses more to a neighbour than a compute-bound one). Measured on 2-core x86_64, torch 2.13.0
+# CPU (masked_scatter under vmap(grad), b=256, one torch thread, blocks timed in wall time): 0.90-0.96 with the
+# machine otherwise idle; 0.14-0.38 with a 2-thread matmul loop or other busy processes on the cores.
+CONTENDED_SHARE = 0.85
 
 
 @dataclass
@@ -71,24 +77,37 @@ class Timed:
 
 
 def _per_call(run: Callable[[], Any], number: int, clock: Callable[[], float],
-              cpu_clock: Callable[[], float] | None = None) -> tuple[float, float | None]:
-    """(microseconds per call, the share of the wall time the thread ran, or None without ``cpu_clock``)."""
+              cpu_clock: Callable[[], float] | None = None,
+              wall_clock: Callable[[], float] | None = None) -> tuple[float, float | None]:
+    """(microseconds per call, the share of the wall time the thread ran, or None without a second clock).
+
+    ``clock`` is wall time with ``cpu_clock`` (the thread's CPU time) beside it, or the thread's CPU time itself with
+    ``wall_clock`` beside it."""
     cpu = cpu_clock() if cpu_clock is not None else 0.0
+    wall_start = wall_clock() if wall_clock is not None else 0.0
     start = clock()
     for _ in range(number):
         run()
-    wall = clock() - start
-    ran = None if cpu_clock is None or wall <= 0 else (cpu_clock() - cpu) / wall
-    return wall / number * 1e6, ran
+    elapsed = clock() - start
+    if cpu_clock is not None:
+        ran = None if elapsed <= 0 else (cpu_clock() - cpu) / elapsed
+    elif wall_clock is not None:
+        wall = wall_clock() - wall_start
+        ran = None if wall <= 0 else elapsed / wall
+    else:
+        ran = None
+    return elapsed / number * 1e6, ran
 
 
 def interleaved(runners: Mapping[str, Callable[[], Any]], *, rounds: int = ROUNDS, min_run_time: float = 0.1,
                 clock: Callable[[], float] = time.perf_counter, cpu_clock: Callable[[], float] | None = None,
-                timed: Mapping[str, Timed] | None = None) -> dict[str, Timed]:
+                timed: Mapping[str, Timed] | None = None,
+                wall_clock: Callable[[], float] | None = None) -> dict[str, Timed]:
     """Each runner's per-call time in ``rounds`` interleaved rounds (the order rotated every round), each round a
     block of calls lasting about ``min_run_time / rounds`` seconds. ``timed`` (earlier rounds) is extended. With
     ``cpu_clock`` (the calling thread's CPU time, in the unit of ``clock``) each round also records the share of its
-    wall time the thread ran (``Timed.ran``)."""
+    wall time the thread ran (``Timed.ran``); so does ``wall_clock`` beside a ``clock`` that is the thread's CPU
+    time."""
     names = list(runners)
     results = {name: Timed(name) for name in names} if timed is None else dict(timed)
     block = max(min_run_time / max(rounds, 1), 1e-4)
@@ -103,7 +122,7 @@ def interleaved(runners: Mapping[str, Callable[[], Any]], *, rounds: int = ROUND
         numbers[name] = max(1, int(block / max(single, 1e-7)))
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            per_call_us, ran = _per_call(runners[name], numbers[name], clock, cpu_clock)
+            per_call_us, ran = _per_call(runners[name], numbers[name], clock, cpu_clock, wall_clock)
             results[name].rounds_us.append(per_call_us)
             if ran is not None:
                 results[name].ran.append(ran)
@@ -186,6 +205,23 @@ def uneven(timings: Mapping[str, Timed]) -> list[str]:
     return [f"the load fell unevenly on the composites ({low} ran {shares[low]:.0%} of the time it was timed, "
             f"{high} {shares[high]:.0%}): another busy thread of this process holds the GIL; re-run with no other "
             "busy thread in the profiling process"]
+
+
+def contended(timings: Mapping[str, Timed], limit: float = CONTENDED_SHARE) -> list[str]:
+    """Why these timings were taken under contention (empty when they were not): the timing thread ran less than
+    ``limit`` of its blocks' wall time (the median over every block of every composite), so other processes or
+    threads held the cores while it was timed. Per-round ratios shield a ranking from a load that only takes turns;
+    a neighbour that shares the cores and their caches slows a memory-bound composite more than a compute-bound one,
+    so such a ranking is re-measured, then refused, never stored."""
+    shares = [share for t in timings.values() for share in t.ran]
+    if not shares:
+        return []
+    share = statistics.median(shares)
+    if share >= limit:
+        return []
+    return [f"measured under contention (the timing thread ran {share:.0%} of the wall time of its blocks, below "
+            f"{limit:.0%}: other processes or threads held the cores); re-run where nothing else keeps the cores "
+            "busy"]
 
 
 def noise(*timings: Timed) -> float:

@@ -369,6 +369,9 @@ def _peak_memory(device: str) -> int | None:
     return torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
 
 
+CONTENDED_PAUSE = 1.0  # seconds before the first re-measurement of a context timed under contention (then 2, ...)
+
+
 def _measure(runners: dict[str, Callable[[], Any]], native: str | None, earlier_native_us: float | None, *,
              rounds: int, retries: int, min_run_time: float, clock: Callable[[], float],
              device: str, spread_limit: float) -> tuple[dict[str, noise.Timed] | None, list[str]]:
@@ -393,7 +396,8 @@ def _measure(runners: dict[str, Callable[[], Any]], native: str | None, earlier_
         # GIL, delays each call, so the composite of more calls loses more). Native far from its earlier profile is
         # re-measured once (the earlier profile may be the odd one); only a ranking that stays unstable, or a load
         # that stays uneven, is refused.
-        ranking = noise.unstable(timed) + noise.uneven(timed) if spread_limit != math.inf else []
+        ranking = (noise.unstable(timed) + noise.uneven(timed) + noise.contended(timed)
+                   if spread_limit != math.inf else [])
         drift = noise.disturbed(timed, native=native, earlier_native_us=earlier_native_us, spread_limit=math.inf)
         reasons = ranking + drift
         if not ranking and (not drift or attempt > 0):
@@ -402,4 +406,6 @@ def _measure(runners: dict[str, Callable[[], Any]], native: str | None, earlier_
             notes.append("; ".join(reasons))
             return None, notes
         notes.append("; ".join(reasons))
+        if noise.contended(timed):
+            time.sleep(CONTENDED_PAUSE * (attempt + 1))  # re-measured once the other processes' burst may be over
     return None, notes

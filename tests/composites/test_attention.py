@@ -25,6 +25,17 @@ def _fallbacks(caught: list) -> list[str]:
     return [str(w.message) for w in caught if "There is a performance drop" in str(w.message)]
 
 
+FUSED = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu_"
+         "backward")
+
+
+def _unexpected_fallbacks(caught: list, pin: str | None) -> list[str]:
+    """vmap's loops other than native's own: under auto, native's loop over the fused kernel is a choice by cost at
+    small sizes (registry/core/cost.py), so only a pinned composite must run without any."""
+    return [m for m in _fallbacks(caught)
+            if pin is not None or m.split("batching rule for ")[1].split(".")[0] not in FUSED]
+
+
 @dataclass(frozen=True)
 class Case:
     """Per-sample shapes of query, key and value, the mask (``per_sample``: batched like them, else shared) and the
@@ -139,7 +150,7 @@ def test_vmap_equals_the_native_loop(case: Case, pin: str | None, fallback_warni
     query, key, value, mask = _inputs(case)
     with _use(pin):
         out = func.vmap(_attention(case), in_dims=(0, 0, 0, _mask_dim(case, mask)))(query, key, value, mask)
-    assert _fallbacks(fallback_warnings) == []
+    assert _unexpected_fallbacks(fallback_warnings, pin) == []
     torch.testing.assert_close(out, _loop_values(case, query, key, value, mask), **TOLERANCE)
 
 
@@ -157,7 +168,7 @@ def test_vmap_grad_equals_the_native_loop(case: Case, pin: str | None, fallback_
     with _use(pin):
         grads = func.vmap(func.grad(loss, argnums=argnums), in_dims=(0, 0, 0, _mask_dim(case, mask)))(
             query, key, value, mask)
-    assert _fallbacks(fallback_warnings) == []
+    assert _unexpected_fallbacks(fallback_warnings, pin) == []
     expected = _loop_grads(case, query, key, value, mask, with_mask)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, **TOLERANCE)
@@ -178,7 +189,7 @@ def test_jacobians_equal_natives_outside_transforms(case: Case, pin: str | None,
     jacobian = getattr(func, transform)
     with _use(pin):
         got = jacobian(lambda q, k, v: attention(q, k, v, mask), argnums=(0, 1, 2))(query, key, value)
-    assert _fallbacks(fallback_warnings) == []
+    assert _unexpected_fallbacks(fallback_warnings, pin) == []
     for each, want in zip(got, _native_jacobian(case, query, key, value, mask), strict=True):
         torch.testing.assert_close(each, want, **TOLERANCE)
 
@@ -272,7 +283,7 @@ def test_flash_overloads_under_vmap_fold_the_batch(fallback_warnings: list) -> N
     def forward(q, k, v, m):
         return flash(q, k, v, attn_mask=m)[0]
 
-    with registry.use():
+    with registry.use(pins={OP: "primitive"}):  # auto may keep native's loop at this size, by cost
         out = func.vmap(forward)(query, key, value, bias)
         grads = func.vmap(func.grad(lambda q, k, v, m: forward(q, k, v, m).sum(), argnums=(0, 1, 2)))(
             query, key, value, bias)

@@ -17,6 +17,7 @@ from torch.func import functional_call, functionalize, grad, jacfwd, jacrev, vma
 
 import registry
 from composites import embedding
+from registry.core import selector
 
 ROWS, DIM, SAMPLES, LOOKUPS, MAX_NORM = 10, 4, 3, 5, 1.0
 FALLBACK = "There is a performance drop"
@@ -395,3 +396,28 @@ def test_embedding_bag_with_max_norm_reads_the_recorded_renorm(mode: str) -> Non
     torch.testing.assert_close(outputs, expected)
     torch.testing.assert_close(grads, torch.stack(expected_grads))
     _unchanged(weight, before, version)
+
+
+def test_until_a_renorm_is_recorded_the_lookup_is_pytorchs_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With batched indices and a shared weight, no lookup can read a recorded renorm before embedding_renorm_ has
+    recorded one: PyTorch's embedding runs (no Python frame); the first record drops the decisions, and the lookup
+    then reads it."""
+    monkeypatch.setattr(embedding, "_recording", embedding._Recording())
+    selector.clear_cache()
+    before = registry.select("embedding", stack="vmap,grad", batched=["indices"], dtype="float32")
+    assert before.composite == "native"
+    weight = torch.randn(10, 4) * 3
+    ids = torch.tensor([[1, 2], [2, 3], [7, 7]])
+    lookup = vmap(grad(lambda w, i: F.embedding(i, w).square().sum()), in_dims=(None, 0))
+    with registry.use():
+        plain = lookup(weight, ids)
+    torch.testing.assert_close(plain, torch.stack([2 * torch.zeros_like(weight).index_add(0, i, weight[i])
+                                                   for i in ids]))
+    renormed = vmap(lambda w, i: F.embedding(i, w, max_norm=1.0), in_dims=(None, 0))
+    with registry.use():
+        got = renormed(weight, ids)
+    assert embedding._recording.seen
+    after = registry.select("embedding", stack="vmap,grad", batched=["indices"], dtype="float32")
+    assert after.composite == "reads_recorded_renorm"
+    for b, i in enumerate(ids):
+        torch.testing.assert_close(got[b], F.embedding(i, weight.clone(), max_norm=1.0))

@@ -73,12 +73,18 @@ def _loop(model: nn.Module, inputs, ids: torch.Tensor, labels: torch.Tensor) -> 
     return {n: torch.stack(each) for n, each in grads.items()}
 
 
+@pytest.mark.parametrize("pins", [None, {"scaled_dot_product_attention": "primitive"}], ids=["auto", "primitive"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_per_sample_gradients_inside_use_equal_the_loop(name: str, fallback_warnings: list) -> None:
+def test_per_sample_gradients_inside_use_equal_the_loop(name: str, pins: dict[str, str] | None,
+                                                        fallback_warnings: list) -> None:
+    """Pinned, the folded fused kernel runs and nothing loops; under auto native's loop over the fused kernel may be
+    the choice by cost at these small sizes (registry/core/cost.py), and nothing else loops."""
     model, inputs, ids, labels, params, per_sample = _setup(name)
-    with registry.use():
+    with registry.use(pins=pins):
         grads = per_sample(params, ids, labels)
-    assert _fallbacks(fallback_warnings) == set()
+    fused = {"aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
+    assert _fallbacks(fallback_warnings) <= (fused if pins is None else set())
     expected = _loop(model, inputs, ids, labels)
     assert set(grads) == set(expected)
     for key, want in expected.items():

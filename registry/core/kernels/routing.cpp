@@ -123,6 +123,10 @@ int64_t bit_length(int64_t n) {
   return n <= 0 ? 0 : 64 - __builtin_clzll(static_cast<unsigned long long>(n));
 }
 
+bool is_default(const Argument& argument, const c10::IValue& value) {
+  return argument.default_value.has_value() && c10::_fastEqualsForContainer(value, *argument.default_value);
+}
+
 // The key of this call into tls_key; false when the call must go to Python whole (symbolic shapes).
 // wrapped: a wrapped number (the 0-d tensor C++ makes of a Python scalar) is an argument: PyTorch's kernel.
 bool build_key(const Overload& o, const c10::IValue* args, size_t count, bool* wrapped) {
@@ -136,6 +140,10 @@ bool build_key(const Overload& o, const c10::IValue* args, size_t count, bool* w
   key.push_back(at::GradMode::is_enabled() ? -2 : -3);
   for (size_t i = 0; i < count; ++i) {
     if (!args[i].isTensor()) {
+      // An argument away from its default (memory_format): rules may read it (Context.given).
+      if (!is_default(o.arguments[i], args[i])) {
+        key.push_back(-4096 - static_cast<int64_t>(i));
+      }
       continue;
     }
     const at::Tensor& tensor = args[i].toTensor();
@@ -154,10 +162,16 @@ bool build_key(const Overload& o, const c10::IValue* args, size_t count, bool* w
     key.push_back((static_cast<int64_t>(tensor.scalar_type()) << 16) |
                   (static_cast<int64_t>(tensor.device().type()) << 1) | (tensor.requires_grad() ? 1 : 0));
     key.push_back(bit_length(tensor.numel()));
+    // The size bucket (registry.core.context.size_key): each per-sample dimension's bit length, and below each
+    // vmap level its batch size's; decisions by cost (registry.core.cost) differ between buckets.
+    for (int64_t size : tensor.sizes()) {
+      key.push_back(-1024 - bit_length(size));
+    }
     const at::Tensor* current = &tensor;
     while (true) {
       if (auto* batched = at::functorch::maybeGetBatchedImpl(*current)) {
         key.push_back(batched->level() * 2);
+        key.push_back(-2048 - bit_length(batched->value().size(batched->bdim())));
         current = &batched->value();
       } else if (auto* wrapper = at::functorch::maybeGetTensorWrapper(*current)) {
         key.push_back(wrapper->level().value_or(-1) * 2 + 1);
@@ -195,10 +209,6 @@ py::object to_python(const Argument& argument, const c10::IValue& value) {
     default:
       return torch::jit::toPyObject(value);
   }
-}
-
-bool is_default(const Argument& argument, const c10::IValue& value) {
-  return argument.default_value.has_value() && c10::_fastEqualsForContainer(value, *argument.default_value);
 }
 
 // The call as Python sees it from a torch.library kernel: positional arguments up to the last one not at its

@@ -234,9 +234,12 @@ def test_a_profile_under_load_gives_the_quiet_profiles_choices() -> None:
     absolute times swing, and the per-round ratios hold where the load falls on every composite alike. Every
     decision is the quiet profile's: a context is stored only where its ranking held, and refused, saying what to
     change, where it flipped between rounds or the busy thread took more from some composites than from others."""
-    quiet = profile(**CONTEXTS, retries=4)
+    quiet_refused: list[str] = []
+    quiet = profile(**CONTEXTS, retries=4, refused=quiet_refused)
     quiet_decisions = _decisions(quiet)
-    assert quiet_decisions, "the quiet profile itself was refused: the machine is too busy for this test"
+    if not quiet_decisions and all("measured under contention" in line for line in quiet_refused):
+        pytest.skip(f"no quiet baseline: the contention detector refused it ({quiet_refused[0]})")
+    assert quiet_decisions, f"the quiet profile itself was refused: {quiet_refused}"
     stop = threading.Event()
     threads = [threading.Thread(target=_spin, args=(stop,), daemon=True)]
     processes = [multiprocessing.get_context("spawn").Process(target=_spin_process, args=(60.0,), daemon=True)
@@ -259,6 +262,7 @@ def test_a_profile_under_load_gives_the_quiet_profiles_choices() -> None:
     # (the quiet profile stays where one is refused).
     assert all(("is unstable" in line and "longer --min-run-time" in line)
                or ("the load fell unevenly" in line and "no other busy thread" in line)
+               or ("measured under contention" in line and "nothing else keeps the cores busy" in line)
                for line in refused), refused
     stored = {(e.op, e.workload, e.batch_size, e.composite): e for e in quiet}
     stored.update({(e.op, e.workload, e.batch_size, e.composite): e for e in loaded})

@@ -1,0 +1,277 @@
+"""Selection by cost at the call's sizes: native or a composite, where native is correct and only loops.
+
+vmap's per-sample loop over a fused kernel is not always slower than a composite: looping over four large fused
+calls can beat one folded call that pays for its packing, unpacking and Python frames. So where PyTorch's own op is
+correct under the stack and only loops (its rule says ``slow``), an op that declares a *size signature*
+(``define_op(..., sizes=fn)``: the sizes its cost depends on, from the call's Context) is decided by the measured
+cost of each valid composite against native at the call's **size bucket** (each size rounded down to a power of
+two), never by "native loops" alone:
+
+1. a local profile of the op (``multicomposite profile``) where it timed native and a valid composite;
+2. else the reference costs shipped with the package (``reference_costs.json``, next to this module, written by
+   ``python -m bench.reference sizes``): per stack and per value of the signature's categorical sizes (a mask or
+   not, the sample's rank), native's and each composite's thread CPU time (one thread) on a grid of sizes. Between
+   grid points the log of each composite's time over native's is interpolated linearly in the log2 of every size
+   (multilinear across the sizes); outside the grid the nearest edge holds. A grid point that was too large to
+   measure takes its nearest measured neighbour's ratio;
+3. with nothing known at that bucket, native runs: it is correct, and it is what the call does without use().
+
+A composite replaces native only where it is faster by more than ``ratios.MIN_NOISE``: a tie keeps PyTorch's op.
+The decision's reason names the ratio and the bucket. Ops without a size signature are decided as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from registry.core import evidence
+from registry.core.context import Context
+from registry.core.ops import OPS, schema_params
+from registry.core.ratios import MIN_NOISE, ratio_text
+
+PATH = Path(__file__).with_name("reference_costs.json")
+
+Sizes = Mapping[str, "int | bool | str"]
+SizeSignature = Callable[[Context], "Sizes | None"]
+
+
+class CostError(ValueError):
+    """The shipped reference costs cannot be read, or a size signature is declared twice: said with what to do."""
+
+
+@dataclass
+class Signatures:
+    """op name -> its size signature (``define_op(..., sizes=fn)``)."""
+
+    by_op: dict[str, SizeSignature] = field(default_factory=dict)
+
+    def declare(self, op: str, signature: SizeSignature) -> None:
+        if op in self.by_op:
+            raise CostError(f"define_op({op}): a size signature is already declared for {op}")
+        self.by_op[op] = signature
+
+
+SIGNATURES = Signatures()
+
+
+def declare(op: str, signature: SizeSignature) -> None:
+    """Declare ``op``'s size signature (``define_op(..., sizes=...)`` calls this)."""
+    SIGNATURES.declare(op, signature)
+
+
+def _bucketed(value: int | bool | str) -> int | bool | str:
+    """A size rounded down to a power of two (1 for 0 and 1); booleans and names as they are."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return value
+    return 1 << max(value.bit_length() - 1, 0)
+
+
+def bucket(op: str, ctx: Context) -> tuple[tuple[str, int | bool | str], ...] | None:
+    """The size bucket of ``op`` in ``ctx`` by its signature, or None (no signature, or it does not apply)."""
+    signature = SIGNATURES.by_op.get(op)
+    if signature is None:
+        return None
+    sizes = signature(ctx)
+    if sizes is None:
+        return None
+    return tuple((name, _bucketed(value)) for name, value in sizes.items())
+
+
+# --- the shipped reference costs: grids of sizes, interpolated ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One op's reference costs under one stack at one value of its categorical sizes."""
+
+    stack: tuple[str, ...]
+    fixed: tuple[tuple[str, bool | str | int], ...]  # categorical sizes, matched exactly
+    axes: tuple[tuple[str, tuple[int, ...]], ...]  # numeric sizes, each with its measured values (ascending)
+    points: dict[tuple[int, ...], dict[str, float]]  # axis values -> composite -> microseconds per call
+
+    def ratios(self, at: Mapping[str, int]) -> dict[str, float]:
+        """Each composite's time over native's at ``at``: log-ratios interpolated multilinearly in log2 sizes."""
+        corners: list[list[tuple[int, float]]] = []
+        for name, values in self.axes:
+            x = math.log2(max(at[name], 1))
+            logs = [math.log2(v) for v in values]
+            if x <= logs[0] or len(values) == 1:
+                corners.append([(values[0], 1.0)])
+            elif x >= logs[-1]:
+                corners.append([(values[-1], 1.0)])
+            else:
+                upper = next(i for i, v in enumerate(logs) if v >= x)
+                weight = (x - logs[upper - 1]) / (logs[upper] - logs[upper - 1])
+                corners.append([(values[upper - 1], 1.0 - weight), (values[upper], weight)])
+        totals: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        for combination in product(*corners):
+            weight = math.prod(w for _, w in combination)
+            if weight == 0.0:
+                continue
+            times = self._nearest(tuple(v for v, _ in combination))
+            native = times.get("native")
+            if not native:
+                continue
+            for composite, us in times.items():
+                if composite != "native" and us > 0:
+                    totals[composite] = totals.get(composite, 0.0) + weight * math.log(us / native)
+                    weights[composite] = weights.get(composite, 0.0) + weight
+        return {c: math.exp(totals[c] / weights[c]) for c in totals if weights[c] > 0}
+
+    def _nearest(self, point: tuple[int, ...]) -> dict[str, float]:
+        """The times at a grid point, or at the nearest measured one (in log2 sizes) where it was not measured."""
+        found = self.points.get(point)
+        if found is not None:
+            return found
+        def distance(other: tuple[int, ...]) -> float:
+            return sum(abs(math.log2(a) - math.log2(b)) for a, b in zip(point, other, strict=True))
+        return self.points[min(self.points, key=distance)] if self.points else {}
+
+
+@dataclass(frozen=True)
+class ReferenceCosts:
+    machine: str
+    grids: dict[str, list[Grid]]  # op -> its grids
+
+    def grid(self, op: str, stack: tuple[str, ...], sizes: Mapping[str, Any]) -> Grid | None:
+        """The grid of ``op`` under ``stack`` whose categorical sizes are those in ``sizes``."""
+        for grid in self.grids.get(op, ()):
+            if grid.stack == stack and all(k in sizes and sizes[k] == v and type(sizes[k]) is type(v)
+                                           for k, v in grid.fixed):
+                return grid
+        return None
+
+
+@functools.cache
+def _load(path: Path) -> ReferenceCosts:
+    if not path.exists():
+        return ReferenceCosts("", {})
+    try:
+        document = json.loads(path.read_text())
+        grids: dict[str, list[Grid]] = {}
+        for entry in document["grids"]:
+            axes = tuple((str(name), tuple(int(v) for v in values)) for name, values in entry["axes"].items())
+            points = {tuple(int(point["at"][name]) for name, _ in axes):
+                      {str(k): float(v) for k, v in point["times_us"].items()} for point in entry["points"]}
+            grids.setdefault(str(entry["op"]), []).append(
+                Grid(stack=tuple(entry["stack"]), fixed=tuple(sorted(entry["fixed"].items())), axes=axes,
+                     points=points))
+        return ReferenceCosts(machine=str(document["machine"]), grids=grids)
+    except (OSError, ValueError, KeyError, TypeError, StopIteration) as error:
+        raise CostError(f"{path}: unreadable reference costs ({type(error).__name__}: {error}); regenerate them "
+                        "with `python -m bench.reference sizes`") from None
+
+
+_lock = threading.Lock()
+
+
+def reference_costs(path: Path | None = None) -> ReferenceCosts:
+    with _lock:
+        return _load(path or PATH)
+
+
+# --- the choice ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Costed:
+    """A choice by cost: the composite (native's name where native runs), why, and native's time over its."""
+
+    composite: str
+    reason: str
+    speedup: float | None
+
+
+def _where(ctx: Context, sizes: tuple[tuple[str, int | bool | str], ...]) -> str:
+    stack = ",".join(ctx.stack) or "no transform"
+    said = ", ".join(name if value is True else f"no {name}" if value is False else f"{name} {value}"
+                     for name, value in sizes)
+    return f"{stack} at {said}"
+
+
+def choose(op: str, ctx: Context, judged: Iterable[tuple[Any, Any]], policy: str,
+           costs: ReferenceCosts | None = None) -> Costed | None:
+    """The choice between native and the valid composites by their cost at ``ctx``'s size bucket, where native is
+    correct and only loops (its problem is ``slow``) and ``op`` has a size signature; None leaves the choice to the
+    rules and profiles as before. ``judged``: (composite, problem or None) of every composite of ``op``."""
+    if policy not in ("auto", "fastest"):
+        return None
+    sizes = bucket(op, ctx)
+    if sizes is None:
+        return None
+    judged = list(judged)
+    native = next((c for c, p in judged if c.kind == "native"), None)
+    if native is None:
+        return None
+    problem = dict((c.name, p) for c, p in judged)[native.name]
+    if problem is None or problem.status != "slow":
+        return None  # native is valid (it runs anyway) or wrong here (it must not run)
+    measured_native, _ = evidence.source().evidence(op, native.name, ctx, OPS[op].tensor_args)
+    if measured_native is not None and measured_native.status != "slow":
+        return None
+    valid = [c for c, p in judged if p is None]
+    where = _where(ctx, sizes)
+    ratios, said = _local(op, ctx, native.name, [c.name for c in valid])
+    if not ratios:
+        table = costs or reference_costs()
+        named = dict(sizes)
+        grid = table.grid(op, ctx.stack, named)
+        if grid is not None and all(isinstance(named.get(name), int) for name, _ in grid.axes):
+            ratios = {c: r for c, r in grid.ratios(named).items() if c in {v.name for v in valid}}
+            said = (f"the reference costs shipped with the package, interpolated between measured sizes "
+                    f"(thread CPU time, one thread, measured on {table.machine})")
+    if not ratios:
+        return Costed(native.name, f"PyTorch's own {op} runs under {where}: it is correct here (vmap's per-sample "
+                                   "loop), and no cost of a composite is known at this size", None)
+    best = min(ratios, key=ratios.__getitem__)
+    ratio = ratios[best]
+    if ratio < 1 / (1 + MIN_NOISE):
+        return Costed(best, f"{best} is {ratio_text(ratio, 'native')} under {where} ({said})", 1 / ratio)
+    return Costed(native.name, f"PyTorch's own {op} runs under {where}: correct here (vmap's per-sample loop), and "
+                               f"{best} is {ratio_text(ratio, 'native')} at this size ({said})", 1.0)
+
+
+def _local(op: str, ctx: Context, native: str, valid: list[str]) -> tuple[dict[str, float], str]:
+    """Each valid composite's time over native's in a local profile (``multicomposite profile``), where it timed
+    native and at least one of them."""
+    timings = evidence.source().timings(op, ctx, [native, *valid])
+    if native not in timings or not any(name in timings for name in valid):
+        return {}, ""
+    base = timings[native]
+    ratios = {name: timings[name].score_us / base.score_us for name in valid if name in timings}
+    batches = ",".join(str(b) for b in base.batch_sizes)
+    return ratios, f"profiled on this machine at {base.bucket} elements, batch {batches}"
+
+
+# --- derivative ops: folded where the op itself is ------------------------------------------------------------------
+
+
+def derivative_arguments(op: str, overload: str) -> Callable[[tuple[Any, ...], Mapping[str, Any]],
+                                                              dict[str, torch.Tensor]] | None:
+    """For a derivative op of ``op`` (``register_derivative``): what to decide ``op`` on when the derivative is
+    reached under vmap, its tensors named as ``op``'s tensor parameters (the router then runs PyTorch's own kernel
+    where ``op`` itself, at these sizes, runs natively); None where ``op`` has no size signature (its derivatives are
+    always replaced under vmap)."""
+    if op not in SIGNATURES.by_op:
+        return None
+    name, _, overload_name = overload.partition(".")
+    params = tuple(param for param, _ in schema_params(name, overload_name))
+    wanted = OPS[op].tensor_args
+
+    def arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        values = dict(zip(params, args, strict=False))
+        values.update(kwargs)
+        return {n: values[n] for n in wanted if isinstance(values.get(n), torch.Tensor)}
+
+    return arguments

@@ -1,0 +1,129 @@
+"""Selection by cost at the call's sizes (registry/core/cost.py): where native is correct and only loops, native or a
+composite by their cost at the call's size bucket, read from a reference table (here a synthetic one), the ratio named
+in the reason; native with nothing known; the bucket part of the routing key on both backends."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import func
+
+import registry
+from registry.core import cost, selector
+from registry.core.context import Context
+from registry.store import evidence
+
+pytestmark = pytest.mark.usefixtures("routing_backend")
+
+OP = "scaled_dot_product_attention"
+SDPA = torch.nn.functional.scaled_dot_product_attention
+# primitive / native: 1.30x slower at batch 1, a tie at 16, 2.00x faster at 256.
+TIMES = {1: {"native": 100.0, "primitive": 130.0, "functional": 400.0},
+         16: {"native": 1000.0, "primitive": 1000.0, "functional": 3000.0},
+         256: {"native": 20000.0, "primitive": 10000.0, "functional": 40000.0}}
+
+
+@pytest.fixture(autouse=True)
+def _synthetic_table(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    evidence.set_entries(())
+    evidence.set_profiles(())
+    path = tmp_path / "reference_costs.json"
+    path.write_text(json.dumps({"machine": "a test machine", "grids": [
+        {"op": OP, "stack": ["vmap"], "fixed": {"mask": False, "rank": 4},
+         "axes": {"batch": [1, 16, 256], "length": [16], "heads": [2], "head_dim": [16]},
+         "points": [{"at": {"batch": b, "length": 16, "heads": 2, "head_dim": 16}, "times_us": t}
+                    for b, t in TIMES.items()]}]}))
+    monkeypatch.setattr(cost, "PATH", path)
+    cost._load.cache_clear()
+    selector.clear_cache()
+    yield path
+    evidence.use_profile_loader(None)
+    evidence.use_loader(None)
+    cost._load.cache_clear()
+    selector.clear_cache()
+
+
+def _context(batch: int, *, length: int = 16, stack: tuple[str, ...] = ("vmap",)) -> Context:
+    shape = (1, 2, length, 16)
+    return Context(stack=stack, batched=("query", "key", "value"), dtype=torch.float32, device="cpu",
+                   tensors=("query", "key", "value"), shapes=(shape, shape, shape), batch_size=batch)
+
+
+def test_native_where_the_composite_costs_more_at_the_bucket() -> None:
+    decision = selector.decide(OP, _context(1))
+    assert decision.composite == "native"
+    assert decision.reason == (
+        "PyTorch's own scaled_dot_product_attention runs under vmap at batch 1, heads 2, length 16, head_dim 16, "
+        "no mask, rank 4: correct here (vmap's per-sample loop), and primitive is 1.30x slower than native at this "
+        "size (the reference costs shipped with the package, interpolated between measured sizes (thread CPU time, "
+        "one thread, measured on a test machine)).")
+
+
+def test_the_composite_where_it_is_faster_at_the_bucket() -> None:
+    decision = selector.decide(OP, _context(256))
+    assert decision.composite == "primitive"
+    assert decision.speedup == pytest.approx(2.0)
+    assert "primitive is 2.00x faster than native under vmap at batch 256, heads 2" in decision.reason
+
+
+def test_a_tie_keeps_native() -> None:
+    decision = selector.decide(OP, _context(16))
+    assert decision.composite == "native"
+    assert "primitive is 1.00x faster than native at this size" in decision.reason
+
+
+def test_between_grid_points_the_log_ratio_is_interpolated_in_log2_sizes() -> None:
+    # batch 100 (bucket 64): half way from 16 to 256 in log2, so the ratio is 1.0 ** 0.5 * 0.5 ** 0.5 = 0.707.
+    decision = selector.decide(OP, _context(100))
+    assert decision.composite == "primitive"
+    assert decision.speedup == pytest.approx(2 ** 0.5, rel=1e-6)
+    assert "1.41x faster than native under vmap at batch 64" in decision.reason
+
+
+def test_outside_the_grid_the_nearest_edge_holds() -> None:
+    assert selector.decide(OP, _context(4096)).speedup == pytest.approx(2.0)
+    assert selector.decide(OP, _context(4, length=1024)).composite == "native"  # length clamped to 16
+
+
+def test_nothing_known_native_runs() -> None:
+    decision = selector.decide(OP, _context(256, stack=("vmap", "grad")))  # no grid for vmap(grad) here
+    assert decision.composite == "native"
+    assert decision.reason == (
+        "PyTorch's own scaled_dot_product_attention runs under vmap,grad at batch 256, heads 2, length 16, "
+        "head_dim 16, no mask, rank 4: it is correct here (vmap's per-sample loop), and no cost of a composite is "
+        "known at this size.")
+
+
+def test_where_native_fails_cost_does_not_decide() -> None:
+    decision = selector.decide(OP, _context(1, stack=("vmap", "jvp")))  # native raises under jvp
+    assert decision.composite != "native"
+
+
+def test_policy_rules_ignores_costs() -> None:
+    assert selector.decide(OP, _context(1), policy="rules").composite == "primitive"
+
+
+def _fallbacks(caught: list[warnings.WarningMessage]) -> set[str]:
+    return {str(w.message).split("batching rule for ")[1].split(".")[0] for w in caught
+            if "There is a performance drop" in str(w.message)}
+
+
+def test_the_routing_key_holds_the_bucket() -> None:
+    """One process, one use(): batch 2 runs native's loop (fallback warnings, the fused kernel's forward included),
+    batch 256 the folded primitive (none); the decision cached for one does not answer the other."""
+    run = func.vmap(lambda q, k, v: SDPA(q, k, v))
+    seen = {}
+    for batch in (2, 256, 2):
+        q = torch.randn(batch, 1, 2, 16, 16)
+        with warnings.catch_warnings(record=True) as caught, registry.use():
+            warnings.simplefilter("always")
+            out = run(q, q, q)
+        torch.testing.assert_close(out, func.vmap(lambda x: SDPA(x, x, x))(q))
+        seen.setdefault(batch, []).append(_fallbacks(caught))
+    assert seen[2] == [{"aten::_scaled_dot_product_flash_attention_for_cpu"}] * 2
+    assert seen[256] == [set()]
