@@ -365,6 +365,8 @@ def _broadcast_leading(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     as native's matmuls broadcast them; an error in native's words where they do not broadcast."""
     keep = 3 if grouped and query.dim() >= 3 else 2
     shapes = [tuple(t.shape[:-keep]) for t in (query, key, value)]
+    if shapes[0] == shapes[1] == shapes[2]:
+        return query, key, value  # the common case, without torch.broadcast_shapes (about 15 us under vmap)
     try:
         lead = torch.broadcast_shapes(*shapes)
     except RuntimeError as error:

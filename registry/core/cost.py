@@ -229,8 +229,8 @@ def choose(op: str, ctx: Context, judged: Iterable[tuple[Any, Any]], policy: str
         grid = table.grid(op, ctx.stack, named)
         if grid is not None and all(isinstance(named.get(name), int) for name, _ in grid.axes):
             ratios = {c: r for c, r in grid.ratios(named).items() if c in {v.name for v in valid}}
-            said = (f"the reference costs shipped with the package, interpolated between measured sizes "
-                    f"(thread CPU time, one thread, measured on {table.machine})")
+            said = (f"the reference costs shipped with the package, interpolated between measured sizes; thread CPU "
+                    f"time, one thread, measured on {table.machine}")
     if not ratios:
         return Costed(native.name, f"PyTorch's own {op} runs under {where}: it is correct here (vmap's per-sample "
                                    "loop), and no cost of a composite is known at this size", None)

@@ -62,7 +62,9 @@ def test_rules_match_native_evidence(op: str) -> None:
     """Native is routed around only where it measurably fails, and measured failures are all routed around."""
     outcomes = _native_outcomes(op)
     failing = {status: cases for status, cases in outcomes.items() if status != "ok"}
-    stacks_with_vmap = Context(stack=("vmap",), tensors=registry.OPS[op].tensor_args)
+    # Every other argument set (Context.given): contiguous and to fail under vmap only with a memory_format.
+    others = tuple(name for name in registry.OPS[op].params if name not in registry.OPS[op].tensor_args)
+    stacks_with_vmap = Context(stack=("vmap",), tensors=registry.OPS[op].tensor_args, given=others)
     if rules.problem(op, "native", stacks_with_vmap) is None:
         assert failing == {}, f"native {op} fails somewhere the rules do not know of"
     else:

@@ -60,8 +60,8 @@ def test_native_where_the_composite_costs_more_at_the_bucket() -> None:
     assert decision.reason == (
         "PyTorch's own scaled_dot_product_attention runs under vmap at batch 1, heads 2, length 16, head_dim 16, "
         "no mask, rank 4: correct here (vmap's per-sample loop), and primitive is 1.30x slower than native at this "
-        "size (the reference costs shipped with the package, interpolated between measured sizes (thread CPU time, "
-        "one thread, measured on a test machine)).")
+        "size (the reference costs shipped with the package, interpolated between measured sizes; thread CPU time, "
+        "one thread, measured on a test machine).")
 
 
 def test_the_composite_where_it_is_faster_at_the_bucket() -> None:
