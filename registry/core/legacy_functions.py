@@ -489,11 +489,14 @@ class LegacyFunctions:
         """``batched`` with a vmap rule that applies it once per sample at the level below."""
         local = self._local
 
+        writes = _writes_inputs(cls)
+
         def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
             results = []
             records = []
             for b in range(info.batch_size):
-                sample = tuple(a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True))
+                sample = tuple(_own(a, writes) if d is None else a.select(d, b)
+                               for a, d in zip(args, in_dims, strict=True))
                 results.append(pytorch_apply(looped, *sample))
                 records.append(local.calls[-1].record)
             _check_same_constants(cls, records, local.calls[-1].stack)
@@ -568,6 +571,17 @@ class LegacyFunctions:
         else:
             namespace["generate_vmap_rule"] = True
         return type(f"{cls.__name__}Adapted", (Function,), namespace)
+
+
+def _writes_inputs(cls: type) -> bool:
+    """Whether the old forward may write into its inputs (an in-place method, ``.data``, ``mark_dirty``): looping
+    over samples, each sample then gets its own copy of an input the samples share."""
+    names = getattr(cls.forward, "__code__", _NO_CODE).co_names
+    return any(name in ("data", "mark_dirty") or (name.endswith("_") and not name.startswith("__")) for name in names)
+
+
+def _own(value: Any, writes: bool) -> Any:
+    return value.clone() if writes and isinstance(value, torch.Tensor) else value
 
 
 def _needs_grad(tensor: torch.Tensor) -> bool:
