@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch._C._functorch import maybe_current_level
 
-from registry.core import control_flow, dynamic, functionalization, out_arguments
+from registry.core import control_flow, dynamic, functionalization, inplace_under_jvp, out_arguments
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, vmap_active, vmap_levels
 from registry.core.model import KINDS, Op, Overload
@@ -332,6 +332,7 @@ def register_kernels() -> None:
             control_flow.register(library, _routing_on)
             functionalization.install(_routing_on)
             out_arguments.install(library, _routing_on, {o.name for op in OPS.values() for o in op.overloads})
+            inplace_under_jvp.install(library, _routing_on)
             torch.Tensor.contiguous = _contiguous  # type: ignore[method-assign]
             _libraries.append(library)  # every Library object stays alive: dropping one unregisters its kernels
         else:
