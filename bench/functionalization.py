@@ -10,8 +10,9 @@
 (f4) a write-heavy step: an integrator's per-sample gradients through a preallocated trajectory
      (``solution = torch.empty(T, d); solution[0] = y0; solution[t] = ...``, and the same with each step computed
      by ``torch.add(..., out=workspace)``) inside ``use()``, vs the same integrator written with ``torch.stack``
-     natively (native cannot run the writing forms: vmap refuses the write, and functionalized by hand the backward
-     reaches ``as_strided_scatter``, which has no batching rule), vs a per-sample ``torch.autograd`` loop
+     natively (native cannot run the writing forms: vmap refuses the write; functionalized by hand, the backward
+     reaches ``as_strided_scatter``, which has no batching rule, and autograd refuses ``out=``), vs a per-sample
+     ``torch.autograd`` loop
 
 Each pair is timed in alternating rounds, on one thread and its CPU time (what other processes do adds nothing); the
 minimum over rounds is reported, since noise only ever adds time.

@@ -9,7 +9,7 @@ import torch
 
 from composites.embedding import with_recorded_renorms
 from composites.statistics import every_sample
-from registry.core import rules
+from registry.core import inplace_under_jvp, rules
 from registry.core.ops import overloads
 from registry.core.registration import define_op, register
 
@@ -175,8 +175,10 @@ _INDEX_PUT_EVIDENCE = (
     "jacfwd and hessian disagree with jacrev and the per-sample loop of torch.autograd (measured: out[idx] += v into "
     "zeros, max abs diff 1.2 under jacfwd and 0.7 under hessian)")
 define_op("index_put", "", tensors=("self", "values"), doc="self with values written (or added) at indices",
-          opinfo=("index_put",), overloads=overloads("index_put", only=("index_put", "index_put_")),
+          opinfo=("index_put",), overloads=overloads("index_put", only=("index_put",)),
           rules={"native": rules.fails_when(lambda ctx: "jvp" in ctx.stack, "mismatch", _INDEX_PUT_EVIDENCE)})
+# buf[idx] = v (index_put_) batches natively: routed only under forward-mode AD, through index_put.
+inplace_under_jvp.declare("index_put_", "index_put")
 
 
 def _repeats(self: torch.Tensor, indices: list[torch.Tensor | None]) -> bool:

@@ -37,7 +37,16 @@ import torch
 import torch._functorch.vmap as functorch_vmap
 from torch._C._functorch import maybe_current_level
 
-from registry.core import control_flow, cost, dynamic, fresh_buffers, functionalization, library_patches, out_arguments
+from registry.core import (
+    control_flow,
+    cost,
+    dynamic,
+    fresh_buffers,
+    functionalization,
+    inplace_under_jvp,
+    library_patches,
+    out_arguments,
+)
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, given_arguments, size_key, vmap_active, vmap_levels
 from registry.core.kernels.background import BUILD as _BUILD
@@ -400,6 +409,7 @@ class Router:
                 control_flow.register(self.library, self.routing_on)
                 out_arguments.install(self.library, self.routing_on,
                                       {o.name for op in self.table.ops.values() for o in op.overloads})
+                inplace_under_jvp.install(self.library, self.routing_on)
             dynamic.register(self.library, self.routing_on, self.refusing)
             if not self.installed:
                 functionalization.install(self.routing_on)
@@ -430,6 +440,7 @@ class Router:
                 setattr(owner, attribute, original)
             self.patches.clear()
             functionalization.uninstall()
+            inplace_under_jvp.uninstall()  # it wraps what out_arguments wrapped: unwrapped first
             out_arguments.uninstall()
             library_patches.uninstall()
             self.routed_ops.clear()

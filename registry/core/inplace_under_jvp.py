@@ -1,0 +1,110 @@
+"""In-place overloads routed only where forward-mode AD is on the stack.
+
+Some in-place overloads batch in PyTorch (a native decision can run them as they are) while their forward-AD formula
+disagrees with their backward: ``index_put_`` without accumulate at repeated indices (``out[idx] += v``) gives only
+the landing position's values a tangent, its backward every repeated position's values the gradient. Routed like
+every covered in-place overload, each call would be computed out of place and copied back even where the decision is
+native (measured: ``out[idx] = v`` under vmap(grad) 1.2-1.5x slower). Declared here instead, such an overload runs
+PyTorch's own in-place kernel unless, inside ``use()``, a jvp level is on the functorch stack: there it is computed
+by its out-of-place overload (a covered op, routed by the selector) and written into self with ``copy_`` (an
+in-place write like any other: functionalized where self is a fresh buffer).
+
+A Python kernel at the front key costs every call of the overload under any transform (measured: ``out[idx] = v``
+under vmap(grad), 410-480 us, about 60 us more with the kernel), so the kernels are registered the first time a jvp
+level is entered inside ``use()`` (torch.func's jvp, which jacfwd and hessian are made of): a process that never runs
+forward-mode AD inside ``use()`` never pays for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._functorch.eager_transforms as eager_transforms
+
+from registry.core.context import functorch_stack
+
+DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
+
+# in-place overload ("index_put_") -> the out-of-place overload ("index_put") it is computed as under jvp.
+DECLARED: dict[str, str] = {}
+
+_register_lock = threading.Lock()
+_registered: set[str] = set()
+_pending: list[tuple[torch.library.Library, Callable[[], bool]]] = []  # what install() was given
+
+
+def declare(inplace: str, functional: str) -> None:
+    """Route ``aten::<inplace>`` through ``aten::<functional>`` (then ``copy_``) where a jvp level is active."""
+    DECLARED[inplace] = functional
+
+
+def _overload(name: str) -> torch._ops.OpOverload:
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload or "default")
+
+
+def _make_kernel(functional: torch._ops.OpOverload, native: Any, active: Callable[[], bool]) -> Callable[..., Any]:
+    call_native = native.call_boxed
+
+    def kernel(keyset: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+        if active() and any(transform == "jvp" for transform, _ in functorch_stack()):
+            return self.copy_(functional(self, *args, **kwargs))
+        return call_native(keyset, self, *args, **kwargs)
+
+    kernel.__name__ = f"multicomposite_under_jvp_{functional.__name__.replace('.', '_')}"
+    return kernel
+
+
+def register_kernels() -> None:
+    """Register the kernel of every declared overload not registered yet (into the library install() was given)."""
+    if not _pending:
+        return
+    library, active = _pending[0]
+    with _register_lock, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Warning only once for all operators")
+        for inplace, functional in DECLARED.items():
+            if inplace in _registered:
+                continue
+            native = torch.library.get_kernel(f"aten::{inplace}", DISPATCH_KEY)
+            library.impl(inplace, _make_kernel(_overload(functional), native, active), DISPATCH_KEY,
+                         with_keyset=True)
+            _registered.add(inplace)
+
+
+def _registering(transform: Callable[..., Any], active: Callable[[], bool]) -> Callable[..., Any]:
+    """jvp's implementation, registering the kernels first where it runs inside ``use()`` for the first time."""
+
+    @functools.wraps(transform)
+    def registering(*args: Any, **kwargs: Any) -> Any:
+        if len(_registered) != len(DECLARED) and not torch.compiler.is_compiling() and active():
+            register_kernels()
+        return transform(*args, **kwargs)
+
+    return registering
+
+
+def install(library: torch.library.Library, active: Callable[[], bool]) -> None:
+    """Register the kernels into ``library`` at the first jvp inside ``use()``, once per process; ``active()``:
+    whether this thread is inside ``use()`` with a policy that routes, outside a composite."""
+    with _register_lock:
+        if _pending:
+            return
+        _pending.append((library, active))
+        eager_transforms._jvp_with_argnums = _registering(eager_transforms._jvp_with_argnums, active)
+
+
+def uninstall() -> None:
+    """Undo ``install()``: jvp's implementation is the one it wrapped again, and the kernels (in the Library
+    ``install()`` was given, which its owner destroys) are registered anew after the next ``install()``."""
+    with _register_lock:
+        if not _pending:
+            return
+        patched = eager_transforms._jvp_with_argnums
+        eager_transforms._jvp_with_argnums = getattr(patched, "__wrapped__", patched)
+        _pending.clear()
+        _registered.clear()
