@@ -12,7 +12,8 @@ jobs) on a store of 1,200 matrix entries, and at once:
   minute after the job;
 - a dashboard-like poller: the page and what it reads, every 2 s.
 
-Reported: every response 5xx (wrk's, the poller's, the job posts'), the server's resident memory every 10 s and its
+Reported: every response 5xx (wrk's, the poller's, the job posts') and every request that got no response (a
+timeout: 10 s for wrk, 30 s for the others), the server's resident memory every 10 s and its
 growth after the first window, the p99 latency of wrk in the first and in the last window (one wrk run each: the
 percentile of the window, not an average of percentiles), the jobs' and the CLI runs' outcomes. A window is 5
 minutes (half the run when it is shorter than 10). Targets: no 5xx, memory grows at most 5 % after the first
@@ -121,9 +122,16 @@ class Soak:
     notes: list[str] = field(default_factory=list)
 
     def server_5xx(self) -> int:
+        """Responses 5xx: wrk's, the poller's, the job posts'."""
         wrk_5xx = sum(s.by_class.get("5xx", 0) for s in self.segments)
-        posts_5xx = sum(n for code, n in self.job_posts.items() if code.startswith("5") or code == "error")
-        return wrk_5xx + self.poller.get("5xx", 0) + self.poller.get("error", 0) + posts_5xx
+        posts_5xx = sum(n for code, n in self.job_posts.items() if code.startswith("5"))
+        return wrk_5xx + self.poller.get("5xx", 0) + posts_5xx
+
+    def transport_errors(self) -> int:
+        """Requests that got no response: wrk's socket errors (connect, read, write, a 10 s timeout), the poller's
+        and the job posts' (a 30 s timeout, a connection reset)."""
+        return (sum(s.socket_errors for s in self.segments) + self.poller.get("error", 0)
+                + self.job_posts.get("error", 0))
 
     def rss_growth(self) -> tuple[float, float, float] | None:
         """(RSS at the end of the first window, at the end, growth as a fraction)."""
@@ -326,7 +334,8 @@ def report(soak: Soak) -> bool:
           f"job a minute, a CLI writer, a poller")
     print(f"    wrk: {requests:,} requests; by class {_summed([s.by_class for s in soak.segments])}; socket errors "
           f"{sum(s.socket_errors for s in soak.segments)}")
-    print(f"    5xx responses (wrk, poller, job posts): {errors} (target 0) {'met' if errors == 0 else 'MISSED'}")
+    print(f"    5xx responses (wrk, poller, job posts): {errors} (target 0) {'met' if errors == 0 else 'MISSED'}; "
+          f"requests without a response (timeouts, resets): {soak.transport_errors()}")
     print(f"    p99 first {window_min:g} min {first.p99_ms:.1f} ms, last {window_min:g} min {last.p99_ms:.1f} ms: "
           f"{ratio:.2f}x (target <= 1.2x) {'met' if ratio <= 1.2 else 'MISSED'}")
     if growth is None:

@@ -20,9 +20,14 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-# Run by the child: build, and say why not in one line on stderr.
+# Run by the child, at a lower priority (it and its compiler yield the cores to the program that started it): build,
+# and say why not in one line on stderr.
 _CHILD = """
-import importlib.util, sys
+import importlib.util, os, sys
+try:
+    os.nice(10)
+except (AttributeError, OSError):
+    pass
 spec = importlib.util.spec_from_file_location("multicomposite_kernel_build", sys.argv[1])
 kernels = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(kernels)
