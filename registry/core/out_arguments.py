@@ -203,6 +203,8 @@ def uninstall() -> None:
     """Undo ``install()``: grad's, vjp's and jvp's implementations are PyTorch's again, and the kernels (in the
     Library ``install()`` was given, which its owner destroys) are registered anew after the next ``install()``."""
     with _register_lock:
+        if not _pending:  # not installed: nothing of ours to unwrap (PyTorch's own may carry __wrapped__)
+            return
         for name in RETRYING:
             patched = getattr(eager_transforms, name)
             setattr(eager_transforms, name, getattr(patched, "__wrapped__", patched))
