@@ -16,7 +16,6 @@ from torch import func
 import registry
 from registry.core import cost, selector
 from registry.core.context import Context
-from registry.harness import fallback
 from registry.store import evidence
 
 pytestmark = pytest.mark.usefixtures("routing_backend")
@@ -114,16 +113,17 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> set[str]:
             if "There is a performance drop" in str(w.message)}
 
 
-def test_the_routing_key_holds_the_bucket() -> None:
+def test_the_routing_key_holds_the_bucket(fallback_warnings: list) -> None:
     """One process, one use(): batch 2 runs native's loop (fallback warnings, the fused kernel's forward included),
     batch 256 the folded primitive (none); the decision cached for one does not answer the other."""
     run = func.vmap(lambda q, k, v: SDPA(q, k, v))
     seen = {}
     for batch in (2, 256, 2):
         q = torch.randn(batch, 1, 2, 16, 16)
-        with fallback.watch() as caught, registry.use():  # whatever an earlier test left the warning switched to
+        fallback_warnings.clear()
+        with registry.use():
             out = run(q, q, q)
+        seen.setdefault(batch, []).append(_fallbacks(fallback_warnings))
         torch.testing.assert_close(out, func.vmap(lambda x: SDPA(x, x, x))(q))
-        seen.setdefault(batch, []).append(_fallbacks(caught))
     assert seen[2] == [{"aten::_scaled_dot_product_flash_attention_for_cpu"}] * 2
     assert seen[256] == [set()]

@@ -45,9 +45,9 @@ def test_a_profile_under_a_two_thread_matmul_load_is_refused_or_ranks_as_the_qui
     load.start()
     refused: list[str] = []
     try:
-        time.sleep(2.0)  # the load is running before the first block is timed
+        time.sleep(1.5)  # the load is running before the first block is timed
         entries = profile(ops=["masked_scatter"], workloads=["vmap(grad)"], numels=(1000,), batch_sizes=(256,),
-                          min_run_time=0.1, retries=1, earlier=[], refused=refused)
+                          min_run_time=0.03, rounds=3, retries=1, earlier=[], refused=refused)
     finally:
         load.terminate()
         load.join(10)
