@@ -25,6 +25,7 @@ class RecordedDecision:
     composite: str
     kind: str
     reason: str
+    batched: tuple[str, ...] = ()  # tensor arguments batched at the innermost vmap level, by schema name
     calls: int = 0
     overloads: dict[str, int] = field(default_factory=dict)  # aten overload -> calls of it
 
@@ -41,8 +42,10 @@ class Run:
         self.decisions: list[RecordedDecision] = []
         self.frames: dict[Any, Any] = {}  # (policy, pins) -> this run's frame for them (nested use() blocks)
 
-    def decided(self, op: str, stack: tuple[str, ...], composite: str, kind: str, reason: str) -> RecordedDecision:
-        recorded = RecordedDecision(op=op, stack=stack, composite=composite, kind=kind, reason=reason)
+    def decided(self, op: str, stack: tuple[str, ...], composite: str, kind: str, reason: str,
+                batched: tuple[str, ...] = ()) -> RecordedDecision:
+        recorded = RecordedDecision(op=op, stack=stack, composite=composite, kind=kind, reason=reason,
+                                    batched=batched)
         self.decisions.append(recorded)
         return recorded
 

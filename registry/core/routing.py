@@ -164,7 +164,7 @@ def _decider(router: Router) -> Callable[..., Chosen]:
         decision = decide(op.name, ctx, frame.policy, frame.pins.get(op.name))
         run = frame.run
         recorded = None if run is None else run.decided(op.name, ctx.stack, decision.composite, decision.kind,
-                                                        decision.reason)
+                                                        decision.reason, tuple(ctx.batched))
         chosen = (decision.fn, decision.kind, ctx.self_covers_batching, recorded)
         if router.generation == generation:  # else the evidence changed while this was decided: not kept
             router.keep(key, chosen)

@@ -22,38 +22,34 @@ batch splits; the three timings are thread CPU time, ``torch.set_num_threads(1)`
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import re
 import statistics
-import threading
 import time
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from registry.core import functionalization, routing
+from registry.core import functionalization
+from registry.core.batch_split import BatchSplitWarning
 from registry.core.frames import is_user_file, raising_user_frame
 from registry.core.messages import described, first_line
-from registry.core.model import Op
-from registry.core.ops import OPS
-from registry.core.routing import KERNEL_CALLS, use
-from registry.core.selector import POLICIES, Decision, clear_cache
+from registry.core.recording import RecordedDecision
+from registry.core.registration import TABLE
+from registry.core.routing import use
+from registry.core.selector import POLICIES
 from registry.core.stacks import format_stack
 from registry.harness import comparison, fallback, interpreter
 
 VERDICTS: tuple[str, ...] = ("ok", "slow", "mismatch", "error")
 UNCHECKED = "unchecked"  # the reference failed: nothing to compare a run that did not raise with
 DEFAULT_ROUNDS = 5  # the command line's --rounds default too
-# The warning category ``split`` (batch splitting where samples disagree) raises once per split, where it is in this
-# tree: its name here, looked up when a check runs (see ``split_warning_category``).
-SPLIT_WARNING = "BatchSplitWarning"
 
 
 class CheckError(ValueError):
@@ -229,63 +225,17 @@ def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
 
 # --- what use() decided: the one adapter --------------------------------------------------------------------------
 
-_recording_lock = threading.RLock()  # one recording at a time: the adapter replaces a function of the routing
-
-
-@contextlib.contextmanager
-def decisions_taken() -> Iterator[list[DecisionTaken]]:
-    """Every routing decision taken on this thread within the block, with each op's routed calls; filled when the
-    block ends.
-
-    The one adapter between the check and the routing: until ``use(record=True)`` gives a run's decisions, the
-    decision caches are cleared (so every context is decided again, not read from a cache) and the routing's
-    ``decide`` is wrapped for the block; the calls are the routing kernels' counts (``KERNEL_CALLS``, per overload).
-    With ``use(record=True)`` this becomes ``with use(policy, record=True) as run: ... run.decisions``.
-    """
-    found: list[Decision] = []
-    taken: list[DecisionTaken] = []
-    thread = threading.get_ident()
-    with _recording_lock:
-        decide = routing.decide
-
-        def recording(*args: Any, **kwargs: Any) -> Decision:
-            decision = decide(*args, **kwargs)
-            if threading.get_ident() == thread:
-                found.append(decision)
-            return decision
-
-        clear_cache()
-        KERNEL_CALLS.clear()
-        routing.decide = recording
-        try:
-            yield taken
-        finally:
-            routing.decide = decide
-            calls = dict(KERNEL_CALLS)
-            clear_cache()  # the next decisions go through the unwrapped decide and its cache again
-    seen = set()
-    for decision in found:
-        ctx = decision.context
-        key = (decision.op, ctx.stack, ctx.batched, decision.composite)
-        if key in seen:
-            continue
-        seen.add(key)
-        taken.append(DecisionTaken(op=decision.op, stack=format_stack(ctx.stack), batched=tuple(ctx.batched),
-                                   composite=decision.composite, kind=decision.kind, reason=decision.reason,
-                                   calls=_op_calls(OPS[decision.op], calls)))
-
-
-def _op_calls(op: Op, calls: dict[str, int]) -> int:
-    return sum(calls.get(overload.name, 0) for overload in op.overloads)
-
-
-def split_warning_category() -> type[Warning] | None:
-    """The warning category batch splitting raises once per split, where this tree has it; else None (the hook:
-    no split is reported)."""
-    from registry.core import control_flow
-
-    category = getattr(control_flow, SPLIT_WARNING, None)
-    return category if isinstance(category, type) and issubclass(category, Warning) else None
+def decisions_of(recorded: Sequence[RecordedDecision]) -> tuple[DecisionTaken, ...]:
+    """The decisions a ``use(record=True)`` block took, one per (op, stack, batched arguments, composite), with the
+    calls each routed."""
+    merged: dict[tuple, DecisionTaken] = {}
+    for decision in recorded:
+        key = (decision.op, decision.stack, decision.batched, decision.composite)
+        earlier = merged.get(key)
+        merged[key] = DecisionTaken(op=decision.op, stack=format_stack(decision.stack), batched=decision.batched,
+                                    composite=decision.composite, kind=decision.kind, reason=decision.reason,
+                                    calls=decision.calls + (earlier.calls if earlier is not None else 0))
+    return tuple(merged.values())
 
 
 # torch's and the harness's own wrappers: the user's function is the other code of a functionalized key.
@@ -353,6 +303,25 @@ def _per_sample(args: Sequence[Any], in_dims: tuple[int | None, ...]) -> tuple[A
 def _failure(error: BaseException) -> tuple[str, str | None]:
     frame = raising_user_frame(error.__traceback__)
     return described(error), frame.describe() if frame is not None else None
+
+
+def _aten_name(fallback_op: str) -> str:
+    """``aten::_foo.default`` or ``aten::foo`` as the overload packet ``_foo``."""
+    return fallback_op.removeprefix("aten::").partition(".")[0]
+
+
+def _chosen_loops(decisions: Sequence[DecisionTaken]) -> dict[str, str]:
+    """aten packet -> covered op, for every op use() decided to run natively under a vmap: its own overloads and
+    the derivative ops that follow its decision (a fused kernel's forward and backward)."""
+    table = TABLE
+    chosen: dict[str, str] = {}
+    for decision in decisions:
+        if decision.kind != "native" or "vmap" not in decision.stack or decision.op not in table.ops:
+            continue
+        names = [o.name for o in table.ops[decision.op].overloads] + list(table.derivatives.get(decision.op, {}))
+        for name in names:
+            chosen[name.partition(".")[0]] = decision.op
+    return chosen
 
 
 def _fallback_ops(caught: Sequence[warnings.WarningMessage]) -> tuple[str, ...]:
@@ -503,15 +472,23 @@ def check(fn: Callable[..., Any], *args: Any, transform: str = "vmap(grad)", in_
         with use(policy="native"):
             return reference_fn(*args)
 
-    split_category = split_warning_category()
+    recorded: list[RecordedDecision] = []
+
+    def inside_recorded() -> Any:  # the checked run: what use() decided, and how often (timed runs do not record)
+        with use(policy=policy, record=True) as block:
+            try:
+                return transformed(*args)
+            finally:
+                recorded.extend(block.decisions)
+
     with functionalization.remembering_apart():
         reference = _run(loop)
         native_outcome = _run(native)
-        with decisions_taken() as decisions:
-            use_outcome = _run(inside)
+        use_outcome = _run(inside_recorded)
+        decisions = decisions_of(recorded)
         functionalized = _functionalized_names(set(functionalization.FUNCTIONALIZED))
         splits = tuple(first_line(w.message) for w in use_outcome.caught
-                       if split_category is not None and issubclass(w.category, split_category))
+                       if issubclass(w.category, BatchSplitWarning))
         timed = {name: call for name, call, outcome in (("native", native, native_outcome), ("use", inside,
                                                                                           use_outcome),
                                                          ("reference", loop, reference))
@@ -524,15 +501,24 @@ def check(fn: Callable[..., Any], *args: Any, transform: str = "vmap(grad)", in_
     use_run = replace(use_run, time_s=times.get("use"))
     reference_run = ReferenceRun(*(_failure(reference.error) if reference.error is not None else (None, None)),
                                  time_s=times.get("reference"))
-    notes = ()
+    notes: tuple[str, ...] = ()
+    chosen_loops = _chosen_loops(decisions)
+    if use_run.verdict == "slow" and all(_aten_name(op) in chosen_loops for op in use_run.fallbacks):
+        # NOTE: the selector ran PyTorch's own op in vmap's loop by choice (cost at these sizes, or no composite
+        # valid): the loop is the fastest known way there, so it is not held against use(). A loop of any other op
+        # (an uncovered one) still makes the run slow.
+        use_run = replace(use_run, verdict="ok")
+        ops = sorted({chosen_loops[_aten_name(op)] for op in use_run.fallbacks})
+        notes += (f"use() kept PyTorch's own {', '.join(ops)} in vmap's per-sample loop by choice (see each "
+                  "decision's reason)",)
     if native_run.time_s and use_run.time_s and use_run.verdict == "ok" and native_run.verdict in ("ok", "slow") \
             and use_run.time_s > native_run.time_s * 1.1:
-        notes = (f"use() took {use_run.time_s / native_run.time_s:.2f}x native's time here "
+        notes += (f"use() took {use_run.time_s / native_run.time_s:.2f}x native's time here "
                  f"({rounds} round{'s' if rounds != 1 else ''}; more rounds give a steadier ratio)",)
     return CheckReport(
         function=_describe_function(fn), transform=format_stack(stack), in_dims=dims, argnums=argnums, policy=policy,
         tolerance=tolerance, bounds=_bounds(reference.result, tolerance) if reference.error is None else {},
-        reference=reference_run, native=native_run, use=use_run, decisions=tuple(decisions),
+        reference=reference_run, native=native_run, use=use_run, decisions=decisions,
         functionalized=functionalized, splits=splits,
         timing=f"times: median thread CPU time of {rounds} interleaved round{'s' if rounds != 1 else ''}, one "
                "thread", notes=notes)
