@@ -1,17 +1,20 @@
-"""Python control flow on a batched tensor inside ``use()``: proceed where every sample agrees, else say where and why.
+"""Python control flow on a batched tensor inside ``use()``: proceed where every sample agrees, else split the batch.
 
-``if mask.all():``, ``bool(t)``, ``t.item()``, ``float(t)`` turn a tensor into one Python value. Under vmap the
-tensor holds one value per sample and PyTorch refuses ("It looks like you're attempting to use a Tensor in some
-data-dependent control flow"), even where every sample gives the same value, which is common in model code
-(``if padding_mask.all():`` with no padding anywhere, a shape or a count read with ``.item()``). Where all samples
-agree, the per-sample loop would have taken the same branch or read the same number in every sample, so returning that
-value equals the loop exactly; where they differ, no single Python value is right, and the error names the user's line
-and the mask-based form (``torch.where``) that computes every sample's branch.
+``if mask.all():``, ``bool(t)``, ``t.item()``, ``float(t)``, ``torch.equal(a, b)`` turn a tensor into one Python
+value. Under vmap the tensor holds one value per sample and PyTorch refuses ("It looks like you're attempting to use
+a Tensor in some data-dependent control flow", "Batching rule not implemented for aten::equal"), even where every
+sample gives the same value, which is common in model code (``if padding_mask.all():`` with no padding anywhere, a
+shape or a count read with ``.item()``). Where all samples agree, the per-sample loop would have taken the same
+branch or read the same number in every sample, so returning that value equals the loop exactly; where they differ,
+``SamplesDisagreeError`` (its message names the user's line and the mask-based form, ``torch.where``) carries each
+sample's value, and the level's vmap re-runs the function on the groups of samples that agree
+(registry.core.batch_split).
 
-The kernels sit at the functorch front key (``aten::is_nonzero``, ``aten::item``, ``aten::_local_scalar_dense``):
-outside ``use()``, inside a composite, or where no vmap batches the tensor, PyTorch's own kernel runs.
+The kernels sit at the functorch front key (``aten::is_nonzero``, ``aten::item``, ``aten::_local_scalar_dense``,
+``aten::equal``): outside ``use()``, inside a composite, or where no vmap batches the tensor, PyTorch's own kernel
+runs.
 
-Boolean-mask indexing of a batched tensor (``x[mask]``, ``x[mask] = v``) has a shape that depends on the values; its
+A write through a boolean mask of a batched tensor (``x[mask] = v``) has a shape that depends on the values; its
 refusal is raised again as ``BooleanMaskError`` with the user's line and the fixed-shape forms.
 """
 

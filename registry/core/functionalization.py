@@ -16,8 +16,10 @@ functionalized from the start. Where the retry fails too, the write was into a t
 transform (a closure, a parameter, a module buffer, an argument vmap does not batch): per-sample values cannot go
 into one shared tensor, and the error names that tensor, the user's line, and what to write instead.
 
-vmap's refusal of boolean-mask indexing comes out at the same place: it is raised again with the user's line
-(registry.core.control_flow).
+Where the samples of the level disagree on a Python branch or a shape (``SamplesDisagreeError``), the same place
+re-runs the level once per group of agreeing samples (registry.core.batch_split). vmap's refusal of boolean-mask
+indexing comes out here too: the first time, the kernel that computes it per sample is registered and the level runs
+again; a write through a batched mask is raised again with the user's line (registry.core.control_flow).
 
 Outside ``use()`` (or with policy ``native``), vmap runs exactly as PyTorch's. See docs/functionalization.md.
 """
