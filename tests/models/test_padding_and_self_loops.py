@@ -77,7 +77,12 @@ def test_padded_and_unpadded_sequences_per_sample_gradients_equal_the_loop(name:
         grads, values = func.vmap(func.grad_and_value(loss), in_dims=(None, 0, 0, 0))(params, ids, MASK, labels)
     splits = [w for w in fallback_warnings if issubclass(w.category, BatchSplitWarning)]
     assert splits, "some sequences are padded and some not: the batch splits"
-    assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
+    # Under auto, native's loop over the fused attention kernel may be the choice by cost at these small sizes
+    # (registry/core/cost.py); nothing else loops.
+    looped = {str(w.message).split("batching rule for ")[1].split(".")[0] for w in fallback_warnings
+              if FALLBACK in str(w.message)}
+    assert looped <= {"aten::_scaled_dot_product_flash_attention_for_cpu",
+                      "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
     for b in range(BATCH):
         model.zero_grad(set_to_none=True)
         out = model(**inputs(ids[b:b + 1], MASK[b:b + 1], labels[b:b + 1])).loss
