@@ -66,7 +66,7 @@ class Frame:
     """What ``use()`` pushed: the policy and pins the kernels read, and the run it records into (None: it does not).
     Interned per (policy, pins) for frames that do not record."""
 
-    __slots__ = ("id", "pins", "policy", "prefixes", "records", "run", "signature")
+    __slots__ = ("cpp_id", "id", "pins", "policy", "prefixes", "records", "run", "signature")
 
     def __init__(self, router: Router, policy: str, pins: dict[str, str], run: Run | None = None) -> None:
         router.frame_count += 1
@@ -74,7 +74,8 @@ class Frame:
         self.policy = policy
         self.pins = pins
         self.run = run
-        self.records = run is not None  # what the C++ kernels read with the id
+        self.records = run is not None
+        self.cpp_id = -self.id if self.records else self.id  # what the C++ kernels read: negative where it records
         self.signature: Signature = (policy, tuple(sorted(pins.items())))
         # The decision cache key's prefix per op, interned to an int: hashing it costs nothing on the hot path.
         self.prefixes = _Prefixes(router.prefixes, policy, pins, None if run is None else run.serial)
@@ -197,7 +198,7 @@ class Router:
         self.routed_ops: set[str] = set()  # ops whose overloads have routing kernels (later ones get theirs at use())
         self.backend: str | None = None  # "cpp" or "python", once chosen
         self.cpp: ModuleType | None = None  # the compiled kernels' module while the C++ backend is active
-        self.set_frame: Callable[[int, bool], None] | None = None  # cpp.set_frame while the C++ backend is active
+        self.set_frame: Callable[[int], None] | None = None  # cpp.set_frame while the C++ backend is active
         self.patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) while installed
         self.installed = False
         self.removed = False  # uninstall() was called: use() routes nothing until install()
@@ -523,7 +524,7 @@ class Router:
                 module.set_capacity(DECISION_CAPACITY)
             elif self.cpp is not None:
                 self.cpp.unregister_all()
-                self.cpp.set_frame(0, False)
+                self.cpp.set_frame(0)
                 self.cpp.clear()
                 self.cpp = None
                 self.set_frame = None
@@ -609,7 +610,7 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
         frames.append(frame)
         router = self._router
         if router.set_frame is not None:
-            router.set_frame(frame.id, frame.records)
+            router.set_frame(frame.cpp_id)
         if router.traced_signatures:
             router.drop_graphs_traced_elsewhere(frame.signature)
         return self
@@ -627,10 +628,7 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
         frames.pop()
         router = self._router
         if router.set_frame is not None:
-            if frames:
-                router.set_frame(frames[-1].id, frames[-1].records)
-            else:
-                router.set_frame(0, False)
+            router.set_frame(frames[-1].cpp_id if frames else 0)
         if router.traced_signatures:
             router.drop_graphs_traced_elsewhere(frames[-1].signature if frames else None)
 
