@@ -22,6 +22,7 @@ from torch.autograd import Function
 from composites.checks import check_dim
 from registry.core import rules
 from registry.core.context import vmap_active
+from registry.core.kinds import LazyCustomOp
 from registry.core.primitive import apply, batch_first
 from registry.core.registration import define_op, register
 from registry.core.rules import Problem
@@ -205,6 +206,40 @@ define_op("special_log_ndtr", "", tensors=("self",), doc="log of the standard no
 # derivatives.yaml: grad / sqrt(2 pi) * exp(-(result + self^2 / 2))
 register_broadcasting("special_log_ndtr", "", aten.special_log_ndtr, partials={
     0: lambda args, out: (out + args[0].pow(2) / 2).neg().exp() / math.sqrt(2 * math.pi)})
+
+
+def _define_log_ndtr() -> Any:
+    """``multicomposite::special_log_ndtr``: PyTorch's own kernel as one dispatcher op, with its own vmap rule (the
+    kernel once over the physical batch), backward (derivatives.yaml's formula) and fake kernel (torch.compile)."""
+
+    @torch.library.custom_op("multicomposite::special_log_ndtr", mutates_args=())
+    def log_ndtr(self: torch.Tensor) -> torch.Tensor:
+        return aten.special_log_ndtr(self)  # below every transform, on the plain tensor
+
+    @log_ndtr.register_fake
+    def _(self: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(self, dtype=self.dtype if self.is_floating_point() else torch.get_default_dtype())
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0], output)
+
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        self, out = ctx.saved_tensors
+        return grad * (out + self.pow(2) / 2).neg().exp() / math.sqrt(2 * math.pi)
+
+    log_ndtr.register_autograd(backward, setup_context=setup_context)
+    log_ndtr.register_vmap(lambda info, in_dims, self: (log_ndtr(self), in_dims[0]))
+    return log_ndtr
+
+
+LOG_NDTR = LazyCustomOp("multicomposite::special_log_ndtr", _define_log_ndtr, op="special_log_ndtr")
+
+
+@register("special_log_ndtr", "custom_op", function=LOG_NDTR)
+def special_log_ndtr_custom_op(self):
+    """multicomposite::special_log_ndtr: PyTorch's kernel once over the whole batch under vmap, as one dispatcher
+    op that functionalize and torch.compile keep whole (where the primitive cannot run)."""
+    return LOG_NDTR.get()(self)
 
 
 def _entr_native(ctx: Any) -> Problem | None:

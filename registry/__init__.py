@@ -11,7 +11,8 @@ from importlib.metadata import version as _distribution_version
 
 from registry.core.context import Context, current_stack
 from registry.core.decompositions import decomposition_table
-from registry.core.model import KINDS, Composite, Op
+from registry.core.kinds import KINDS
+from registry.core.model import Composite, Op
 from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES, RegistrationError, load, register, unregister
 from registry.core.registry_object import DEFAULT, Registry

@@ -12,42 +12,24 @@ from typing import Any
 
 import torch
 
-from registry.core.model import Overload
+from registry.core.kinds import KIND, NATIVE
 from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES, DERIVATIVES, load
+from registry.core.runners import runner
 from registry.core.selector import Decision, SelectionError, select, unknown_op_message
 
 
-def _functional(fn: Callable[..., Any], overload: Overload) -> Callable[..., Any]:
-    adapt = overload.adapt
-
-    def decomposition(*args: Any, **kwargs: Any) -> Any:
-        cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
-        return fn(*cargs, **ckwargs)
-
-    decomposition.__name__ = f"{fn.__name__}_for_{overload.name.replace('.', '_')}"
-    return decomposition
-
-
-def _inplace(fn: Callable[..., Any], overload: Overload) -> Callable[..., Any]:
-    def decomposition(*args: Any, **kwargs: Any) -> Any:
-        return args[0].copy_(fn(*args, **kwargs))
-
-    decomposition.__name__ = f"{fn.__name__}_for_{overload.name.replace('.', '_')}"
-    return decomposition
-
-
 def _traceable(decision: Decision) -> tuple[Callable[..., Any], str]:
-    """The decision's composite and kind, or, where it chose a primitive, the first valid composite of another kind
-    in its order: a table applies to a flat graph below every transform, where a primitive's vmap and jvp rules have
-    nothing to apply to, and its fused bodies (C kernels on the values) run while the graph is traced, so their
-    results would be baked into it as constants."""
-    if decision.kind != "primitive":
+    """The decision's composite and kind, or, where its kind cannot stand in a table (``Kind.traceable``: a
+    primitive), the first valid composite of a kind that can in its order: a table applies to a flat graph below
+    every transform, where a primitive's vmap and jvp rules have nothing to apply to, and its fused bodies (C kernels
+    on the values) run while the graph is traced, so their results would be baked into it as constants."""
+    if KIND[decision.kind].traceable:
         return decision.fn, decision.kind
     for verdict in decision.alternatives:
-        if verdict.ok and verdict.kind != "primitive":
+        if verdict.ok and KIND[verdict.kind].traceable:
             return COMPOSITES[decision.op][verdict.composite].fn, verdict.kind
-    return COMPOSITES[decision.op]["native"].fn, "native"
+    return COMPOSITES[decision.op][NATIVE.name].fn, NATIVE.name
 
 
 def decomposition_table(
@@ -74,13 +56,12 @@ def decomposition_table(
     for name in names:
         decision = select(name, stack=stack, policy=policy, pins=pins, dtype=dtype)
         fn, kind = _traceable(decision)
-        if kind == "native":
+        native_runs = KIND[kind].runs_native
+        if native_runs[False]:  # PyTorch's own op: left out, in place too
             continue
         for overload in OPS[name].overloads:
-            if not overload.inplace:
-                table[overload.op_overload] = _functional(fn, overload)
-            elif kind != "mutating":
-                table[overload.op_overload] = _inplace(_functional(fn, overload), overload)
+            if not native_runs[overload.inplace]:  # a mutating choice keeps PyTorch's in-place kernel
+                table[overload.op_overload] = runner(fn, overload)
         # Autograd records the native op's derivative before a table applies (aot_autograd decomposes below
         # autograd): its derivative ops go with it.
         for derivative, functional in DERIVATIVES[name].items():

@@ -1,23 +1,28 @@
-"""The data model: operators, their composites, and the kinds a composite can be."""
+"""The data model: operators and their composites (the kinds a composite can be are ``registry.core.kinds``)."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-Kind = Literal["native", "mutating", "functional", "primitive"]
-KINDS: tuple[Kind, ...] = ("native", "mutating", "functional", "primitive")
+# A composite's kind is a name in ``registry.core.kinds.KIND``, the table of kinds (what each one means and does).
 
-KIND_DOCS: dict[str, str] = {
-    "native": "PyTorch's own op, always present",
-    "mutating": "clone, then the in-place op",
-    "functional": "out-of-place ops only",
-    "primitive": "a torch.autograd.Function with its own backward, jvp and vmap rules",
-}
+
+class RegistrationError(TypeError):
+    """A composite does not fit its op's schema, its kind's spec, or collides with an earlier registration."""
+
+
+def def_line(fn: Callable[..., object]) -> str:
+    """``def name(signature)`` of ``fn``, as an error quotes it."""
+    try:
+        return f"def {fn.__name__}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return f"def {getattr(fn, '__name__', fn)}(...)"
+
 
 # An entry point is (owner, attribute): ``(torch, "index_fill")`` or ``(torch.Tensor, "index_fill")``. Entry points
 # are documentation (``/ops`` lists them): calls are routed at the dispatcher, whichever entry point made them.
@@ -96,7 +101,7 @@ class Composite:
 
     op: str
     name: str
-    kind: Kind
+    kind: str  # a name in registry.core.kinds.KIND
     fn: Callable[..., Any]
     doc: str
     where: str  # "file:line" of the registration, for duplicate errors and the API

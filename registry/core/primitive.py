@@ -8,7 +8,7 @@ sees its decomposition.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -205,34 +205,60 @@ def apply(function: type, *args: Any) -> Any:
     # A tensor saved by a level that has exited (jacrev's backward runs after its grad level) is a dead wrapper:
     # read as what it wraps, as functorch does.
     args = tuple(unwrap_if_dead(x) if isinstance(x, torch.Tensor) else x for x in args)
+    return TRANSFORM_RULES.get(interpreter.key(), _functionalize_rule)(function, interpreter, args)
+
+
+# NOTE [one rule per transform]: functorch runs an autograd.Function under a transform by looking the innermost
+# interpreter's TransformType up in a table (``custom_function_call.py_impl(TransformType.Vmap)``, one entry per
+# transform); ``apply`` does the same with the lighter rules below. Each rule handles the innermost level and calls
+# ``apply`` again one level down, so a primitive stays one node for every transform above it. A transform without an
+# entry (functionalize) takes functorch's own path, ``function.apply``: the kinds' rules mark primitives invalid there.
+
+
+def _vmap_rule(function: type, interpreter: Any, args: tuple[Any, ...]) -> Any:
+    """Unwrap this level's batch dimensions and call the primitive's own vmap rule one level down."""
+    level = interpreter.level()
+    unwrapped, in_dims = [], []
+    for x in args:
+        if isinstance(x, torch.Tensor) and maybe_get_level(x) == level:
+            value, dim = _unwrap_batched(x, level)
+            unwrapped.append(value)
+            in_dims.append(dim)
+        else:
+            unwrapped.append(x)
+            in_dims.append(None)
+    with _lower():
+        if all(d is None for d in in_dims):
+            return apply(function, *args)
+        vmap_interpreter = CVmapInterpreterPtr(interpreter)
+        info = _VmapInfo(vmap_interpreter.batchSize(), _RANDOMNESS[vmap_interpreter.randomness()])
+        out, out_dim = function.vmap(info, tuple(in_dims), *unwrapped)
+    if isinstance(out, tuple):  # several outputs: one batch dimension (or None) each
+        return tuple(each if dim is None else _add_batch_dim(each, dim, level)
+                     for each, dim in zip(out, out_dim, strict=True))
+    return out if out_dim is None else _add_batch_dim(out, out_dim, level)
+
+
+def _differentiating_rule(function: type, interpreter: Any, args: tuple[Any, ...]) -> Any:
+    """grad and jvp: record one single-level node whose backward and jvp are the primitive's."""
     key = interpreter.key()
     level = interpreter.level()
-    if key == TransformType.Vmap:
-        unwrapped, in_dims = [], []
-        for x in args:
-            if isinstance(x, torch.Tensor) and maybe_get_level(x) == level:
-                value, dim = _unwrap_batched(x, level)
-                unwrapped.append(value)
-                in_dims.append(dim)
-            else:
-                unwrapped.append(x)
-                in_dims.append(None)
+    if not any(isinstance(x, torch.Tensor) and maybe_get_level(x) == level for x in args):
         with _lower():
-            if all(d is None for d in in_dims):
-                return apply(function, *args)
-            vmap_interpreter = CVmapInterpreterPtr(interpreter)
-            info = _VmapInfo(vmap_interpreter.batchSize(), _RANDOMNESS[vmap_interpreter.randomness()])
-            out, out_dim = function.vmap(info, tuple(in_dims), *unwrapped)
-        if isinstance(out, tuple):  # several outputs: one batch dimension (or None) each
-            return tuple(each if dim is None else _add_batch_dim(each, dim, level)
-                         for each, dim in zip(out, out_dim, strict=True))
-        return out if out_dim is None else _add_batch_dim(out, out_dim, level)
-    if key in (TransformType.Grad, TransformType.Jvp):
-        if not any(isinstance(x, torch.Tensor) and maybe_get_level(x) == level for x in args):
-            with _lower():
-                return apply(function, *args)
-        lift = (CGradInterpreterPtr if key == TransformType.Grad else CJvpInterpreterPtr)(interpreter).lift
-        lifted = [lift(x) if isinstance(x, torch.Tensor) else x for x in args]
-        with enable_single_level_autograd_function():
-            return _single_level_function(function, level, key).apply(*lifted)
+            return apply(function, *args)
+    lift = (CGradInterpreterPtr if key == TransformType.Grad else CJvpInterpreterPtr)(interpreter).lift
+    lifted = [lift(x) if isinstance(x, torch.Tensor) else x for x in args]
+    with enable_single_level_autograd_function():
+        return _single_level_function(function, level, key).apply(*lifted)
+
+
+def _functionalize_rule(function: type, interpreter: Any, args: tuple[Any, ...]) -> Any:
     return function.apply(*args)  # functionalize: functorch's own path (the rules mark primitives invalid there)
+
+
+TRANSFORM_RULES: dict[Any, Callable[[type, Any, tuple[Any, ...]], Any]] = {
+    TransformType.Vmap: _vmap_rule,
+    TransformType.Grad: _differentiating_rule,
+    TransformType.Jvp: _differentiating_rule,
+    TransformType.Functionalize: _functionalize_rule,
+}

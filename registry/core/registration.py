@@ -9,35 +9,23 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import TypeVar
 
-import torch
-
-from registry.core import cost
+from registry.core import cost, kinds
 from registry.core import rules as rule_tables
-from registry.core.model import KINDS, Composite, Kind, Op, OpDef, Overload
-from registry.core.ops import OPS, aten_schema, define, schema_params
+from registry.core.kinds import KIND, KINDS
+from registry.core.model import Composite, Op, OpDef, Overload, RegistrationError, def_line
+from registry.core.ops import OPS, define, schema_params
 from registry.core.ops import overloads as ops_overloads
 
 F = TypeVar("F", bound=Callable[..., object])
 
 ENTRY_POINT_GROUP = "multicomposite.composites"
-PRIMITIVE_STATICMETHODS = ("forward", "setup_context", "backward", "jvp", "vmap")
-
-class RegistrationError(TypeError):
-    """A composite does not fit its op's schema, its kind's spec, or collides with an earlier registration."""
-
+PRIMITIVE_STATICMETHODS = kinds.PRIMITIVE_STATICMETHODS
 
 def _where(fn: Callable[..., object]) -> str:
     code = getattr(fn, "__code__", None)
     if code is None:
         return "<unknown>"
     return f"{code.co_filename}:{code.co_firstlineno}"
-
-
-def _def_line(fn: Callable[..., object]) -> str:
-    try:
-        return f"def {fn.__name__}{inspect.signature(fn)}"
-    except (TypeError, ValueError):
-        return f"def {getattr(fn, '__name__', fn)}(...)"
 
 
 def _check_signature(op: Op, fn: Callable[..., object], where: str) -> None:
@@ -50,30 +38,8 @@ def _check_signature(op: Op, fn: Callable[..., object], where: str) -> None:
                            for i, (name, kw) in enumerate(expected))
         overload = f"aten::{op_name}.{op.overload}" if op.overload else f"aten::{op_name}"
         raise RegistrationError(
-            f"{where}: {_def_line(fn)} does not match the schema of {overload}; "
+            f"{where}: {def_line(fn)} does not match the schema of {overload}; "
             f"a composite of {op_name} takes ({wanted})"
-        )
-
-
-def _check_primitive(op_name: str, fn: Callable[..., object], function: type | None, where: str) -> None:
-    if function is None:
-        raise RegistrationError(
-            f"{where}: {_def_line(fn)} is registered as a primitive of {op_name} without its torch.autograd.Function; "
-            "pass it as register(..., function=TheFunction)"
-        )
-    if not (isinstance(function, type) and issubclass(function, torch.autograd.Function)):
-        raise RegistrationError(f"{where}: function={function!r} for {op_name} is not a torch.autograd.Function")
-    # torch.autograd.Function itself has placeholders for all five: each must be the primitive's own staticmethod.
-    own = [klass for klass in function.__mro__ if not klass.__module__.startswith("torch.autograd")]
-    missing = [
-        name for name in PRIMITIVE_STATICMETHODS
-        if not any(isinstance(vars(klass).get(name), staticmethod) for klass in own)
-    ]
-    if missing:
-        raise RegistrationError(
-            f"{where}: primitive {function.__name__} for {op_name} lacks the staticmethods {', '.join(missing)}; "
-            f"a primitive defines {', '.join(PRIMITIVE_STATICMETHODS)} so that autograd, forward AD and vmap "
-            "never decompose it"
         )
 
 
@@ -89,55 +55,6 @@ def _caller() -> tuple[str, str]:
     if caller is None:
         return "", "<unknown>"
     return caller.f_globals.get("__name__", ""), f"{caller.f_code.co_filename}:{caller.f_lineno}"
-
-
-def _schema_signature(op: Op) -> inspect.Signature:
-    """The Python signature of ``op``'s schema: positional parameters, then keyword-only ones, with defaults."""
-    schema = aten_schema(f"{op.name}.{op.overload}" if op.overload else op.name)
-    parameters = []
-    for arg in schema.arguments:
-        if arg.is_out:
-            continue
-        kind = inspect.Parameter.KEYWORD_ONLY if arg.kwarg_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
-        default = inspect.Parameter.empty if not arg.has_default_value() else arg.default_value
-        parameters.append(inspect.Parameter(arg.name, kind, default=default))
-    return inspect.Signature(parameters)
-
-
-def _generated_native(op: Op) -> Callable[..., object]:
-    # The packet, not the one overload: it resolves a Python scalar value to a Scalar overload as PyTorch does.
-    packet = getattr(torch.ops.aten, op.name)
-    signature = _schema_signature(op)
-
-    def native(*args: object, **kwargs: object) -> object:
-        return packet(*args, **kwargs)
-
-    native.__signature__ = signature  # type: ignore[attr-defined]
-    native.__doc__ = f"PyTorch's own {op.name} (aten::{op.name}{'.' + op.overload if op.overload else ''})."
-    native.__name__ = f"{op.name}_native"
-    native.__module__ = op.family or __name__
-    return native
-
-
-def _generated_mutating(op: Op) -> Callable[..., object]:
-    packet = getattr(torch.ops.aten, f"{op.name}_", None)
-    overload = getattr(packet, op.overload or "default", None) if packet is not None else None
-    if overload is None:
-        raise RegistrationError(f"define_op({op.name}): no in-place aten::{op.name}_.{op.overload or 'default'} to "
-                                "generate a mutating composite from; write one or drop 'mutating' from generate")
-    signature = _schema_signature(op)
-    first = next(iter(signature.parameters))
-
-    def mutating(*args: object, **kwargs: object) -> object:
-        bound = signature.bind(*args, **kwargs)
-        bound.arguments[first] = bound.arguments[first].clone()  # type: ignore[union-attr]
-        return overload(*bound.args, **bound.kwargs)
-
-    mutating.__signature__ = signature  # type: ignore[attr-defined]
-    mutating.__doc__ = f"Clone {first}, then aten::{op.name}_ in place."
-    mutating.__name__ = f"{op.name}_mutating"
-    mutating.__module__ = op.family or __name__
-    return mutating
 
 
 class OpTable:
@@ -183,7 +100,7 @@ class OpTable:
         overloads: tuple[Overload, ...] | None = None,
         inplace: bool = True,
         eager_autograd: tuple[str, ...] = (),
-        generate: tuple[str, ...] = ("native",),
+        generate: tuple[str, ...] = (kinds.NATIVE.name,),
         preference: Callable[[rule_tables.Context], rule_tables.Order | None] | None = None,
         samples: Callable[..., object] | None = None,
         sizes: cost.SizeSignature | None = None,
@@ -205,10 +122,10 @@ class OpTable:
         if name in self.ops:
             raise RegistrationError(f"define_op: {name} is already defined by "
                                     f"{self.ops[name].family or 'an earlier call'}")
-        unknown = sorted(set(generate) - {"native", "mutating"})
+        unknown = sorted(set(generate) - set(kinds.GENERATED))
         if unknown:
-            raise RegistrationError(f"define_op({name}): cannot generate {', '.join(unknown)}; only native and "
-                                    "mutating composites are mechanical")
+            raise RegistrationError(f"define_op({name}): cannot generate {', '.join(unknown)}; only "
+                                    f"{' and '.join(kinds.GENERATED)} composites are mechanical")
         family, where = _caller()
         try:
             op = define(name, overload, tensors, doc,
@@ -231,19 +148,20 @@ class OpTable:
         self.op_rules[name] = own_rules
         if preference is not None:
             self.op_preferences[name] = preference
-        for kind, make in (("native", _generated_native), ("mutating", _generated_mutating)):
-            if kind in generate:
+        for kind in kinds.GENERATED:
+            make = KIND[kind].generate
+            if kind in generate and make is not None:
                 self.register(name, kind)(make(definition))
                 # Generated from the schema: the define_op entry is where it comes from.
                 self.composites[name][kind] = dataclasses.replace(self.composites[name][kind], where=where)
         return definition
 
-    def register(self, op: str, kind: Kind, *, name: str | None = None, function: type | None = None,
+    def register(self, op: str, kind: str, *, name: str | None = None, function: object = None,
                  ) -> Callable[[F], F]:
         """Declare ``fn`` as a composite of ``op``; returns ``fn`` unchanged.
 
         ``name`` defaults to the kind and must be unique per op. A ``primitive`` names its
-        ``torch.autograd.Function``.
+        ``torch.autograd.Function``, a ``custom_op`` its ``torch.library.custom_op`` (``function=``).
         """
         if op not in self.ops:
             raise RegistrationError(f"register: unknown op {op!r}; define it first with define_op(...) in its "
@@ -252,13 +170,14 @@ class OpTable:
             raise RegistrationError(f"register({op}): unknown kind {kind!r}; kinds are {', '.join(KINDS)}")
         definition = self.ops[op]
         composites = self.composites[op]
+        check = KIND[kind].check
 
         def decorator(fn: F) -> F:
             where = _where(fn)
             composite_name = name or kind
             _check_signature(definition, fn, where)
-            if kind == "primitive":
-                _check_primitive(op, fn, function, where)
+            if check is not None:
+                check(op, fn, function, where)
             earlier = composites.get(composite_name)
             if earlier is not None:
                 raise RegistrationError(
@@ -292,7 +211,7 @@ class OpTable:
             got = tuple(inspect.signature(fn).parameters)
             if got != expected:
                 raise RegistrationError(
-                    f"{where}: {_def_line(fn)} does not match the schema of aten::{overload}; "
+                    f"{where}: {def_line(fn)} does not match the schema of aten::{overload}; "
                     f"it takes ({', '.join(expected)})"
                 )
             if overload in derivatives:

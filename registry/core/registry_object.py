@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from registry.core import routing, selector
-from registry.core.model import Composite, Kind, OpDef
+from registry.core.model import Composite, OpDef
 from registry.core.registration import TABLE, F, OpTable
 from registry.core.routing import ROUTER, Router
 
@@ -49,7 +49,7 @@ class Registry:
         """``OpTable.define_op`` on this registry's table."""
         return self.table.define_op(name, overload, **options)
 
-    def register(self, op: str, kind: Kind, *, name: str | None = None, function: type | None = None,
+    def register(self, op: str, kind: str, *, name: str | None = None, function: object = None,
                  ) -> Callable[[F], F]:
         return self.table.register(op, kind, name=name, function=function)
 

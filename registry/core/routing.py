@@ -1,9 +1,10 @@
 """``use()``: route every call of a covered op to the selected composite, at PyTorch's dispatcher.
 
-A Python kernel is registered once, process-wide, for every aten overload of every covered op (in-place variants
-included) at the ``FuncTorchDynamicLayerFrontMode`` dispatch key. The dispatcher reaches that key only while some
-functorch transform is active (``vmap``, ``grad``, ``jvp``, ``functionalize``, and the transforms ``jacrev``,
-``jacfwd`` and ``hessian`` are made of), before autograd and batching see the call. So every caller is routed: a
+A Python kernel is registered once, process-wide (``Router.install()``; ``uninstall()`` removes it again), for every
+aten overload of every covered op (in-place variants included) at the ``FuncTorchDynamicLayerFrontMode`` dispatch
+key. The dispatcher reaches that key only while some functorch transform is active (``vmap``, ``grad``, ``jvp``,
+``functionalize``, and the transforms ``jacrev``, ``jacfwd`` and ``hessian`` are made of), before autograd and
+batching see the call. So every caller is routed: a
 function object captured before ``use()`` (``from torch import masked_scatter``), a C++ caller (``index_select``'s
 backward calls ``index_add``), an in-place variant. A composite run there sends its own ops through every transform
 layer, so its derivative and its batching come from those ops.
@@ -50,7 +51,8 @@ from registry.core import (
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, given_arguments, size_key, vmap_active, vmap_levels
 from registry.core.kernels.background import BUILD as _BUILD
-from registry.core.model import KINDS, Op, Overload
+from registry.core.kinds import FUNCTIONAL, KIND, KINDS
+from registry.core.model import Op, Overload
 from registry.core.ops import ORIGINAL, aten_schema
 from registry.core.recording import RecordedDecision, Run
 from registry.core.registration import TABLE, OpTable
@@ -75,7 +77,7 @@ class Frame:
     """What ``use()`` pushed: the policy and pins the kernels read, and the run it records into (None: it does not).
     Interned per (policy, pins) for frames that do not record."""
 
-    __slots__ = ("id", "pins", "policy", "prefixes", "run", "signature")
+    __slots__ = ("cpp_id", "id", "pins", "policy", "prefixes", "records", "run", "signature")
 
     def __init__(self, router: Router, policy: str, pins: dict[str, str], run: Run | None = None) -> None:
         router.frame_count += 1
@@ -83,6 +85,8 @@ class Frame:
         self.policy = policy
         self.pins = pins
         self.run = run
+        self.records = run is not None
+        self.cpp_id = -self.id if self.records else self.id  # what the C++ kernels read: negative where it records
         self.signature: Signature = (policy, tuple(sorted(pins.items())))
         # The decision cache key's prefix per op, interned to an int: hashing it costs nothing on the hot path.
         self.prefixes = _Prefixes(router.prefixes, policy, pins, None if run is None else run.serial)
@@ -134,9 +138,10 @@ _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.preserve_format, 2: torc
                    3: torch.channels_last_3d}
 
 
-# A decision as the kernels keep it: (composite, kind, whether self is batched wherever another argument is, the
-# recorded decision it counts into where its frame records).
-Chosen = tuple[Callable[..., Any], str, bool, RecordedDecision | None]
+# A decision as the kernels keep it: (composite, its kind's ``runs_native`` (out of place, in place: whether PyTorch's
+# own kernel runs), whether self is batched wherever another argument is, the recorded decision it counts into where
+# its frame records).
+Chosen = tuple[Callable[..., Any], tuple[bool, bool], bool, RecordedDecision | None]
 
 
 def _decider(router: Router) -> Callable[..., Chosen]:
@@ -165,7 +170,7 @@ def _decider(router: Router) -> Callable[..., Chosen]:
         run = frame.run
         recorded = None if run is None else run.decided(op.name, ctx.stack, decision.composite, decision.kind,
                                                         decision.reason, tuple(ctx.batched))
-        chosen = (decision.fn, decision.kind, ctx.self_covers_batching, recorded)
+        chosen = (decision.fn, KIND[decision.kind].runs_native, ctx.self_covers_batching, recorded)
         if router.generation == generation:  # else the evidence changed while this was decided: not kept
             router.keep(key, chosen)
         return chosen
@@ -219,7 +224,7 @@ class Router:
         self.routed_ops: set[str] = set()  # ops whose overloads have routing kernels (later ones get theirs at use())
         self.backend: str | None = None  # "cpp" or "python", once chosen
         self.cpp: ModuleType | None = None  # the compiled kernels' module while the C++ backend is active
-        self.set_frame: Callable[[int, bool], None] | None = None  # cpp.set_frame while the C++ backend is active
+        self.set_frame: Callable[[int], None] | None = None  # cpp.set_frame while the C++ backend is active
         self.patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) while installed
         self.installed = False
         self.removed = False  # uninstall() was called: use() routes nothing until install()
@@ -323,7 +328,7 @@ class Router:
             if eager_autograd and not records_autograd(args, kwargs):
                 return call_native(keyset, *args, **kwargs)
             cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
-            composite, kind, self_covers, recorded = decide_call(op, frame, cargs, ckwargs, compiling)
+            composite, native_runs, self_covers, recorded = decide_call(op, frame, cargs, ckwargs, compiling)
             if recorded is not None:
                 recorded.called(name)
             if inplace and not self_covers:
@@ -331,13 +336,11 @@ class Router:
             # The layers below this one reach this kernel again with the same call: it is decided here, once.
             local.busy = True
             try:
-                if kind == "native" and not inplace:
-                    return call_native(keyset, *args, **kwargs)
-                if inplace and kind == "mutating":  # clone-then-in-place is what PyTorch's in-place op does already
+                if native_runs[inplace]:  # the kind's entry says (registry.core.kinds): native, or mutating in place
                     return call_native(keyset, *args, **kwargs)
                 # An in-place variant computes the new value out of place (PyTorch's own out-of-place op where the
                 # decision is native: in-place variants lack batching rules that the out-of-place ones have), then
-                # writes it into self.
+                # writes it into self (runners.runner does the same for the C++ backend).
                 result = composite(*cargs, **ckwargs)
                 return args[0].copy_(result) if inplace else result
             finally:
@@ -367,7 +370,7 @@ class Router:
                 return call_native(keyset, *args, **kwargs)
             if not vmap_active():
                 return call_native(keyset, *args, **kwargs)
-            if of_op is not None and decide_call(op_def, frames[-1], (), of_op(args, kwargs), False)[1] == "native":
+            if of_op is not None and decide_call(op_def, frames[-1], (), of_op(args, kwargs), False)[1][0]:
                 return call_native(keyset, *args, **kwargs)  # the op itself runs natively at these sizes
             run = frames[-1].run
             if run is not None:
@@ -563,7 +566,7 @@ class Router:
                 module.set_capacity(DECISION_CAPACITY)
             elif self.cpp is not None:
                 self.cpp.unregister_all()
-                self.cpp.set_frame(0, False)
+                self.cpp.set_frame(0)
                 self.cpp.clear()
                 self.cpp = None
                 self.set_frame = None
@@ -578,7 +581,7 @@ def _record_derivative(run: Run, op: str, name: str, functional: Callable[..., A
         if recorded.op == op and name in recorded.overloads and recorded.stack == stack:
             recorded.called(name)
             return
-    run.decided(op, stack, getattr(functional, "__name__", name), "functional",
+    run.decided(op, stack, getattr(functional, "__name__", name), FUNCTIONAL.name,
                 f"aten::{name} (a derivative op of {op}) runs its functional form under vmap, where PyTorch's "
                 "kernel has no batching rule").called(name)
 
@@ -598,14 +601,16 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
     kernel runs.
     """
 
-    __slots__ = ("_frame", "_record", "_router", "_run")
+    __slots__ = ("_frame", "_local", "_record", "_router", "_run")
 
     def __init__(self, policy: str = "auto", pins: Mapping[str, str] | None = None, *, record: bool = False,
                  router: Router | None = None) -> None:
         router = ROUTER if router is None else router
-        if (not router.installed or len(router.routed_ops) != len(router.table.ops)) and not router.removed:
-            router.install()
+        if not router.installed or len(router.routed_ops) != len(router.table.ops):
+            if not router.removed:
+                router.install()
         self._router = router
+        self._local = router.local
         self._frame = router.frame(policy, pins)
         self._record = record
         self._run: Run | None = None
@@ -637,37 +642,38 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
         return self.run.summary()
 
     def __enter__(self) -> use:
-        router = self._router
-        local = router.local
+        local = self._local
         if _BUILD.landed:  # the C++ kernels compiled in the background: switch to them here, outside any kernel call
+            router = self._router
             _BUILD.adopt(lambda: router.set_routing_backend("cpp"), inside_use=bool(local.frames))
         frames = local.frames
         if frames.__class__ is tuple:
             frames = local.frames = []
         frame = self._frame
-        if self._record:
-            self._run = Run()
-            frame = router.recording_frame(frame, self._run)
-        elif frames and frames[-1].run is not None:  # inside a recording block: record into its run
-            frame = router.recording_frame(frame, frames[-1].run)
+        if self._record or (frames and frames[-1].records):  # a recording block, or one nested inside
+            frame = self._recording(frame, frames)
         frames.append(frame)
-        set_frame = router.set_frame
-        if set_frame is not None:
-            set_frame(frame.id, frame.run is not None)
+        router = self._router
+        if router.set_frame is not None:
+            router.set_frame(frame.cpp_id)
         if router.traced_signatures:
             router.drop_graphs_traced_elsewhere(frame.signature)
         return self
 
+    def _recording(self, frame: Frame, frames: list[Frame]) -> Frame:
+        if self._record:
+            self._run = Run()
+            return self._router.recording_frame(frame, self._run)
+        run = frames[-1].run
+        assert run is not None
+        return self._router.recording_frame(frame, run)  # inside a recording block: record into its run
+
     def __exit__(self, *exc_info: object) -> None:
-        router = self._router
-        frames = router.local.frames
+        frames = self._local.frames
         frames.pop()
-        set_frame = router.set_frame
-        if set_frame is not None:
-            if frames:
-                set_frame(frames[-1].id, frames[-1].run is not None)
-            else:
-                set_frame(0, False)
+        router = self._router
+        if router.set_frame is not None:
+            router.set_frame(frames[-1].cpp_id if frames else 0)
         if router.traced_signatures:
             router.drop_graphs_traced_elsewhere(frames[-1].signature if frames else None)
 

@@ -20,7 +20,7 @@ import torch
 from registry.core import cost
 from registry.core.context import vmap_active
 from registry.core.model import Op, Overload
-from registry.core.runners import inplace_message, records_autograd, runner, runs_native
+from registry.core.runners import inplace_message, records_autograd, runner
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 PASS, NATIVE = 0, 1  # the codes kernels/routing.cpp knows; anything else a decider returns is what to call
@@ -31,8 +31,9 @@ class PythonRouting(Protocol):
 
     local: Any  # this thread's use() frames (``.frames``, innermost last)
     table: Any  # the op table (``.derivatives``)
-    # (op, frame, args, kwargs, compiling) -> (composite, kind, whether self covers the batching, recorded)
-    decide: Callable[..., tuple[Callable[..., Any], str, bool, Any]]
+    # (op, frame, args, kwargs, compiling) -> (composite, (out of place, in place) -> runs PyTorch's own kernel,
+    # whether self covers the batching, recorded)
+    decide: Callable[..., tuple[Callable[..., Any], tuple[bool, bool], bool, Any]]
 
     def make_kernel(self, op: Op, overload: Overload, native: Any, *, eager_autograd: bool = False,
                     ) -> Callable[..., Any]: ...
@@ -55,10 +56,10 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
         if eager_autograd and not records_autograd(args, kwargs):
             return PASS
         cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
-        composite, kind, self_covers, _ = decide_call(op, frame, cargs, ckwargs, False)
+        composite, native_runs, self_covers, _ = decide_call(op, frame, cargs, ckwargs, False)
         if inplace and not self_covers:
             raise RuntimeError(inplace_message(packet))
-        if runs_native(kind, overload):
+        if native_runs[inplace]:  # the kind's entry says (registry.core.kinds)
             return NATIVE
         run = runners.get(composite)
         if run is None:
@@ -78,7 +79,7 @@ def _derivative_decider(router: PythonRouting, functional: Callable[..., Any], o
         if frame.policy == "native" or not vmap_active():
             return PASS
         # Where the op itself runs natively at these sizes (selection by cost), so does its derivative.
-        if of_op is not None and decide_call(op, frame, (), of_op(args, kwargs), False)[1] == "native":
+        if of_op is not None and decide_call(op, frame, (), of_op(args, kwargs), False)[1][0]:
             return PASS
         return functional
 

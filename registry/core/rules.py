@@ -9,21 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from registry.core import kinds
 from registry.core.context import Context
+from registry.core.kinds import Problem, Rule
 
+_under_vmap = kinds.under_vmap  # the rules of the kinds (registry.core.kinds) and of the ops read vmap alike
 
-@dataclass(frozen=True)
-class Problem:
-    status: str  # slow | error | mismatch
-    evidence: str
-
-
-Rule = Callable[[Context], "Problem | None"]
-
-
-def _under_vmap(ctx: Context) -> bool:
-    # Under torch.compile the functorch stack inside the graph is invisible: assume a vmap may be there.
-    return "vmap" in ctx.stack or "compile" in ctx.stack
 
 
 # op -> kind -> its rule: filled by ``define_op(..., rules=...)`` from the composites module that defines the op, so an
@@ -135,29 +126,8 @@ def innermost_vmap(ctx: Context) -> bool:
     return bool(ctx.stack) and ctx.stack[-1] == "vmap"
 
 
-def _mutating(ctx: Context) -> Problem | None:
-    if _under_vmap(ctx):
-        if not ctx.self_covers_batching:
-            return Problem("error", "an in-place op cannot write a batched argument into an unbatched clone of self")
-        return Problem("error", "in-place ops under vmap raise or fall back to vmap's per-sample loop "
-                                "(measured under vmap, vmap(grad), vmap(jacfwd) and hessian)")
-    return None
-
-
-def _primitive(ctx: Context) -> Problem | None:
-    if "functionalize" in ctx.stack:
-        return Problem("error", "functionalize has no rule for torch.autograd.Function (NYI: custom_function_call)")
-    if "compile" in ctx.stack:
-        return Problem("error", "Dynamo does not trace a torch.autograd.Function with a custom jvp under torch.func "
-                                "transforms (measured: masked_scatter under compile(grad))")
-    return None
-
-
-def _functional(ctx: Context) -> Problem | None:
-    return None
-
-
-KIND_RULES: dict[str, Rule] = {"mutating": _mutating, "functional": _functional, "primitive": _primitive}
+# The rules of the kinds as such (each kind's entry in registry.core.kinds holds its own).
+KIND_RULES: dict[str, Rule] = {name: kind.rule for name, kind in kinds.KIND.items() if kind.rule is not None}
 
 
 def problem(op: str, kind: str, ctx: Context) -> Problem | None:
@@ -187,9 +157,7 @@ def preference(ctx: Context, op: str | None = None) -> tuple[str, ...]:
     own = _own_order(ctx, op)
     if own is not None:
         return own.kinds
-    if _under_vmap(ctx):
-        return ("native", "functional", "primitive", "mutating")
-    return ("native", "mutating", "functional", "primitive")
+    return kinds.order(_under_vmap(ctx))
 
 
 def preference_reason(ctx: Context, op: str | None = None) -> str:

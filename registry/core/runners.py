@@ -3,8 +3,8 @@
 
 A decision names a composite and its kind; an overload may be in place (``index_fill_``), and may take other
 parameters than the op's own (``to.dtype``, translated by its ``adapt``). What runs is then one of three things:
-PyTorch's own kernel (``NATIVE``), the composite on the adapted arguments, or, for an in-place overload, the composite
-out of place followed by ``copy_`` into ``self``.
+PyTorch's own kernel (where the kind's ``runs_native`` says so: ``registry.core.kinds``), the composite on the adapted
+arguments, or, for an in-place overload, the composite out of place followed by ``copy_`` into ``self``.
 """
 
 from __future__ import annotations
@@ -17,17 +17,7 @@ import torch
 from registry.core.model import Overload
 from registry.core.ops import aten_schema
 
-NATIVE = None  # what ``runner`` returns where PyTorch's own kernel is the decision's run
-
 _PYTHON_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
-
-
-def runs_native(kind: str, overload: Overload) -> bool:
-    """Whether a decision of ``kind`` runs PyTorch's own kernel for ``overload``: a native decision of an
-    out-of-place overload, and a mutating one of an in-place overload (clone-then-in-place is what PyTorch's in-place
-    op does already). An in-place overload whose decision is native computes the new value with PyTorch's
-    out-of-place op (in-place variants lack batching rules that the out-of-place ones have), then writes it."""
-    return (kind == "native") if not overload.inplace else (kind == "mutating")
 
 
 def runner(composite: Callable[..., Any], overload: Overload) -> Callable[..., Any]:

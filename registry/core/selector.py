@@ -6,13 +6,15 @@ import difflib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from registry.core import cost, evidence, reference, rules
 from registry.core.context import Context
-from registry.core.model import KINDS, Composite
+from registry.core.kinds import KINDS, NATIVE
+from registry.core.model import Composite
 from registry.core.ops import OPS
 from registry.core.ratios import MIN_NOISE, ratio_text
 from registry.core.registration import COMPOSITES, ON_CHANGE, load
@@ -140,14 +142,64 @@ def decide(op: str, ctx: Context, policy: str = "auto", pin: str | None = None) 
     return decision
 
 
-def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
+# What a choice rests on (``Choice.basis``): each has its own explanation.
+PINNED, POLICY_NATIVE, SLOW_NATIVE, COST, MEASURED, REFERENCE, RULES = (
+    "pinned", "policy native", "slow native", "cost", "measured", "reference", "rules")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The shipped reference profiles' say, where they move the rules' choice: the fastest valid composite there."""
+
+    found: reference.ReferenceTimes
+    fastest: str
+    fastest_us: float
+    rules_choice: str  # the rules' choice, which the reference replaces
+    rules_us: float | None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``choose`` decided and everything its explanation needs, before any prose (``explain`` writes it)."""
+
+    op: str
+    ctx: Context
+    policy: str
+    chosen: Composite
+    basis: str
+    judged: Judged
+    verified: Mapping[str, int]
+    pin: str | None = None
+    # The composites of kinds preferred to the choice's that are invalid here, with their problems, in order.
+    skipped: tuple[tuple[Composite, rules.Problem], ...] = ()
+    # MEASURED: the timings of the candidates, the fastest valid one, whether the rules' choice stayed because the
+    # profiles cannot tell it from the fastest, and the runner-up (score, name).
+    measured: Mapping[str, Any] = field(default_factory=dict)
+    fastest: Any = None
+    within_noise: bool = False
+    runner_up: tuple[float, str] | None = None
+    reference: Reference | None = None  # REFERENCE
+    costed: cost.Costed | None = None  # COST: native or a composite by cost at the call's sizes (registry.core.cost)
+    speedup: float | None = None
+    runner_up_speedup: float | None = None
+
+
+def _rank(order: tuple[str, ...], kind: str) -> int:
+    """A kind's place in ``order``; a kind an op's own order does not name comes after every kind it names."""
+    return order.index(kind) if kind in order else len(order)
+
+
+def choose(op: str, ctx: Context, policy: str, pin: str | None) -> Choice:
+    """Which composite of ``op`` runs in ``ctx`` under ``policy`` (and ``pin``), and on what basis: the rules'
+    verdicts, the measured evidence and timings, the shipped reference profiles. Raises SelectionError where nothing
+    can be chosen."""
     load()
     if op not in OPS:
         raise SelectionError(unknown_op_message(op))
     if policy not in POLICIES:
         raise SelectionError(f"select({op}): unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
     judged, verified = _verdicts(op, ctx, policy)
-    where = _describe(ctx)
+    base = {"op": op, "ctx": ctx, "policy": policy, "judged": judged, "verified": verified}
 
     if pin is not None:
         chosen = _resolve_pin(op, pin)
@@ -155,124 +207,160 @@ def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
         if problem is not None:
             valid = [c.name for c, p in judged if p is None]
             raise SelectionError(
-                f"select({op}): pinned composite {chosen.name} ({chosen.kind}) is not valid under {where}: "
+                f"select({op}): pinned composite {chosen.name} ({chosen.kind}) is not valid under {_describe(ctx)}: "
                 f"{problem.status}, {problem.evidence}; valid choices: {', '.join(valid) or 'none'}"
             )
-        reason = f"pinned to {pin} by the caller"
-    elif policy == "native":
-        chosen = next(c for c, _ in judged if c.kind == "native")
-        reason = "policy native routes nothing: PyTorch's own op runs"
-    else:
-        order = rules.preference(ctx, op)
-        valid = [(c, p) for c, p in judged if p is None]
-        if not valid:
-            listed = ", ".join(f"{c.name} [{p.status}]" for c, p in judged)
-            slow_native = next((c for c, p in judged if c.kind == "native" and p is not None and p.status == "slow"),
-                               None)
-            if slow_native is not None and policy in ("auto", "fastest"):
-                # Only where no measurement says native does worse here than loop (errs, or is wrong).
-                measured, _ = evidence.source().evidence(op, slow_native.name, ctx, OPS[op].tensor_args)
-                if measured is not None and measured.status != "slow":
-                    slow_native = None
-            if slow_native is not None:
-                # PyTorch's own op runs here, in vmap's per-sample loop, with the right values: what the call does
-                # without use(). Refusing it would break code that works natively (a function functionalized
-                # automatically meets an op whose only batched composite is a primitive, which functionalize
-                # cannot run).
-                return Decision(op=op, composite=slow_native.name, kind="native",
-                                reason=f"no composite is valid under {where} ({listed}); PyTorch's own {op} runs, in "
-                                       "vmap's per-sample loop, as it does without use().",
-                                alternatives=_alternatives(judged, slow_native), context=ctx, policy=policy)
-            raise SelectionError(
-                f"select({op}): no composite is valid under {where}; registered: {listed}. Register a functional "
-                "or primitive composite, or run this op outside the transform"
-            )
-        costed = cost.choose(op, ctx, judged, policy)  # native or a composite by cost at the call's sizes
-        if costed is not None:
-            chosen = COMPOSITES[op][costed.composite]
-            return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=costed.reason + ".",
-                            alternatives=_alternatives(judged, chosen), context=ctx, policy=policy,
-                            speedup=costed.speedup)
-        chosen = min(valid, key=lambda item: (order.index(item[0].kind), list(COMPOSITES[op]).index(item[0].name)))[0]
-        skipped = [(c, p) for c, p in judged if p is not None and order.index(c.kind) < order.index(chosen.kind)]
-        measured = (evidence.source().timings(op, ctx, [c.name for c, _ in judged])
-                    if policy in ("auto", "fastest") else {})
-        timed_valid = sorted((measured[c.name].score_us, c.name) for c, _ in valid if c.name in measured)
-        if timed_valid:
-            fastest = measured[timed_valid[0][1]]
-            rules_choice = measured.get(chosen.name)
-            within_noise = False
-            if rules_choice is not None and rules_choice.composite != fastest.composite:
-                # A profile only says the fastest is faster if it is by more than the noise of both timings: below
-                # that, the rules' choice stays, so a noisy profile cannot flip a decision.
-                band = max(MIN_NOISE, fastest.spread, rules_choice.spread)
-                within_noise = rules_choice.score_us <= fastest.score_us * (1 + band)
-            if not within_noise:
-                chosen = COMPOSITES[op][fastest.composite]
-            best = measured[chosen.name]
-            native = next((c.name for c, _ in judged if c.kind == "native"), None)
-            speedup = measured[native].score_us / best.score_us if native in measured else None
-            others = [(score, name) for score, name in timed_valid if name != chosen.name]
-            runner_up = others[0] if others else None
-            runner_up_speedup = runner_up[0] / best.score_us if runner_up else None
-            parts = []
-            if speedup is not None and chosen.kind != "native":
-                parts.append(ratio_text(best.score_us / measured[native].score_us, "native"))
-            if runner_up is not None and not (runner_up[1] == native and parts):  # native said once, not twice
-                parts.append(ratio_text(best.score_us / runner_up[0], runner_up[1]))
-            batches = ",".join(str(b) for b in best.batch_sizes)
-            if within_noise:
-                reason = (f"{chosen.name} is the rules' choice under {where}, and the profiles do not tell it from "
-                          f"the fastest, {fastest.composite}, beyond the noise ({'; '.join(parts)}, spread "
-                          f"{max(fastest.spread, best.spread):.0%}; profiled at {best.bucket} elements, batch "
-                          f"{batches})")
-            else:
-                reason = (f"{chosen.name} is the fastest valid composite measured under {where} "
-                          f"({'; '.join(parts) or 'the only one timed'}; profiled at {best.bucket} elements, batch "
-                          f"{batches})")
-            if skipped:
-                reason += f"; {skipped[0][0].name} is invalid here ({skipped[0][1].status}: {skipped[0][1].evidence})"
-            return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
-                            alternatives=_alternatives(judged, chosen), context=ctx, policy=policy,
-                            speedup=speedup, runner_up_speedup=runner_up_speedup)
-        # The reference reorders composites the matrix speaks for alike: where it verifies the rules' choice, only
-        # other verified composites may replace it.
-        alike = [(c, p) for c, p in valid if not verified.get(chosen.name, 0) or verified.get(c.name, 0)]
-        shipped = _reference_choice(op, ctx, policy, chosen, alike)
-        if shipped is not None:
-            chosen, reason = shipped
-            if policy == "auto":
-                count = verified.get(chosen.name, 0)
-                entries = "matrix entry" if count == 1 else "matrix entries"
-                reason += (f" (verified: {count} {entries} ok here)" if count
-                           else " (unverified: no measurement yet, the reference profiles decide)")
-            return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
-                            alternatives=_alternatives(judged, chosen), context=ctx, policy=policy)
-        if chosen.kind == "native":
-            reason = f"PyTorch's own {op} has no known problem under {where}"
-        elif skipped:
-            worse = skipped[0]
-            reason = (f"{worse[0].name} fails under {where} ({worse[1].status}: {worse[1].evidence}); "
-                      f"{chosen.name} is the next choice: {rules.preference_reason(ctx, op)}")
+        return Choice(**base, chosen=chosen, basis=PINNED, pin=pin)
+    if policy == "native":
+        return Choice(**base, chosen=next(c for c, _ in judged if c.kind == NATIVE.name), basis=POLICY_NATIVE)
+    order = rules.preference(ctx, op)
+    valid = [(c, p) for c, p in judged if p is None]
+    if not valid:
+        slow_native = next((c for c, p in judged if c.kind == NATIVE.name and p is not None and p.status == "slow"),
+                           None)
+        if slow_native is not None and policy in ("auto", "fastest"):
+            # Only where no measurement says native does worse here than loop (errs, or is wrong).
+            measured, _ = evidence.source().evidence(op, slow_native.name, ctx, OPS[op].tensor_args)
+            if measured is not None and measured.status != "slow":
+                slow_native = None
+        if slow_native is not None:
+            # PyTorch's own op runs here, in vmap's per-sample loop, with the right values: what the call does
+            # without use(). Refusing it would break code that works natively (a function functionalized
+            # automatically meets an op whose only batched composite is a primitive, which functionalize cannot run).
+            return Choice(**base, chosen=slow_native, basis=SLOW_NATIVE)
+        listed = ", ".join(f"{c.name} [{p.status}]" for c, p in judged)
+        raise SelectionError(
+            f"select({op}): no composite is valid under {_describe(ctx)}; registered: {listed}. Register a "
+            "functional or primitive composite, or run this op outside the transform"
+        )
+    costed = cost.choose(op, ctx, judged, policy)  # native or a composite by cost at the call's sizes
+    if costed is not None:
+        return Choice(**base, chosen=COMPOSITES[op][costed.composite], basis=COST, costed=costed,
+                      speedup=costed.speedup)
+    names = list(COMPOSITES[op])
+    chosen = min(valid, key=lambda item: (_rank(order, item[0].kind), names.index(item[0].name)))[0]
+    skipped = tuple((c, p) for c, p in judged
+                    if p is not None and _rank(order, c.kind) < _rank(order, chosen.kind))
+    measured = (evidence.source().timings(op, ctx, [c.name for c, _ in judged])
+                if policy in ("auto", "fastest") else {})
+    timed_valid = sorted((measured[c.name].score_us, c.name) for c, _ in valid if c.name in measured)
+    if timed_valid:
+        fastest = measured[timed_valid[0][1]]
+        rules_choice = measured.get(chosen.name)
+        within_noise = False
+        if rules_choice is not None and rules_choice.composite != fastest.composite:
+            # A profile only says the fastest is faster if it is by more than the noise of both timings: below that,
+            # the rules' choice stays, so a noisy profile cannot flip a decision.
+            band = max(MIN_NOISE, fastest.spread, rules_choice.spread)
+            within_noise = rules_choice.score_us <= fastest.score_us * (1 + band)
+        if not within_noise:
+            chosen = COMPOSITES[op][fastest.composite]
+        best = measured[chosen.name]
+        native = next((c.name for c, _ in judged if c.kind == NATIVE.name), None)
+        others = [(score, name) for score, name in timed_valid if name != chosen.name]
+        runner_up = others[0] if others else None
+        return Choice(**base, chosen=chosen, basis=MEASURED, skipped=skipped, measured=measured, fastest=fastest,
+                      within_noise=within_noise, runner_up=runner_up,
+                      speedup=measured[native].score_us / best.score_us if native in measured else None,
+                      runner_up_speedup=runner_up[0] / best.score_us if runner_up else None)
+    # The reference reorders composites the matrix speaks for alike: where it verifies the rules' choice, only other
+    # verified composites may replace it.
+    alike = [(c, p) for c, p in valid if not verified.get(chosen.name, 0) or verified.get(c.name, 0)]
+    shipped = _reference_choice(op, ctx, policy, chosen, alike)
+    if shipped is not None:
+        return Choice(**base, chosen=COMPOSITES[op][shipped.fastest], basis=REFERENCE, skipped=skipped,
+                      reference=shipped)
+    return Choice(**base, chosen=chosen, basis=RULES, skipped=skipped)
+
+
+def explain(choice: Choice) -> str:
+    """Why ``choice`` was made, in a sentence (the Decision's ``reason``, without its final period)."""
+    op, ctx, policy, chosen = choice.op, choice.ctx, choice.policy, choice.chosen
+    where = _describe(ctx)
+    if choice.basis == PINNED:
+        return f"pinned to {choice.pin} by the caller"
+    if choice.basis == POLICY_NATIVE:
+        return "policy native routes nothing: PyTorch's own op runs"
+    if choice.basis == SLOW_NATIVE:
+        listed = ", ".join(f"{c.name} [{p.status}]" for c, p in choice.judged if p is not None)
+        return (f"no composite is valid under {where} ({listed}); PyTorch's own {op} runs, in vmap's per-sample "
+                "loop, as it does without use()")
+    if choice.basis == COST:
+        if choice.costed is None:
+            raise RuntimeError(f"explain({op}): a choice by cost without its cost; report this bug")
+        return choice.costed.reason
+    skipped = ""
+    if choice.skipped:
+        first, problem = choice.skipped[0]
+        skipped = f"; {first.name} is invalid here ({problem.status}: {problem.evidence})"
+    if choice.basis == MEASURED:
+        measured, fastest = choice.measured, choice.fastest
+        best = measured[chosen.name]
+        native = next((c.name for c, _ in choice.judged if c.kind == NATIVE.name), None)
+        parts = []
+        if choice.speedup is not None and chosen.kind != NATIVE.name:
+            parts.append(ratio_text(best.score_us / measured[native].score_us, "native"))
+        runner_up = choice.runner_up
+        if runner_up is not None and not (runner_up[1] == native and parts):  # native said once, not twice
+            parts.append(ratio_text(best.score_us / runner_up[0], runner_up[1]))
+        batches = ",".join(str(b) for b in best.batch_sizes)
+        if choice.within_noise:
+            reason = (f"{chosen.name} is the rules' choice under {where}, and the profiles do not tell it from the "
+                      f"fastest, {fastest.composite}, beyond the noise ({'; '.join(parts)}, spread "
+                      f"{max(fastest.spread, best.spread):.0%}; profiled at {best.bucket} elements, batch "
+                      f"{batches})")
         else:
-            reason = f"{chosen.name} is preferred under {where}: {rules.preference_reason(ctx, op)}"
-        if policy == "fastest":
-            reason += " (no profile here: rules decide)"
-        elif policy == "auto":
-            count = verified.get(chosen.name, 0)
-            entries = "matrix entry" if count == 1 else "matrix entries"
-            reason += (f" (verified: {count} {entries} ok here)" if count
-                       else " (unverified: no measurement yet, rules decide)")
+            reason = (f"{chosen.name} is the fastest valid composite measured under {where} "
+                      f"({'; '.join(parts) or 'the only one timed'}; profiled at {best.bucket} elements, batch "
+                      f"{batches})")
+        return reason + skipped
+    if choice.basis == REFERENCE:
+        shipped = choice.reference
+        assert shipped is not None
+        found = shipped.found
+        versus = (ratio_text(shipped.fastest_us / shipped.rules_us, shipped.rules_choice)
+                  if shipped.rules_us is not None else f"{shipped.rules_choice} was not timed there")
+        reason = (f"{shipped.fastest} is the fastest valid composite under {where} in the reference profiles shipped "
+                  f"with the package ({versus}; {found.workload}, batch {found.batch} x {found.numel} elements, "
+                  f"measured on {found.machine}); no profile of this machine here: `multicomposite profile` measures "
+                  "one")
+        if policy == "auto":
+            reason += _verified(choice, " (unverified: no measurement yet, the reference profiles decide)")
+        return reason
+    if chosen.kind == NATIVE.name:
+        reason = f"PyTorch's own {op} has no known problem under {where}"
+    elif choice.skipped:
+        worse, problem = choice.skipped[0]
+        reason = (f"{worse.name} fails under {where} ({problem.status}: {problem.evidence}); "
+                  f"{chosen.name} is the next choice: {rules.preference_reason(ctx, op)}")
+    else:
+        reason = f"{chosen.name} is preferred under {where}: {rules.preference_reason(ctx, op)}"
+    if policy == "fastest":
+        reason += " (no profile here: rules decide)"
+    elif policy == "auto":
+        reason += _verified(choice, " (unverified: no measurement yet, rules decide)")
+    return reason
 
-    return Decision(op=op, composite=chosen.name, kind=chosen.kind, reason=reason + ".",
-                    alternatives=_alternatives(judged, chosen), context=ctx, policy=policy)
+
+def _verified(choice: Choice, unverified: str) -> str:
+    count = choice.verified.get(choice.chosen.name, 0)
+    entries = "matrix entry" if count == 1 else "matrix entries"
+    return f" (verified: {count} {entries} ok here)" if count else unverified
 
 
-def _reference_choice(op: str, ctx: Context, policy: str, chosen: Composite, valid: Judged,
-                      ) -> tuple[Composite, str] | None:
+def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
+    choice = choose(op, ctx, policy, pin)
+    chosen = choice.chosen
+    kind = NATIVE.name if choice.basis == SLOW_NATIVE else chosen.kind
+    return Decision(op=op, composite=chosen.name, kind=kind, reason=explain(choice) + ".",
+                    alternatives=_alternatives(choice.judged, chosen), context=ctx, policy=policy,
+                    speedup=choice.speedup, runner_up_speedup=choice.runner_up_speedup)
+
+
+def _reference_choice(op: str, ctx: Context, policy: str, chosen: Composite, valid: Judged) -> Reference | None:
     """Where no local profile speaks: the fastest valid composite in the shipped reference profiles, when it is
     faster than the rules' choice there by more than ``reference.MIN_GAP``; None keeps the rules' choice."""
-    if policy not in ("auto", "fastest") or chosen.kind == "native":
+    if policy not in ("auto", "fastest") or chosen.kind == NATIVE.name:
         # Where the rules keep PyTorch's own op, only a profile of this machine moves the choice off it.
         return None
     found = reference.reference_times(op, ctx.stack, None if ctx.dtype is None
@@ -280,19 +368,14 @@ def _reference_choice(op: str, ctx: Context, policy: str, chosen: Composite, val
     if found is None:
         return None
     ranked = sorted((found.times_us[c.name], c.name) for c, _ in valid
-                    if c.name in found.times_us and c.kind != "native")
+                    if c.name in found.times_us and c.kind != NATIVE.name)
     if not ranked or ranked[0][1] == chosen.name:
         return None
     fastest_us, fastest = ranked[0]
     rules_us = found.times_us.get(chosen.name)
     if rules_us is not None and rules_us <= fastest_us * (1 + reference.MIN_GAP):
         return None
-    versus = (ratio_text(fastest_us / rules_us, chosen.name) if rules_us is not None
-              else f"{chosen.name} was not timed there")
-    return COMPOSITES[op][fastest], (
-        f"{fastest} is the fastest valid composite under {_describe(ctx)} in the reference profiles shipped with "
-        f"the package ({versus}; {found.workload}, batch {found.batch} x {found.numel} elements, measured on "
-        f"{found.machine}); no profile of this machine here: `multicomposite profile` measures one")
+    return Reference(found=found, fastest=fastest, fastest_us=fastest_us, rules_choice=chosen.name, rules_us=rules_us)
 
 
 def _alternatives(judged: Judged, chosen: Composite) -> tuple[Verdict, ...]:

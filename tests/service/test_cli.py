@@ -334,7 +334,7 @@ def _covered() -> str:
      "multicomposite select: dtype int64 has no derivative under grad: grad needs a floating point or complex dtype"),
     ("select index_fill --pin nope",
      "multicomposite select: pins['index_fill'] = 'nope' names no composite or kind of index_fill; registered: "
-     "native, mutating, functional, primitive; kinds: native, mutating, functional, primitive"),
+     "native, mutating, functional, primitive; kinds: native, mutating, functional, primitive, custom_op"),
     ("jobs nope", "multicomposite jobs: no job 'nope' in the store at {url}; `multicomposite jobs` lists them"),
     ("matrix --failing --png {tmp}/m.png",
      "multicomposite matrix: --failing lists cells; it has no PNG: drop --png, or --failing to render the matrix"),

@@ -500,11 +500,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Unregister every kernel (the Python kernels can then be registered in their place)");
   m.def(
       "set_frame",
-      [](int64_t frame, bool record) {
-        tls_frame = frame;
-        tls_record = record;
+      [](int64_t frame) {
+        tls_record = frame < 0;
+        tls_frame = frame < 0 ? -frame : frame;
       },
-      "The innermost use() frame of this thread (0: none), and whether it records");
+      "The innermost use() frame of this thread (0: none; negative: its id, and it records)");
   m.def("frame", []() { return tls_frame; });
   m.def("busy", []() { return tls_busy; }, "Whether this thread is inside a call a kernel decided");
   m.def(

@@ -35,6 +35,20 @@ def test_decorator_returns_function_unchanged() -> None:
     unregister("index_fill", "test-extra")
 
 
+def test_define_op_returns_its_opdef_which_registers() -> None:
+    definition = registry.OPS["index_fill"]
+    assert isinstance(definition, registry.core.model.OpDef) and definition.table is registry.DEFAULT.table
+    assert set(definition.rules) <= set(registry.KINDS)
+    assert definition.rules is registry.core.rules.OP_RULES["index_fill"]
+
+    def index_fill_again(self, dim, index, value):
+        return self
+
+    assert definition.register("functional", name="test-opdef")(index_fill_again) is index_fill_again
+    assert registry.composites("index_fill")["test-opdef"].fn is index_fill_again
+    unregister("index_fill", "test-opdef")
+
+
 def test_duplicate_registration_names_the_first() -> None:
     def index_fill_again(self, dim, index, value):
         return self

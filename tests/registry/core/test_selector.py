@@ -93,8 +93,7 @@ def test_no_valid_composite_lists_every_verdict(monkeypatch: pytest.MonkeyPatch)
     from registry.core import rules
     from registry.core.rules import Problem
 
-    monkeypatch.setattr(rules, "_functional", lambda ctx: Problem("error", "test"))
-    monkeypatch.setattr(rules, "KIND_RULES", {**rules.KIND_RULES, "functional": rules._functional})
+    monkeypatch.setattr(rules, "KIND_RULES", {**rules.KIND_RULES, "functional": lambda ctx: Problem("error", "test")})
     selector.clear_cache()
     try:
         with pytest.raises(SelectionError) as error:
