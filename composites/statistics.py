@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 import torch
+from torch._C import _DisableFuncTorch
 from torch._C._functorch import _unwrap_batched as unwrap_batched
 from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_level
 from torch.autograd import Function
@@ -20,6 +21,8 @@ from torch.autograd import Function
 from composites.checks import check_dim
 from registry.core import rules
 from registry.core.context import vmap_levels
+from registry.core.disagree import SamplesDisagreeError, level_values
+from registry.core.frames import calling_user_frame
 from registry.core.ops import overloads as ops_overloads
 from registry.core.primitive import apply
 from registry.core.registration import define_op, register
@@ -421,11 +424,21 @@ def _bincount_length(self: torch.Tensor, minlength: int) -> int:
     if minlength >= top:
         return minlength
     if int(largest.min()) + 1 != top:
-        raise RuntimeError(
-            f"bincount under vmap: the samples' counts would have different lengths (the samples' largest values "
-            f"range from {int(largest.min())} to {top - 1}, and minlength={minlength} is less than {top}), and one "
-            f"batched tensor cannot hold them. Pass minlength={top} or more (at least the largest value any sample "
-            "can hold + 1, e.g. the number of classes): every sample's counts then have that length.")
+        # Each sample's counts would have their own length: the vmap level splits into groups of samples whose
+        # lengths agree (registry.core.batch_split), each its own vmap; the message is the error where they cannot.
+        found = level_values(self.max())
+        alternative = (f"pass minlength={top} or more (at least the largest value any sample can hold + 1, e.g. "
+                       "the number of classes): every sample's counts then have that length")
+        message = (f"bincount under vmap: the samples' counts would have different lengths (the samples' largest "
+                   f"values range from {int(largest.min())} to {top - 1}, and minlength={minlength} is less than "
+                   f"{top}), and one batched tensor cannot hold them. To keep one batch, {alternative}.")
+        if found is None:
+            raise RuntimeError(message)
+        with _DisableFuncTorch():
+            keys = (found.values.clamp(min=minlength - 1) + 1).reshape(*found.batch_shape, 1)
+        frame = calling_user_frame()
+        raise SamplesDisagreeError(message, found.levels, keys, frame.describe() if frame is not None else "",
+                                   alternative)
     return top
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import func
 
 import registry
+from registry.core.batch_split import BatchSplitWarning, SplitShapeError
 from registry.harness import fallback
 from tests.composites.test_reduce import no_vmap_fallback
 
@@ -63,15 +64,31 @@ def test_nested_vmaps_share_one_length() -> None:
         assert torch.equal(func.vmap(func.vmap(torch.bincount))(values), expected)
 
 
-def test_lengths_that_differ_name_minlength() -> None:
-    values = torch.tensor([[0, 1], [0, 4]])  # lengths 2 and 5
-    with registry.use(), pytest.raises(RuntimeError) as raised:
+def test_lengths_that_differ_to_the_end_name_minlength() -> None:
+    values = torch.tensor([[0, 1], [0, 4]])  # lengths 2 and 5: the batch splits, and the results keep their lengths
+    with registry.use(), pytest.warns(BatchSplitWarning), pytest.raises(SplitShapeError) as raised:
         func.vmap(torch.bincount)(values)
     assert "the samples' counts would have different lengths" in str(raised.value)
-    assert "Pass minlength=5 or more" in str(raised.value)
+    assert "pass minlength=5 or more" in str(raised.value)
     with registry.use():
         assert torch.equal(func.vmap(lambda v: torch.bincount(v, minlength=5))(values),
                            _loop(lambda v: torch.bincount(v, minlength=5), values))
+
+
+def test_lengths_that_differ_then_agree_again_split_and_equal_the_loop() -> None:
+    """A weighted count reduced per sample: the lengths differ (2, 5, 2), the samples split into groups of agreeing
+    lengths, and the per-sample results stack again in the original order."""
+    values = torch.tensor([[0, 1], [0, 4], [1, 1]])
+    weights = torch.tensor([[0.5, 2.0], [1.5, -1.0], [3.0, 0.25]], dtype=torch.float64)
+
+    def weighted_moment(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(v, weights=w)
+        return (counts * torch.arange(counts.shape[0], dtype=counts.dtype)).sum()
+
+    expected = _loop(weighted_moment, values, weights)
+    with registry.use(), pytest.warns(BatchSplitWarning, match="split into 2 groups"):
+        got = func.vmap(weighted_moment)(values, weights)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_what_native_refuses_is_refused() -> None:
