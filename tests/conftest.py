@@ -10,6 +10,7 @@ os.environ["MULTICOMPOSITE_DB"] = f"sqlite:///{tempfile.mkdtemp(prefix='multicom
 
 import registry
 from registry.harness import fallback
+from registry.store import health
 from tests.pgserver import PostgresServer, PostgresUnavailableError, require_server
 
 
@@ -20,6 +21,14 @@ def _no_leftover_routing():
     assert not registry.routing_active()
     yield
     assert not registry.routing_active(), "a test left a use() frame open"
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_store_retry():
+    """A retry of a store that failed to read in one test must not fire in the next, whose MULTICOMPOSITE_DB it would
+    read (registry.store.health: a retry every 30 s while the store cannot be read)."""
+    yield
+    health.HEALTH.cancel()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import threading
 import warnings
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import quote
 
 from registry.core.collector import collection_paused
 from registry.core.context import Context
@@ -200,7 +201,10 @@ def _read_store(read: str) -> list[Any]:
             warnings.warn(f"the store at {shown_url(url)} is not read: {error.name} is not installed, so the rules "
                           "alone decide; pip install 'multicomposite[service]' to use its evidence", stacklevel=3)
         return []
-    store = Store(url, timeout_s=health.READ_TIMEOUT_S)
+    # A reader never makes the file: a SQLite store deleted since the check above (or while a retry was due) must
+    # not come back as a new, empty one that a server then takes for its own.
+    opened = url if path is None else f"sqlite:///file:{quote(os.path.abspath(path))}?mode=rw&uri=true"
+    store = Store(opened, timeout_s=health.READ_TIMEOUT_S)
     try:
         result = getattr(fresh, read)(store)
     finally:
