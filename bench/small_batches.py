@@ -66,7 +66,7 @@ def _library(kind: str) -> Callable[[int], Setup]:
 
             def inputs(ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
                 return {"input_ids": ids, "labels": labels}
-        model.eval()
+        model.train(False)  # inference mode: no dropout
         generator = torch.Generator().manual_seed(1)
         ids = torch.randint(0, VOCAB, (batch, LENGTH), generator=generator)
         labels = torch.randint(0, LABELS, (batch,), generator=generator)

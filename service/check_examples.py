@@ -149,7 +149,7 @@ def _gpt2() -> tuple[Callable[..., Any], tuple[Any, ...]]:
     config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    model = transformers.GPT2LMHeadModel(config).train(False)
     ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
 
     def loss(params: dict[str, torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
