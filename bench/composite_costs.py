@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,18 +19,9 @@ import torch
 from torch import func
 
 import registry
+from bench.small_batches import per_call_us
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
-
-
-def _per_call_us(stmt: Callable[[], object], min_run_time: float) -> float:
-    calls, start = 0, time.thread_time()
-    while True:
-        stmt()
-        calls += 1
-        elapsed = time.thread_time() - start
-        if elapsed >= min_run_time:
-            return elapsed / calls * 1e6
 
 
 def cases() -> dict[str, tuple[Callable[[], Any], dict[str, Any]]]:
@@ -87,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             for index in range(args.rounds):
                 order = ((native_us, native), (use_us, inside))
                 for times, stmt in order if index % 2 == 0 else order[::-1]:
-                    times.append(_per_call_us(stmt, args.min_run_time))
+                    times.append(per_call_us(stmt, args.min_run_time))
             ratio = statistics.median(n / u for n, u in zip(native_us, use_us, strict=True))
             print(f"{name:58} {statistics.median(native_us):>10.1f} {statistics.median(use_us):>9.1f} "
                   f"{ratio:>9.2f}x", flush=True)

@@ -31,7 +31,7 @@ TARGET = 0.97
 LENGTH, VOCAB, LABELS = 16, 50, 3
 
 
-def _per_call_us(stmt: Callable[[], object], min_run_time: float) -> float:
+def per_call_us(stmt: Callable[[], object], min_run_time: float) -> float:
     """Mean thread CPU time of one call over at least ``min_run_time`` seconds of it."""
     calls, start = 0, time.thread_time()
     while True:
@@ -122,7 +122,7 @@ def run(workload: Workload, batch: int, rounds: int, min_run_time: float) -> dic
         for index in range(rounds):
             order = ((native_us, setup.step), (use_us, inside))
             for times, stmt in order if index % 2 == 0 else order[::-1]:
-                times.append(_per_call_us(stmt, min_run_time))
+                times.append(per_call_us(stmt, min_run_time))
     ratios = [n / u for n, u in zip(native_us, use_us, strict=True)]
     row.update(status="ok", native_ms=statistics.median(native_us) / 1e3, use_ms=statistics.median(use_us) / 1e3,
                native_over_use=statistics.median(ratios))
