@@ -30,7 +30,7 @@ import torch
 from torch._C import _DisableFuncTorch
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
-from registry.core import dynamic
+from registry.core import dynamic, mask_writes
 from registry.core.context import vmap_levels
 from registry.core.disagree import SamplesDisagreeError, level_values
 from registry.core.frames import calling_user_frame
@@ -57,6 +57,7 @@ class Splitter:
         self.lock = threading.Lock()
         self.libraries: list[torch.library.Library] = []  # kept alive: dropping one unregisters its kernel
         self.routing_on: Callable[[], bool] | None = None
+        self.setitem: Callable[..., None] | None = None  # PyTorch's Tensor.__setitem__ while the write patch is in
 
     def warn(self, error: SamplesDisagreeError, batch_size: int, sizes: list[int]) -> None:
         site = error.site or "an unknown line"
@@ -83,7 +84,8 @@ class Splitter:
         return bool(self.libraries)
 
     def install_mask_indexing(self, routing_on: Callable[[], bool]) -> None:
-        """Register the boolean-index kernel on ``aten::index.Tensor`` (once per process)."""
+        """Register the boolean-index kernel on ``aten::index.Tensor`` and patch ``Tensor.__setitem__`` for writes
+        through a mask (once, until ``uninstall``)."""
         with self.lock:
             if self.libraries:
                 return
@@ -93,6 +95,20 @@ class Splitter:
                 native = torch.library.get_kernel("aten::index.Tensor", DISPATCH_KEY)
                 library.impl("index.Tensor", _make_mask_index(native, routing_on), DISPATCH_KEY, with_keyset=True)
             self.libraries.append(library)
+            # Writes through the mask (x[mask] = v): torch.where where v has no per-element dimension, else the
+            # mask's positions per sample (registry.core.mask_writes).
+            self.setitem = torch.Tensor.__setitem__
+            torch.Tensor.__setitem__ = mask_writes.make_setitem(self.setitem, routing_on)  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        """Remove the boolean-index kernel and restore ``Tensor.__setitem__`` (installed again when needed)."""
+        with self.lock:
+            for library in self.libraries:
+                library._destroy()
+            self.libraries.clear()
+            if self.setitem is not None:
+                torch.Tensor.__setitem__ = self.setitem  # type: ignore[method-assign]
+                self.setitem = None
 
 
 SPLITTER = Splitter()

@@ -39,6 +39,7 @@ import torch._functorch.vmap as functorch_vmap
 from torch._C._functorch import maybe_current_level
 
 from registry.core import (
+    batch_split,
     control_flow,
     cost,
     dynamic,
@@ -443,6 +444,7 @@ class Router:
                 setattr(owner, attribute, original)
             self.patches.clear()
             functionalization.uninstall()
+            batch_split.SPLITTER.uninstall()
             inplace_under_jvp.uninstall()  # it wraps what out_arguments wrapped: unwrapped first
             out_arguments.uninstall()
             library_patches.uninstall()
