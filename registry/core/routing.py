@@ -57,7 +57,7 @@ from registry.core.ops import ORIGINAL, aten_schema
 from registry.core.recording import RecordedDecision, Run
 from registry.core.registration import TABLE, OpTable
 from registry.core.runners import inplace_message, records_autograd, rewrapped, tensor_positions
-from registry.core.selector import CACHE_LISTENERS, POLICIES, SelectionError, decide, unknown_op_message
+from registry.core.selector import POLICIES, SELECTOR, SelectionError, Selector, unknown_op_message
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 BACKEND_ENV = "MULTICOMPOSITE_ROUTING"  # "python" forces the Python kernels; "cpp" makes a failed build an error
@@ -149,6 +149,7 @@ def _decider(router: Router) -> Callable[..., Chosen]:
     few reads of C++ state: the interpreter stack and each tensor's wrapper levels. The table is a closure variable,
     not an attribute: a hit reads nothing of the router."""
     decisions = router.decisions
+    decide = router.selector.decide
 
     def decide_call(op: Op, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any], compiling: bool) -> Chosen:
         tensors = _tensor_args(op, args, kwargs)
@@ -205,8 +206,11 @@ class Router:
     removes and restores it all, so that PyTorch behaves as before the import.
     """
 
-    def __init__(self, table: OpTable) -> None:
+    def __init__(self, table: OpTable, selector: Selector | None = None) -> None:
         self.table = table
+        self.selector = Selector(table) if selector is None else selector
+        if self.selector.table is not table:
+            raise ValueError("Router: the selector decides for another op table than the one given")
         self.local = _Local()
         self.frames: dict[Signature, Frame] = {}  # interned frames that do not record
         self.frame_count = 0
@@ -229,7 +233,7 @@ class Router:
         self.installed = False
         self.removed = False  # uninstall() was called: use() routes nothing until install()
         self.decide = _decider(self)
-        CACHE_LISTENERS.append(self.clear)
+        self.selector.listeners.append(self.clear)
 
     # --- the decision table -------------------------------------------------------------------------------------
 
@@ -256,7 +260,7 @@ class Router:
         ops, composites = self.table.ops, self.table.composites
         for op, pin in checked.items():
             if op not in ops:
-                raise SelectionError(f"use(pins=...): {unknown_op_message(op)}")
+                raise SelectionError(f"use(pins=...): {unknown_op_message(op, ops)}")
             if pin not in composites[op] and pin not in KINDS:
                 raise SelectionError(
                     f"use(pins=...): {op} has no composite or kind {pin!r}; registered: {', '.join(composites[op])}"
@@ -358,8 +362,8 @@ class Router:
         local = self.local
         positions = tensor_positions(name)
         decide_call = self.decide
-        of_op = cost.derivative_arguments(op, name)
         op_def = self.table.ops[op]
+        of_op = cost.derivative_arguments(op, name, self.table.signatures, op_def.tensor_args)
 
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             fixed = rewrapped(args, positions)
@@ -586,8 +590,8 @@ def _record_derivative(run: Run, op: str, name: str, functional: Callable[..., A
                 "kernel has no batching rule").called(name)
 
 
-# The default router, of the default op table: what the module-level names route with.
-ROUTER = Router(TABLE)
+# The default router, of the default op table and its selector: what the module-level names route with.
+ROUTER = Router(TABLE, SELECTOR)
 
 
 class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `with registry.use():`

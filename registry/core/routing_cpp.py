@@ -30,7 +30,7 @@ class PythonRouting(Protocol):
     """What the C++ kernels call back into: ``routing.Router``."""
 
     local: Any  # this thread's use() frames (``.frames``, innermost last)
-    table: Any  # the op table (``.derivatives``)
+    table: Any  # the op table (``.derivatives``, ``.signatures``)
     # (op, frame, args, kwargs, compiling) -> (composite, (out of place, in place) -> runs PyTorch's own kernel,
     # whether self covers the batching, recorded)
     decide: Callable[..., tuple[Callable[..., Any], tuple[bool, bool], bool, Any]]
@@ -72,7 +72,8 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
 def _derivative_decider(router: PythonRouting, functional: Callable[..., Any], op: Op,
                         name: str) -> Callable[..., Any]:
     local, decide_call = router.local, router.decide
-    of_op = cost.derivative_arguments(op.name, name)  # None: always the functional form under vmap
+    # None: always the functional form under vmap
+    of_op = cost.derivative_arguments(op.name, name, router.table.signatures, op.tensor_args)
 
     def decide(*args: Any, **kwargs: Any) -> Any:
         frame = local.frames[-1]
