@@ -35,19 +35,9 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch._functorch.vmap as functorch_vmap
 from torch._C._functorch import maybe_current_level
 
-from registry.core import (
-    control_flow,
-    cost,
-    dynamic,
-    fresh_buffers,
-    functionalization,
-    inplace_under_jvp,
-    library_patches,
-    out_arguments,
-)
+from registry.core import control_flow, cost, dynamic, patches
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, given_arguments, size_key, vmap_active, vmap_levels
 from registry.core.kernels.background import BUILD as _BUILD
@@ -56,7 +46,7 @@ from registry.core.model import Op, Overload
 from registry.core.ops import ORIGINAL, aten_schema
 from registry.core.recording import RecordedDecision, Run
 from registry.core.registration import TABLE, OpTable
-from registry.core.runners import inplace_message, records_autograd, rewrapped, tensor_positions
+from registry.core.runners import InplaceRefusalError, inplace_message, records_autograd, rewrapped, tensor_positions
 from registry.core.selector import POLICIES, SELECTOR, SelectionError, Selector, unknown_op_message
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
@@ -206,7 +196,8 @@ class Router:
     removes and restores it all, so that PyTorch behaves as before the import.
     """
 
-    def __init__(self, table: OpTable, selector: Selector | None = None) -> None:
+    def __init__(self, table: OpTable, selector: Selector | None = None,
+                 patch_set: tuple[patches.Patch, ...] = patches.PATCHES) -> None:
         self.table = table
         self.selector = Selector(table) if selector is None else selector
         if self.selector.table is not table:
@@ -229,6 +220,7 @@ class Router:
         self.backend: str | None = None  # "cpp" or "python", once chosen
         self.cpp: ModuleType | None = None  # the compiled kernels' module while the C++ backend is active
         self.set_frame: Callable[[int], None] | None = None  # cpp.set_frame while the C++ backend is active
+        self.patch_set = patch_set  # installed in order, uninstalled in reverse (registry.core.patches)
         self.patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) while installed
         self.installed = False
         self.removed = False  # uninstall() was called: use() routes nothing until install()
@@ -336,7 +328,7 @@ class Router:
             if recorded is not None:
                 recorded.called(name)
             if inplace and not self_covers:
-                raise RuntimeError(inplace_message(packet))
+                raise InplaceRefusalError(inplace_message(packet))
             # The layers below this one reach this kernel again with the same call: it is decided here, once.
             local.busy = True
             try:
@@ -414,14 +406,10 @@ class Router:
             if self.library is None:
                 self.library = torch.library.Library("aten", "IMPL")
                 control_flow.register(self.library, self.routing_on)
-                out_arguments.install(self.library, self.routing_on,
-                                      {o.name for op in self.table.ops.values() for o in op.overloads})
-                inplace_under_jvp.install(self.library, self.routing_on)
             dynamic.register(self.library, self.routing_on, self.refusing)
             if not self.installed:
-                functionalization.install(self.routing_on)
-                library_patches.install(self.routing_on)  # Function.apply, checkpoint, flex_attention
-                self.patch(functorch_vmap, "_flat_vmap", functionalization.functionalizing_flat_vmap)
+                for patch in self.patch_set:  # out=, functorch's _flat_vmap, Function.apply, checkpoint, ...
+                    patch.install(self.routing_on)
                 self.patch(torch.Tensor, "contiguous", _contiguous)
                 self.installed = True
 
@@ -442,14 +430,11 @@ class Router:
                 self.library._destroy()
                 self.library = None
             self.refusing.clear()
-            fresh_buffers.unregister()
             for owner, attribute, original in reversed(self.patches):
                 setattr(owner, attribute, original)
             self.patches.clear()
-            functionalization.uninstall()
-            inplace_under_jvp.uninstall()  # it wraps what out_arguments wrapped: unwrapped first
-            out_arguments.uninstall()
-            library_patches.uninstall()
+            for patch in reversed(self.patch_set):  # each wraps what those before it wrapped: unwrapped first
+                patch.uninstall()
             self.routed_ops.clear()
             self.installed = False
             self.removed = True

@@ -20,7 +20,7 @@ import torch
 from registry.core import cost
 from registry.core.context import vmap_active
 from registry.core.model import Op, Overload
-from registry.core.runners import inplace_message, records_autograd, runner
+from registry.core.runners import InplaceRefusalError, inplace_message, records_autograd, runner
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 PASS, NATIVE = 0, 1  # the codes kernels/routing.cpp knows; anything else a decider returns is what to call
@@ -58,7 +58,7 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
         cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
         composite, native_runs, self_covers, _ = decide_call(op, frame, cargs, ckwargs, False)
         if inplace and not self_covers:
-            raise RuntimeError(inplace_message(packet))
+            raise InplaceRefusalError(inplace_message(packet))
         if native_runs[inplace]:  # the kind's entry says (registry.core.kinds)
             return NATIVE
         run = runners.get(composite)
