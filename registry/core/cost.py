@@ -36,7 +36,7 @@ import torch
 
 from registry.core import evidence
 from registry.core.context import Context
-from registry.core.ops import OPS, schema_params
+from registry.core.ops import schema_params
 from registry.core.ratios import MIN_NOISE, ratio_text
 
 PATH = Path(__file__).with_name("reference_costs.json")
@@ -49,9 +49,12 @@ class CostError(ValueError):
     """The shipped reference costs cannot be read, or a size signature is declared twice: said with what to do."""
 
 
+Bucket = tuple[tuple[str, "int | bool | str"], ...]
+
+
 @dataclass
 class Signatures:
-    """op name -> its size signature (``define_op(..., sizes=fn)``)."""
+    """op name -> its size signature (``define_op(..., sizes=fn)``): one per op table (``OpTable.signatures``)."""
 
     by_op: dict[str, SizeSignature] = field(default_factory=dict)
 
@@ -60,13 +63,15 @@ class Signatures:
             raise CostError(f"define_op({op}): a size signature is already declared for {op}")
         self.by_op[op] = signature
 
-
-SIGNATURES = Signatures()
-
-
-def declare(op: str, signature: SizeSignature) -> None:
-    """Declare ``op``'s size signature (``define_op(..., sizes=...)`` calls this)."""
-    SIGNATURES.declare(op, signature)
+    def bucket(self, op: str, ctx: Context) -> Bucket | None:
+        """The size bucket of ``op`` in ``ctx`` by its signature, or None (no signature, or it does not apply)."""
+        signature = self.by_op.get(op)
+        if signature is None:
+            return None
+        sizes = signature(ctx)
+        if sizes is None:
+            return None
+        return tuple((name, _bucketed(value)) for name, value in sizes.items())
 
 
 def _bucketed(value: int | bool | str) -> int | bool | str:
@@ -74,17 +79,6 @@ def _bucketed(value: int | bool | str) -> int | bool | str:
     if isinstance(value, bool) or not isinstance(value, int):
         return value
     return 1 << max(value.bit_length() - 1, 0)
-
-
-def bucket(op: str, ctx: Context) -> tuple[tuple[str, int | bool | str], ...] | None:
-    """The size bucket of ``op`` in ``ctx`` by its signature, or None (no signature, or it does not apply)."""
-    signature = SIGNATURES.by_op.get(op)
-    if signature is None:
-        return None
-    sizes = signature(ctx)
-    if sizes is None:
-        return None
-    return tuple((name, _bucketed(value)) for name, value in sizes.items())
 
 
 # --- the shipped reference costs: grids of sizes, interpolated ------------------------------------------------------
@@ -200,14 +194,16 @@ def _where(ctx: Context, sizes: tuple[tuple[str, int | bool | str], ...]) -> str
     return f"{stack} at {said}"
 
 
-def choose(op: str, ctx: Context, judged: Iterable[tuple[Any, Any]], policy: str,
+def choose(op: str, ctx: Context, judged: Iterable[tuple[Any, Any]], policy: str, sizes: Bucket | None,
+           source: evidence.EvidenceSource, tensor_args: tuple[str, ...],
            costs: ReferenceCosts | None = None) -> Costed | None:
-    """The choice between native and the valid composites by their cost at ``ctx``'s size bucket, where native is
-    correct and only loops (its problem is ``slow``) and ``op`` has a size signature; None leaves the choice to the
-    rules and profiles as before. ``judged``: (composite, problem or None) of every composite of ``op``."""
+    """The choice between native and the valid composites by their cost at ``ctx``'s size bucket (``sizes``: the
+    op's ``Signatures.bucket``), where native is correct and only loops (its problem is ``slow``) and ``op`` has a
+    size signature; None leaves the choice to the rules and profiles as before. ``judged``: (composite, problem or
+    None) of every composite of ``op``; ``source``: the registry's evidence; ``tensor_args``: the op's tensor
+    parameters."""
     if policy not in ("auto", "fastest"):
         return None
-    sizes = bucket(op, ctx)
     if sizes is None:
         return None
     judged = list(judged)
@@ -217,12 +213,12 @@ def choose(op: str, ctx: Context, judged: Iterable[tuple[Any, Any]], policy: str
     problem = dict((c.name, p) for c, p in judged)[native.name]
     if problem is None or problem.status != "slow":
         return None  # native is valid (it runs anyway) or wrong here (it must not run)
-    measured_native, _ = evidence.source().evidence(op, native.name, ctx, OPS[op].tensor_args)
+    measured_native, _ = source.evidence(op, native.name, ctx, tensor_args)
     if measured_native is not None and measured_native.status != "slow":
         return None
     valid = [c for c, p in judged if p is None]
     where = _where(ctx, sizes)
-    ratios, said = _local(op, ctx, native.name, [c.name for c in valid])
+    ratios, said = _local(source, op, ctx, native.name, [c.name for c in valid])
     if not ratios:
         table = costs or reference_costs()
         named = dict(sizes)
@@ -242,10 +238,11 @@ def choose(op: str, ctx: Context, judged: Iterable[tuple[Any, Any]], policy: str
                                f"{best} is {ratio_text(ratio, 'native')} at this size ({said})", 1.0)
 
 
-def _local(op: str, ctx: Context, native: str, valid: list[str]) -> tuple[dict[str, float], str]:
+def _local(source: evidence.EvidenceSource, op: str, ctx: Context, native: str, valid: list[str],
+           ) -> tuple[dict[str, float], str]:
     """Each valid composite's time over native's in a local profile (``multicomposite profile``), where it timed
     native and at least one of them."""
-    timings = evidence.source().timings(op, ctx, [native, *valid])
+    timings = source.timings(op, ctx, [native, *valid])
     if native not in timings or not any(name in timings for name in valid):
         return {}, ""
     base = timings[native]
@@ -257,17 +254,17 @@ def _local(op: str, ctx: Context, native: str, valid: list[str]) -> tuple[dict[s
 # --- derivative ops: folded where the op itself is ------------------------------------------------------------------
 
 
-def derivative_arguments(op: str, overload: str) -> Callable[[tuple[Any, ...], Mapping[str, Any]],
-                                                              dict[str, torch.Tensor]] | None:
+def derivative_arguments(op: str, overload: str, signatures: Signatures, tensor_args: tuple[str, ...],
+                         ) -> Callable[[tuple[Any, ...], Mapping[str, Any]], dict[str, torch.Tensor]] | None:
     """For a derivative op of ``op`` (``register_derivative``): what to decide ``op`` on when the derivative is
     reached under vmap, its tensors named as ``op``'s tensor parameters (the router then runs PyTorch's own kernel
     where ``op`` itself, at these sizes, runs natively); None where ``op`` has no size signature (its derivatives are
-    always replaced under vmap)."""
-    if op not in SIGNATURES.by_op:
+    always replaced under vmap). ``signatures``: the op table's; ``tensor_args``: ``op``'s tensor parameters."""
+    if op not in signatures.by_op:
         return None
     name, _, overload_name = overload.partition(".")
     params = tuple(param for param, _ in schema_params(name, overload_name))
-    wanted = OPS[op].tensor_args
+    wanted = tensor_args
 
     def arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         values = dict(zip(params, args, strict=False))

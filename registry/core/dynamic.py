@@ -12,8 +12,9 @@ the fixed-shape form, and the level's vmap re-runs the function on the groups of
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -35,13 +36,10 @@ class DynamicShape:
     name: str  # what the user called: "unique" for aten::_unique2
 
 
-DYNAMIC_SHAPE: dict[str, DynamicShape] = {}
-
-
-def declare_dynamic_shape(overload: str, batched: tuple[str, ...], alternative: str, name: str = "") -> None:
+def refused(overload: str, batched: tuple[str, ...], alternative: str, name: str = "") -> DynamicShape:
     """Refuse ``aten::overload`` under vmap inside ``use()`` when one of ``batched`` is batched, naming
     ``alternative``."""
-    DYNAMIC_SHAPE[overload] = DynamicShape(overload, batched, alternative, name or overload.partition(".")[0])
+    return DynamicShape(overload, batched, alternative, name or overload.partition(".")[0])
 
 
 # The words every refusal carries: the survey recognizes them as "by design", as it does vmap's own refusal.
@@ -146,13 +144,14 @@ def register(library: torch.library.Library, routing_on: Callable[[], bool], don
 
 _NONZERO_STATIC = ("use torch.nonzero_static(input, size=N, fill_value=-1), which pads every sample's indices to N "
                    "rows")
-declare_dynamic_shape("nonzero", ("self",), _NONZERO_STATIC)
-declare_dynamic_shape("argwhere", ("self",), _NONZERO_STATIC)
-declare_dynamic_shape("masked_select", ("mask",),
-                      "use torch.where(mask, self, fill) or self.masked_fill(~mask, fill), which keep self's shape, "
-                      "or torch.nonzero_static on the mask to gather a fixed number of elements")
-for _unique in ("_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive"):
-    declare_dynamic_shape(_unique, ("self",),
-                          "sort the values (torch.sort keeps the shape) and mark first occurrences with a mask "
-                          "(sorted[..., 1:] != sorted[..., :-1]), or pad to a fixed count with torch.nonzero_static",
-                          name=_unique.lstrip("_").removesuffix("2"))
+_UNIQUE_ALTERNATIVE = ("sort the values (torch.sort keeps the shape) and mark first occurrences with a mask "
+                       "(sorted[..., 1:] != sorted[..., :-1]), or pad to a fixed count with torch.nonzero_static")
+# The overloads refused under vmap, by name: a constant table (what PyTorch's ops are), read-only.
+DYNAMIC_SHAPE: Mapping[str, DynamicShape] = MappingProxyType({spec.overload: spec for spec in (
+    refused("nonzero", ("self",), _NONZERO_STATIC),
+    refused("argwhere", ("self",), _NONZERO_STATIC),
+    refused("masked_select", ("mask",), "use torch.where(mask, self, fill) or self.masked_fill(~mask, fill), which "
+            "keep self's shape, or torch.nonzero_static on the mask to gather a fixed number of elements"),
+    *(refused(unique, ("self",), _UNIQUE_ALTERNATIVE, name=unique.lstrip("_").removesuffix("2"))
+      for unique in ("_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive")),
+)})

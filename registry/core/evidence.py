@@ -54,19 +54,30 @@ class NoEvidence:
         return {}
 
 
-_source: EvidenceSource = NoEvidence()
-# Called after the source changes (the selector drops its cached decisions, which were made on the old evidence).
-ON_SOURCE_CHANGE: list[Callable[[], None]] = []
+class EvidenceSlot:
+    """Where one registry's selector reads its evidence: the registered source, and the listeners told when it changes
+    (its selector, which drops the decisions made on the old evidence). ``Registry.evidence``; ``SLOT`` is the
+    default registry's, which the module-level ``register_source`` and ``source`` use."""
+
+    def __init__(self, source: EvidenceSource | None = None) -> None:
+        self.source: EvidenceSource = NoEvidence() if source is None else source
+        self.listeners: list[Callable[[], None]] = []
+
+    def register(self, source: EvidenceSource) -> None:
+        """Make ``source`` the evidence every later decision reads."""
+        self.source = source
+        for listener in self.listeners:
+            listener()
+
+
+SLOT = EvidenceSlot()
 
 
 def register_source(source: EvidenceSource) -> None:
-    """Make ``source`` the evidence every later decision reads."""
-    global _source
-    _source = source
-    for listener in ON_SOURCE_CHANGE:
-        listener()
+    """Make ``source`` the evidence every later decision of the default registry reads."""
+    SLOT.register(source)
 
 
 def source() -> EvidenceSource:
-    """The registered evidence source."""
-    return _source
+    """The default registry's evidence source."""
+    return SLOT.source

@@ -23,10 +23,6 @@ import torch
 from torch._C._functorch import TransformType, _add_batch_dim, _unwrap_batched
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop
 
-_install_lock = threading.Lock()
-_active: list[Callable[[], bool]] = []
-_registered: list[bool] = []
-
 
 def _front(tensor: Any, level: int) -> tuple[Any, bool]:
     """``tensor``'s physical form with the vmap dimension of ``level`` first, and whether it had one."""
@@ -93,9 +89,6 @@ def _folded_block_mask(block_mask: tuple[Any, ...], level: int, vmap_size: int, 
 def _vmap_rule(interpreter: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable,
                block_mask: tuple, scale: float, kernel_options: dict[str, Any],
                score_mod_other_buffers: tuple = (), mask_mod_other_buffers: tuple = ()) -> tuple[Any, ...]:
-    if not _active or not _active[0]():
-        # What PyTorch's dispatch raises where the HOP has no vmap rule: outside use() nothing changes.
-        raise KeyError(TransformType.Vmap)
     level = interpreter.level()
     vmap_size = interpreter.batch_size()
     q, q_batched = _front(query, level)
@@ -120,19 +113,33 @@ def _vmap_rule(interpreter: Any, query: torch.Tensor, key: torch.Tensor, value: 
     return tuple(unfolded)
 
 
-def install(active: Callable[[], bool]) -> None:
-    """Register the vmap rule on the HOP (once per process); outside ``use()`` it fails as the missing rule does."""
-    with _install_lock:
-        if not _active:
-            _active.append(active)
-        if not _registered:
-            flex_attention_hop.py_impl(TransformType.Vmap)(_vmap_rule)
-            _registered.append(True)
+class FlexAttentionPatch:
+    """The vmap rule on the HOP (``registry.core.patches.Patch``): registered by ``install``, removed by
+    ``uninstall``; outside ``use()`` it fails as the missing rule does."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active: Callable[[], bool] | None = None  # whether this thread routes, while installed
+
+    def vmap_rule(self, interpreter: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        active = self.active
+        if active is None or not active():
+            # What PyTorch's dispatch raises where the HOP has no vmap rule: outside use() nothing changes.
+            raise KeyError(TransformType.Vmap)
+        return _vmap_rule(interpreter, *args, **kwargs)
+
+    def install(self, active: Callable[[], bool]) -> None:
+        with self.lock:
+            self.active = active
+            if TransformType.Vmap not in flex_attention_hop.functorch_table:
+                flex_attention_hop.py_impl(TransformType.Vmap)(self.vmap_rule)
+
+    def uninstall(self) -> None:
+        """Remove the vmap rule: the HOP is as PyTorch made it."""
+        with self.lock:
+            if self.active is not None:
+                flex_attention_hop.functorch_table.pop(TransformType.Vmap, None)
+            self.active = None
 
 
-def uninstall() -> None:
-    """Remove the vmap rule: the HOP is as PyTorch made it."""
-    with _install_lock:
-        flex_attention_hop.functorch_table.pop(TransformType.Vmap, None)
-        _registered.clear()
-        _active.clear()
+PATCH = FlexAttentionPatch()  # the default registry's (``Router.patches``)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,23 +49,10 @@ class _Local(threading.local):
         self.regions = []
 
 
-_local = _Local()
-_register_lock = threading.Lock()
-_libraries: list[torch.library.Library] = []
-
-
 def current_region() -> Region:
     """The region being entered: called first thing inside ``functionalize``, the vmap level right outside it."""
     interpreters = get_interpreter_stack()
     return Region(interpreters[-1].level(), interpreters[-2].level())
-
-
-def push(region: Region) -> None:
-    _local.regions.append(region)
-
-
-def pop() -> None:
-    _local.regions.pop()
 
 
 def _called_inside(region: Region) -> bool:
@@ -80,9 +68,8 @@ def _outside(tensor: Any, region: Region) -> bool:
     return isinstance(tensor, torch.Tensor) and maybe_get_level(tensor) < region.vmap_level
 
 
-def _make_buffer_maker(overload: torch._ops.OpOverload, native: Any) -> Any:
+def _make_buffer_maker(overload: torch._ops.OpOverload, native: Any, local: _Local) -> Any:
     call_native = native.call_boxed
-    local = _local
 
     def kernel(keyset: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
         regions = local.regions
@@ -104,10 +91,9 @@ def functional_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = 
     return src.to(device=self.device, dtype=self.dtype, non_blocking=non_blocking).expand(self.shape).clone()
 
 
-def _make_copy(native: Any) -> Any:
+def _make_copy(native: Any, local: _Local) -> Any:
     """``aten::copy`` below a region (where functionalization sends ``copy_``): ``functional_copy``."""
     call_native = native.call_boxed
-    local = _local
 
     def kernel(keyset: Any, self: Any, src: Any, non_blocking: bool = False) -> Any:
         if local.regions and not local.busy and not _called_inside(local.regions[-1]):
@@ -122,28 +108,49 @@ def _make_copy(native: Any) -> Any:
     return kernel
 
 
-def register() -> None:
-    """Register the region kernels, once per process."""
-    if _libraries:
-        return
-    with _register_lock:
-        if _libraries:
+class FreshBuffers:
+    """The region kernels and each thread's open regions (``registry.core.patches.Patch``): the kernels are
+    registered at the first region (``register``), into a Library of their own that ``uninstall`` destroys."""
+
+    def __init__(self) -> None:
+        self.local = _Local()
+        self.lock = threading.Lock()
+        self.library: torch.library.Library | None = None
+
+    def push(self, region: Region) -> None:
+        self.local.regions.append(region)
+
+    def pop(self) -> None:
+        self.local.regions.pop()
+
+    def install(self, active: Callable[[], bool]) -> None:
+        """Nothing until the first region: a process that needs none registers nothing."""
+
+    def register(self) -> None:
+        """Register the region kernels, once (until ``uninstall``)."""
+        if self.library is not None:
             return
-        library = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Warning only once for all operators")
-            for name in BUFFER_MAKERS:
-                overload = getattr(torch.ops.aten, name).default
-                native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
-                library.impl(name, _make_buffer_maker(overload, native), DISPATCH_KEY, with_keyset=True)
-            library.impl("copy", _make_copy(torch.library.get_kernel("aten::copy", DISPATCH_KEY)), DISPATCH_KEY,
-                         with_keyset=True)
-        _libraries.append(library)  # the Library stays alive: dropping it unregisters its kernels
+        with self.lock:
+            if self.library is not None:
+                return
+            library = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Warning only once for all operators")
+                for name in BUFFER_MAKERS:
+                    overload = getattr(torch.ops.aten, name).default
+                    native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
+                    library.impl(name, _make_buffer_maker(overload, native, self.local), DISPATCH_KEY,
+                                 with_keyset=True)
+                library.impl("copy", _make_copy(torch.library.get_kernel("aten::copy", DISPATCH_KEY), self.local),
+                             DISPATCH_KEY, with_keyset=True)
+            self.library = library  # kept alive: dropping the Library unregisters its kernels
+
+    def uninstall(self) -> None:
+        """Remove the region kernels; the next retry that needs them registers them again."""
+        with self.lock:
+            if self.library is not None:
+                self.library._destroy()
+                self.library = None
 
 
-def unregister() -> None:
-    """Remove the region kernels (``Router.uninstall``); the next retry that needs them registers them again."""
-    with _register_lock:
-        for library in _libraries:
-            library._destroy()
-        _libraries.clear()
+PATCH = FreshBuffers()  # the default registry's (``Router.patches``)

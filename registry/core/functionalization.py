@@ -41,9 +41,13 @@ from registry.core import batch_split, control_flow, fresh_buffers, out_argument
 from registry.core.context import functorch_stack
 from registry.core.disagree import SamplesDisagreeError
 from registry.core.frames import raising_user_frame
+from registry.core.runners import InplaceRefusalError
 
 # PyTorch's refusal of an in-place write of a batched value into an unbatched self (every in-place op's batching rule
-# and the routing kernels' in-place variants say it).
+# says it; the routing kernels' in-place variants raise ``InplaceRefusalError`` with the same text, recognised by type).
+# PyTorch's own is a plain RuntimeError raised in C++ from inside the user's function, where no probe can run before
+# the write (vmap runs the function whole; only a kernel on every in-place overload could look at its arguments, and
+# that would cost every in-place call under every transform): so it, and the three below, are recognised by text.
 INPLACE_REFUSAL = ("is not possible because there exists a Tensor `other` in extra_args that has more elements than "
                    "`self`")
 # The same refusal from in-place arithmetic (``buffer.add_(batched)``): the broadcast shape includes the batch.
@@ -62,25 +66,6 @@ class OutsideWriteError(RuntimeError):
 
 
 PYTORCH_FLAT_VMAP = functorch_vmap._flat_vmap
-_install_lock = threading.Lock()
-_active: list[Callable[[], bool]] = []  # the predicate install() was given: whether this thread routes
-
-# Code of the functions (with the code of what they wrap) whose vmapped body needed functionalizing.
-FUNCTIONALIZED: set[tuple[object, ...]] = set()
-
-
-@contextlib.contextmanager
-def remembering_apart() -> Iterator[None]:
-    """Within the block, no function is remembered as needing functionalization, and nothing remembered there
-    outlives it: the harness runs each case as a program of its own (its wrappers share their code across ops, so
-    one case's write into a fresh buffer would have the next op's case functionalized too)."""
-    saved = set(FUNCTIONALIZED)
-    FUNCTIONALIZED.clear()
-    try:
-        yield
-    finally:
-        FUNCTIONALIZED.clear()
-        FUNCTIONALIZED.update(saved)
 
 
 def function_key(func: Callable[..., Any]) -> tuple[object, ...]:
@@ -142,22 +127,10 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None] | None)
         torch.cuda.set_rng_state_all(cuda)
 
 
-def _functionalizing(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``functionalize(func)``, with the region kept on this thread's stack while it runs (fresh_buffers reads it)."""
-
-    @functools.wraps(func)
-    def region(*args: Any, **kwargs: Any) -> Any:
-        fresh_buffers.push(fresh_buffers.current_region())
-        try:
-            return func(*args, **kwargs)
-        finally:
-            fresh_buffers.pop()
-
-    return functionalize(region)
-
-
 def _is_write_refusal(error: BaseException) -> bool:
-    return isinstance(error, OutsideWriteError) or (isinstance(error, RuntimeError) and INPLACE_REFUSAL in str(error))
+    if isinstance(error, (OutsideWriteError, InplaceRefusalError)):  # ours: the routing kernels' and the retry's
+        return True
+    return isinstance(error, RuntimeError) and INPLACE_REFUSAL in str(error)  # PyTorch's (see INPLACE_REFUSAL)
 
 
 def _may_be_write_refusal(error: BaseException) -> bool:
@@ -193,88 +166,143 @@ def _outside_write_message(failure: BaseException, retry: BaseException) -> str:
             f"{str(failure).splitlines()[0]} ({INPLACE_REFUSAL})")
 
 
-def functionalizing_flat_vmap(func: Callable[..., Any], batch_size: int, flat_in_dims: list[int | None],
-                              flat_args: list[Any], args_spec: Any, out_dims: Any, randomness: str,
-                              **kwargs: Any) -> Any:
-    """vmap's implementation, functionalizing the level where an in-place write into a fresh buffer needs it."""
-    args = (batch_size, flat_in_dims, flat_args, args_spec, out_dims, randomness)
-    if torch.compiler.is_compiling() or not _active or not _active[0]():
-        # Dynamo traces vmap's Python (it cannot trace a retry); outside use(): PyTorch's vmap.
-        return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
-    # The key is computed only where something is remembered or a run failed (about 5 us); the random state is saved
-    # only where a random op can run: in randomness="error" mode vmap refuses every one (about 3 us).
-    remembered = bool(FUNCTIONALIZED) and function_key(func) in FUNCTIONALIZED
-    state = None if randomness == "error" else _rng_state()
-    try:
-        if remembered:
-            return PYTORCH_FLAT_VMAP(_functionalizing(func), *args, **kwargs)
-        return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
-    except SamplesDisagreeError as error:
-        return _split(error, state, func, *args, **kwargs)
-    except RuntimeError as error:
-        failure = error
-    if out_arguments.is_out_refusal(failure):  # the first out= call inside use(): its kernels, then again
-        out_arguments.register_kernels()
-        _set_rng_state(state)
-        return functionalizing_flat_vmap(func, *args, **kwargs)
-    if isinstance(failure, control_flow.BooleanMaskError):  # an inner level's, already saying where
-        raise failure
-    if control_flow.MASK_REFUSAL in str(failure):
-        if not batch_split.SPLITTER.mask_indexing_installed():
-            # The first boolean-mask index of a batched mask inside use(): from now on it is computed per sample.
-            batch_split.SPLITTER.install_mask_indexing(_active[0])
+class Functionalization:
+    """Automatic functionalization inside ``use()`` (``registry.core.patches.Patch``): ``install`` puts
+    ``flat_vmap`` in place of functorch's ``_flat_vmap``, ``uninstall`` puts PyTorch's back and forgets what was
+    remembered. It holds the predicate (whether this thread routes), the functions remembered as needing
+    functionalization, and the patches its retries use: the fresh-buffer regions and the ``out=`` kernels."""
+
+    def __init__(self, fresh: fresh_buffers.FreshBuffers, outs: out_arguments.OutArguments) -> None:
+        self.fresh_buffers = fresh
+        self.out_arguments = outs
+        self.lock = threading.Lock()
+        self.active: Callable[[], bool] | None = None  # whether this thread routes, while installed
+        # Code of the functions (with the code of what they wrap) whose vmapped body needed functionalizing.
+        self.functionalized: set[tuple[object, ...]] = set()
+
+    def install(self, active: Callable[[], bool]) -> None:
+        """Threads outside ``use()`` (``active()`` false) run PyTorch's own implementation."""
+        with self.lock:
+            self.active = active
+            functorch_vmap._flat_vmap = self.flat_vmap
+
+    def uninstall(self) -> None:
+        with self.lock:
+            functorch_vmap._flat_vmap = PYTORCH_FLAT_VMAP
+            self.active = None
+            self.functionalized.clear()
+
+    @contextlib.contextmanager
+    def remembering_apart(self) -> Iterator[None]:
+        """Within the block, no function is remembered as needing functionalization, and nothing remembered there
+        outlives it: the harness runs each case as a program of its own (its wrappers share their code across ops,
+        so one case's write into a fresh buffer would have the next op's case functionalized too)."""
+        functionalized = self.functionalized
+        saved = set(functionalized)
+        functionalized.clear()
+        try:
+            yield
+        finally:
+            functionalized.clear()
+            functionalized.update(saved)
+
+    def functionalizing(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """``functionalize(func)``, with the region kept on this thread's stack while it runs (fresh_buffers reads
+        it)."""
+        fresh = self.fresh_buffers
+
+        @functools.wraps(func)
+        def region(*args: Any, **kwargs: Any) -> Any:
+            fresh.push(fresh_buffers.current_region())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                fresh.pop()
+
+        return functionalize(region)
+
+    def flat_vmap(self, func: Callable[..., Any], batch_size: int, flat_in_dims: list[int | None],
+                  flat_args: list[Any], args_spec: Any, out_dims: Any, randomness: str, **kwargs: Any) -> Any:
+        """vmap's implementation, functionalizing the level where an in-place write into a fresh buffer needs it."""
+        args = (batch_size, flat_in_dims, flat_args, args_spec, out_dims, randomness)
+        active = self.active
+        if torch.compiler.is_compiling() or active is None or not active():
+            # Dynamo traces vmap's Python (it cannot trace a retry); outside use(): PyTorch's vmap.
+            return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
+        # The key is computed only where something is remembered or a run failed (about 5 us); the random state is saved
+        # only where a random op can run: in randomness="error" mode vmap refuses every one (about 3 us).
+        functionalized = self.functionalized
+        remembered = bool(functionalized) and function_key(func) in functionalized
+        state = None if randomness == "error" else _rng_state()
+        try:
+            if remembered:
+                return PYTORCH_FLAT_VMAP(self.functionalizing(func), *args, **kwargs)
+            return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
+        except SamplesDisagreeError as error:
+            return self.split(error, state, func, *args, **kwargs)
+        except RuntimeError as error:
+            failure = error
+        if self.out_arguments.is_out_refusal(failure):  # the first out= call inside use(): its kernels, then again
+            self.out_arguments.register_kernels()
             _set_rng_state(state)
-            return functionalizing_flat_vmap(func, *args, **kwargs)
-        raise control_flow.BooleanMaskError(control_flow.boolean_mask_message(failure)) from failure
-    if remembered:
-        if OUTSIDE_REFUSAL in str(failure) or _is_write_refusal(failure):
+            return self.flat_vmap(func, *args, **kwargs)
+        if isinstance(failure, control_flow.BooleanMaskError):  # an inner level's, already saying where
+            raise failure
+        if control_flow.MASK_REFUSAL in str(failure):
+            if not batch_split.SPLITTER.mask_indexing_installed():
+                # The first boolean-mask index of a batched mask inside use(): from now on it is computed per sample.
+                batch_split.SPLITTER.install_mask_indexing(active)
+                _set_rng_state(state)
+                return self.flat_vmap(func, *args, **kwargs)
+            raise control_flow.BooleanMaskError(control_flow.boolean_mask_message(failure)) from failure
+        if remembered:
+            if OUTSIDE_REFUSAL in str(failure) or _is_write_refusal(failure):
+                raise OutsideWriteError(_outside_write_message(failure, failure)) from failure
+            # Functionalized, this call failed where it may run as written (a torch.autograd.Function, which
+            # functionalize cannot run, on a path that writes nothing): run it as written, from the same random state.
+            _set_rng_state(state)
+            return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
+        if CAPTURED_REFUSAL in str(failure):  # grad refuses a write into a captured tensor before vmap sees it
             raise OutsideWriteError(_outside_write_message(failure, failure)) from failure
-        # Functionalized, this call failed where it may run as written (a torch.autograd.Function, which functionalize
-        # cannot run, on a path that writes nothing): run it as written, from the same random state.
+        if not _may_be_write_refusal(failure):
+            raise failure
         _set_rng_state(state)
-        return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
-    if CAPTURED_REFUSAL in str(failure):  # grad refuses a write into a captured tensor before vmap sees it
-        raise OutsideWriteError(_outside_write_message(failure, failure)) from failure
-    if not _may_be_write_refusal(failure):
-        raise failure
-    _set_rng_state(state)
-    fresh_buffers.register()
-    try:
-        result = PYTORCH_FLAT_VMAP(_functionalizing(func), *args, **kwargs)
-    except SamplesDisagreeError as retry:  # functionalized, it ran past the write to a branch the samples disagree on
-        FUNCTIONALIZED.add(function_key(func))
-        return _split(retry, state, func, *args, **kwargs)
-    except Exception as retry:
-        if not _functionalization_failed(retry) or (not _is_write_refusal(failure) and _may_be_write_refusal(retry)):
-            raise  # an error of the function itself, which the first run did not reach
-        raise OutsideWriteError(_outside_write_message(failure, retry)) from failure
-    FUNCTIONALIZED.add(function_key(func))
-    return result
+        self.fresh_buffers.register()
+        try:
+            result = PYTORCH_FLAT_VMAP(self.functionalizing(func), *args, **kwargs)
+        except SamplesDisagreeError as retry:  # functionalized, it ran past the write to a branch the samples split on
+            functionalized.add(function_key(func))
+            return self.split(retry, state, func, *args, **kwargs)
+        except Exception as retry:
+            if not _functionalization_failed(retry) or (not _is_write_refusal(failure)
+                                                         and _may_be_write_refusal(retry)):
+                raise  # an error of the function itself, which the first run did not reach
+            raise OutsideWriteError(_outside_write_message(failure, retry)) from failure
+        functionalized.add(function_key(func))
+        return result
+
+    def split(self, error: SamplesDisagreeError, state: tuple[torch.Tensor, list[torch.Tensor] | None] | None,
+              func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The level run once per group of agreeing samples (registry.core.batch_split), or ``error`` again where this
+        level does not batch the disagreement (an outer level splits)."""
+        level = len(functorch_stack()) + 1  # the level this call's vmap made (popped again by now)
+        result = batch_split.split_level(self.flat_vmap, error, level, func, *args,
+                                         reset_random=lambda: _set_rng_state(state), **kwargs)
+        if result is NotImplemented:
+            raise error
+        return result
 
 
-def _split(error: SamplesDisagreeError, state: tuple[torch.Tensor, list[torch.Tensor] | None] | None,
-           func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """The level run once per group of agreeing samples (registry.core.batch_split), or ``error`` again where this
-    level does not batch the disagreement (an outer level splits)."""
-    level = len(functorch_stack()) + 1  # the level this call's vmap made (popped again by now)
-    result = batch_split.split_level(functionalizing_flat_vmap, error, level, func, *args,
-                                     reset_random=lambda: _set_rng_state(state), **kwargs)
-    if result is NotImplemented:
-        raise error
-    return result
+# The default registry's (``Router.patches``), with the default fresh-buffer and out= patches.
+PATCH = Functionalization(fresh_buffers.PATCH, out_arguments.PATCH)
+FUNCTIONALIZED = PATCH.functionalized  # the default patch's remembered functions (the harness and tests read it)
 
 
-def install(active: Callable[[], bool]) -> None:
-    """Say which predicate tells whether this thread is inside ``use()`` with a policy that routes (``active()``);
-    the router that installs this puts ``functionalizing_flat_vmap`` in place of functorch's ``_flat_vmap`` (and
-    restores it). Threads outside ``use()`` run PyTorch's own implementation."""
-    with _install_lock:
-        _active[:] = [active]
+def remembering_apart() -> contextlib.AbstractContextManager[None]:
+    """``Functionalization.remembering_apart`` of the default registry's patch."""
+    return PATCH.remembering_apart()
 
 
-def uninstall() -> None:
-    """Forget the predicate and the functions remembered as needing functionalization: the functionalizing vmap, if
-    still reached, runs PyTorch's own implementation."""
-    with _install_lock:
-        _active.clear()
-        FUNCTIONALIZED.clear()
+def functionalizing_flat_vmap(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """vmap's implementation as the default registry's patch runs it (what ``install`` puts in place)."""
+    return PATCH.flat_vmap(func, *args, **kwargs)

@@ -30,19 +30,6 @@ from registry.core.context import functorch_stack
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 
-# in-place overload ("index_put_") -> the out-of-place overload ("index_put") it is computed as under jvp.
-DECLARED: dict[str, str] = {}
-
-_register_lock = threading.Lock()
-_registered: set[str] = set()
-_pending: list[tuple[torch.library.Library, Callable[[], bool]]] = []  # what install() was given
-
-
-def declare(inplace: str, functional: str) -> None:
-    """Route ``aten::<inplace>`` through ``aten::<functional>`` (then ``copy_``) where a jvp level is active."""
-    DECLARED[inplace] = functional
-
-
 def _overload(name: str) -> torch._ops.OpOverload:
     packet, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, packet), overload or "default")
@@ -60,51 +47,81 @@ def _make_kernel(functional: torch._ops.OpOverload, native: Any, active: Callabl
     return kernel
 
 
-def register_kernels() -> None:
-    """Register the kernel of every declared overload not registered yet (into the library install() was given)."""
-    if not _pending:
-        return
-    library, active = _pending[0]
-    with _register_lock, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Warning only once for all operators")
-        for inplace, functional in DECLARED.items():
-            if inplace in _registered:
-                continue
-            native = torch.library.get_kernel(f"aten::{inplace}", DISPATCH_KEY)
-            library.impl(inplace, _make_kernel(_overload(functional), native, active), DISPATCH_KEY,
-                         with_keyset=True)
-            _registered.add(inplace)
-
-
-def _registering(transform: Callable[..., Any], active: Callable[[], bool]) -> Callable[..., Any]:
+def _registering(transform: Callable[..., Any], patch: InplaceUnderJvp) -> Callable[..., Any]:
     """jvp's implementation, registering the kernels first where it runs inside ``use()`` for the first time."""
 
     @functools.wraps(transform)
     def registering(*args: Any, **kwargs: Any) -> Any:
-        if len(_registered) != len(DECLARED) and not torch.compiler.is_compiling() and active():
-            register_kernels()
+        active = patch.active
+        if (len(patch.registered) != len(patch.declared) and active is not None and not torch.compiler.is_compiling()
+                and active()):
+            patch.register_kernels()
         return transform(*args, **kwargs)
 
     return registering
 
 
-def install(library: torch.library.Library, active: Callable[[], bool]) -> None:
-    """Register the kernels into ``library`` at the first jvp inside ``use()``, once per process; ``active()``:
-    whether this thread is inside ``use()`` with a policy that routes, outside a composite."""
-    with _register_lock:
-        if _pending:
-            return
-        _pending.append((library, active))
-        eager_transforms._jvp_with_argnums = _registering(eager_transforms._jvp_with_argnums, active)
+class InplaceUnderJvp:
+    """The declared overloads and their kernels (``registry.core.patches.Patch``): ``install`` wraps jvp's
+    implementation so that its first run inside ``use()`` registers the kernels, into a Library of this patch's own;
+    ``uninstall`` unwraps it and destroys the Library."""
+
+    def __init__(self) -> None:
+        # in-place overload ("index_put_") -> the out-of-place overload ("index_put") it is computed as under jvp.
+        self.declared: dict[str, str] = {}
+        self.registered: set[str] = set()
+        self.lock = threading.Lock()
+        self.active: Callable[[], bool] | None = None  # whether this thread routes, while installed
+        self.library: torch.library.Library | None = None
+
+    def declare(self, inplace: str, functional: str) -> None:
+        """Route ``aten::<inplace>`` through ``aten::<functional>`` (then ``copy_``) where a jvp level is active."""
+        self.declared[inplace] = functional
+
+    def register_kernels(self) -> None:
+        """Register the kernel of every declared overload not registered yet."""
+        with self.lock, warnings.catch_warnings():
+            active = self.active
+            if active is None:
+                return
+            if self.library is None:
+                self.library = torch.library.Library("aten", "IMPL")
+            warnings.filterwarnings("ignore", message="Warning only once for all operators")
+            for inplace, functional in self.declared.items():
+                if inplace in self.registered:
+                    continue
+                native = torch.library.get_kernel(f"aten::{inplace}", DISPATCH_KEY)
+                self.library.impl(inplace, _make_kernel(_overload(functional), native, active), DISPATCH_KEY,
+                                  with_keyset=True)
+                self.registered.add(inplace)
+
+    def install(self, active: Callable[[], bool]) -> None:
+        """``active()``: whether this thread is inside ``use()`` with a policy that routes, outside a composite."""
+        with self.lock:
+            if self.active is not None:
+                return
+            self.active = active
+            eager_transforms._jvp_with_argnums = _registering(eager_transforms._jvp_with_argnums, self)
+
+    def uninstall(self) -> None:
+        """jvp's implementation is the one it wrapped again, the kernels are gone, and they are registered anew at
+        the first jvp after the next ``install()``."""
+        with self.lock:
+            if self.active is None:
+                return
+            patched = eager_transforms._jvp_with_argnums
+            eager_transforms._jvp_with_argnums = getattr(patched, "__wrapped__", patched)
+            if self.library is not None:
+                self.library._destroy()
+                self.library = None
+            self.registered.clear()
+            self.active = None
 
 
-def uninstall() -> None:
-    """Undo ``install()``: jvp's implementation is the one it wrapped again, and the kernels (in the Library
-    ``install()`` was given, which its owner destroys) are registered anew after the next ``install()``."""
-    with _register_lock:
-        if not _pending:
-            return
-        patched = eager_transforms._jvp_with_argnums
-        eager_transforms._jvp_with_argnums = getattr(patched, "__wrapped__", patched)
-        _pending.clear()
-        _registered.clear()
+PATCH = InplaceUnderJvp()  # the default registry's (``Router.patches``)
+
+
+def declare(inplace: str, functional: str) -> None:
+    """Route ``aten::<inplace>`` through ``aten::<functional>`` (then ``copy_``) where a jvp level is active (the
+    default registry's patch)."""
+    PATCH.declare(inplace, functional)

@@ -675,17 +675,37 @@ def _replay(ctx: Any, record: _Record, inputs: tuple[Any, ...], output: tuple[An
                              outputs=record.outputs, extras=record.extras, saved_none=tuple(saved_none))
 
 
-ADAPTER = LegacyFunctions()
-_install_lock = threading.Lock()
-_active: list[Callable[[], bool]] = []
+class LegacyFunctionsPatch:
+    """``Function.apply``'s patch (``registry.core.patches.Patch``) and the adapter it runs pre-2.0 Functions
+    through: ``install`` swaps the code of PyTorch's ``apply`` for the one that asks this patch first,
+    ``uninstall`` puts PyTorch's code back."""
 
+    def __init__(self) -> None:
+        self.adapter = LegacyFunctions()
+        self.lock = threading.Lock()
+        self.active: Callable[[], bool] | None = None  # whether this thread routes, while installed
 
-def _apply(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``Function.apply`` inside ``use()``: a pre-2.0 Function under a transform runs through ``ADAPTER``."""
-    if (cls.setup_context is _BASE_SETUP_CONTEXT and _transforms_active() and _active and _active[0]()
-            and not torch.compiler.is_compiling()):
-        return ADAPTER.apply(cls, args, kwargs)
-    return pytorch_apply(cls, *args, **kwargs)
+    def apply(self, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``Function.apply`` inside ``use()``: a pre-2.0 Function under a transform runs through the adapter."""
+        active = self.active
+        if (cls.setup_context is _BASE_SETUP_CONTEXT and _transforms_active() and active is not None and active()
+                and not torch.compiler.is_compiling()):
+            return self.adapter.apply(cls, args, kwargs)
+        return pytorch_apply(cls, *args, **kwargs)
+
+    def install(self, active: Callable[[], bool]) -> None:
+        """Patch ``Function.apply``; ``active()``: whether this thread is inside ``use()`` with a policy that
+        routes. Elsewhere it runs PyTorch's own code after one check."""
+        with self.lock:
+            self.active = active
+            Function._multicomposite_apply = staticmethod(self.apply)  # type: ignore[attr-defined]
+            _APPLY_FUNCTION.__code__ = _patched_apply_code()
+
+    def uninstall(self) -> None:
+        """Put PyTorch's own ``Function.apply`` back."""
+        with self.lock:
+            _APPLY_FUNCTION.__code__ = PYTORCH_APPLY_CODE
+            self.active = None
 
 
 def _patched_apply_code() -> types.CodeType:
@@ -701,23 +721,10 @@ def _patched_apply_code() -> types.CodeType:
     return apply.__code__
 
 
-def install(active: Callable[[], bool]) -> None:
-    """Patch ``Function.apply`` (once per process); ``active()``: whether this thread is inside ``use()`` with a
-    policy that routes. Elsewhere it runs PyTorch's own code after one check."""
-    with _install_lock:
-        if not _active:
-            _active.append(active)
-        Function._multicomposite_apply = staticmethod(_apply)  # type: ignore[attr-defined]
-        _APPLY_FUNCTION.__code__ = _patched_apply_code()
-
-
-def uninstall() -> None:
-    """Put PyTorch's own ``Function.apply`` back."""
-    with _install_lock:
-        _APPLY_FUNCTION.__code__ = PYTORCH_APPLY_CODE
-        _active.clear()
+# The default registry's (``Router.patches``).
+PATCH = LegacyFunctionsPatch()
 
 
 def decisions() -> list[LegacyDecision]:
     """Each (Function, stack) seen inside ``use()`` with the composite chosen and why, oldest first."""
-    return ADAPTER.decisions()
+    return PATCH.adapter.decisions()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,18 +40,16 @@ _SCALAR_TYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "Double", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
 }
 
-# What PyTorch says when an out= call meets a transform: vmap's, autograd's and forward AD's refusals.
+# What PyTorch says when an out= call meets a transform: vmap's, autograd's and forward AD's refusals. Recognised by
+# their text because nothing else tells them apart: each is a plain RuntimeError (or NotImplementedError) raised in
+# C++ from inside the user's function, and no probe can say before the call whether the function passes out= at all
+# (registering the kernels up front, which would avoid the question, costs every process 50 ms).
 OUT_REFUSALS = ("the fallback path doesn't work on out= or view ops",
                 "functions with out=... arguments don't support automatic differentiation",
                 "because it is an out= function")
 # The transforms whose refusal of an out= call registers the kernels and runs them again (vmap's is in
 # registry.core.functionalization, which replaces vmap's implementation already).
 RETRYING = ("grad_and_value_impl", "_vjp_with_argnums", "_jvp_with_argnums")
-
-_register_lock = threading.Lock()
-_registered: list[bool] = []
-_pending: list[tuple[torch.library.Library, Callable[[], bool], frozenset[str]]] = []  # what install() was given
-
 
 def out_overloads() -> list[tuple[str, str, tuple[str, ...]]]:
     """Every aten overload with out arguments, as (op, overload name, the out arguments' names)."""
@@ -127,34 +125,6 @@ def _make_kernel(op: str, overload: str, out_names: tuple[str, ...], native: Any
     return kernel
 
 
-def registered() -> bool:
-    return bool(_registered)
-
-
-def is_out_refusal(error: BaseException) -> bool:
-    """Whether ``error`` is PyTorch refusing an out= call under a transform while the kernels are not registered."""
-    return not _registered and isinstance(error, (RuntimeError, NotImplementedError)) and any(
-        refusal in str(error) for refusal in OUT_REFUSALS)
-
-
-def register_kernels() -> None:
-    """Register the kernel of every aten ``out=`` overload, once per process (about 50 ms for the 1100 of them)."""
-    with _register_lock:
-        if _registered or not _pending:
-            return
-        library, active, taken = _pending[0]
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Warning only once for all operators")
-            for op, overload, outs in out_overloads():
-                name = f"{op}.{overload}"
-                if name in taken:
-                    continue
-                native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
-                library.impl(name, _make_kernel(op, overload, outs, native, active), DISPATCH_KEY,
-                             with_keyset=True)
-        _registered.append(True)
-
-
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
@@ -165,48 +135,93 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Non
         torch.cuda.set_rng_state_all(state[1])
 
 
-def _retrying(transform: Callable[..., Any], active: Callable[[], bool]) -> Callable[..., Any]:
+def _retrying(transform: Callable[..., Any], patch: OutArguments) -> Callable[..., Any]:
     """``transform`` (grad's, vjp's or jvp's implementation) that, inside ``use()`` and until the kernels are
     registered, registers them where PyTorch refuses an out= call in it, and runs again from the same random state."""
 
     @functools.wraps(transform)
     def retrying(*args: Any, **kwargs: Any) -> Any:
-        if _registered or torch.compiler.is_compiling() or not active():
+        active = patch.active
+        if patch.library is not None or torch.compiler.is_compiling() or active is None or not active():
             return transform(*args, **kwargs)
         state = _rng_state()
         try:
             return transform(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as error:
-            if not is_out_refusal(error):
+            if not patch.is_out_refusal(error):
                 raise
-        register_kernels()
+        patch.register_kernels()
         _set_rng_state(state)
         return transform(*args, **kwargs)
 
     return retrying
 
 
-def install(library: torch.library.Library, active: Callable[[], bool], taken: Iterable[str] = ()) -> None:
-    """Make ``out=`` work inside ``use()``, once per process: the kernels are registered into ``library`` the first
-    time PyTorch refuses an ``out=`` call there. ``active()``: whether this thread is inside ``use()`` with a policy
-    that routes, outside a composite; ``taken``: overloads (``name.overload``) with a kernel of their own at the
-    front key already."""
-    with _register_lock:
-        if _pending:
-            return
-        _pending.append((library, active, frozenset(taken)))
-        for name in RETRYING:
-            setattr(eager_transforms, name, _retrying(getattr(eager_transforms, name), active))
+class OutArguments:
+    """``out=`` inside ``use()`` (``registry.core.patches.Patch``): ``install`` wraps grad's, vjp's and jvp's
+    implementations so that PyTorch's first refusal of an ``out=`` call registers the kernels, into a Library of this
+    patch's own, and runs again; ``uninstall`` unwraps them and destroys the Library."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active: Callable[[], bool] | None = None  # whether this thread routes, while installed
+        self.library: torch.library.Library | None = None  # the kernels, once registered
+
+    def registered(self) -> bool:
+        return self.library is not None
+
+    def is_out_refusal(self, error: BaseException) -> bool:
+        """Whether ``error`` is PyTorch refusing an out= call under a transform while the kernels are not
+        registered."""
+        return self.library is None and isinstance(error, (RuntimeError, NotImplementedError)) and any(
+            refusal in str(error) for refusal in OUT_REFUSALS)
+
+    def register_kernels(self) -> None:
+        """Register the kernel of every aten ``out=`` overload without a kernel of its own at the front key (a
+        covered op's routing kernel), once (about 50 ms for the 1100 of them)."""
+        with self.lock:
+            active = self.active
+            if self.library is not None or active is None:
+                return
+            library = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Warning only once for all operators")
+                for op, overload, outs in out_overloads():
+                    name = f"{op}.{overload}"
+                    if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", DISPATCH_KEY):
+                        continue  # routed already: asked of the dispatcher, which knows every Library's kernels
+                    native = torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY)
+                    library.impl(name, _make_kernel(op, overload, outs, native, active), DISPATCH_KEY,
+                                 with_keyset=True)
+            self.library = library
+
+    def install(self, active: Callable[[], bool]) -> None:
+        """``active()``: whether this thread is inside ``use()`` with a policy that routes, outside a composite."""
+        with self.lock:
+            if self.active is not None:
+                return
+            self.active = active
+            for name in RETRYING:
+                setattr(eager_transforms, name, _retrying(getattr(eager_transforms, name), self))
+
+    def uninstall(self) -> None:
+        """grad's, vjp's and jvp's implementations are PyTorch's again, the kernels are gone, and they are registered
+        anew after the next ``install()``."""
+        with self.lock:
+            if self.active is None:  # not installed: nothing of ours to unwrap (PyTorch's own may carry __wrapped__)
+                return
+            for name in RETRYING:
+                patched = getattr(eager_transforms, name)
+                setattr(eager_transforms, name, getattr(patched, "__wrapped__", patched))
+            if self.library is not None:
+                self.library._destroy()
+                self.library = None
+            self.active = None
 
 
-def uninstall() -> None:
-    """Undo ``install()``: grad's, vjp's and jvp's implementations are PyTorch's again, and the kernels (in the
-    Library ``install()`` was given, which its owner destroys) are registered anew after the next ``install()``."""
-    with _register_lock:
-        if not _pending:  # not installed: nothing of ours to unwrap (PyTorch's own may carry __wrapped__)
-            return
-        for name in RETRYING:
-            patched = getattr(eager_transforms, name)
-            setattr(eager_transforms, name, getattr(patched, "__wrapped__", patched))
-        _pending.clear()
-        _registered.clear()
+PATCH = OutArguments()  # the default registry's (``Router.patches``)
+
+
+def registered() -> bool:
+    """Whether the default registry's ``out=`` kernels are registered."""
+    return PATCH.registered()

@@ -62,9 +62,9 @@ class OpTable:
 
     What used to be parallel module dicts filled in lockstep is one object: the op definitions (``ops``: name ->
     ``OpDef``, whose ``rules`` and ``preference`` are ``op_rules[name]`` and ``op_preferences[name]``), their
-    composites, their derivative ops' functional forms, and the listeners told of every change (the selector drops
-    its cache). The module-level names (``OPS``, ``COMPOSITES``, ``DERIVATIVES``, ``define_op``, ``register``, ...)
-    are the default table's.
+    composites, their derivative ops' functional forms, their size signatures (``signatures``), and the listeners
+    told of every change (the selector drops its cache). The module-level names (``OPS``, ``COMPOSITES``,
+    ``DERIVATIVES``, ``define_op``, ``register``, ...) are the default table's.
     """
 
     def __init__(self, *, ops: dict[str, Op] | None = None, op_rules: dict[str, dict[str, rule_tables.Rule]] | None
@@ -80,6 +80,7 @@ class OpTable:
         self.op_rules: dict[str, dict[str, rule_tables.Rule]] = {} if op_rules is None else op_rules
         self.op_preferences: dict[str, Callable[[rule_tables.Context], rule_tables.Order | None]] = (
             {} if op_preferences is None else op_preferences)
+        self.signatures = cost.Signatures()  # op -> its size signature (``define_op(..., sizes=...)``)
         self.listeners: list[Callable[[], None]] = []  # called after every change to the composites
         self.loaded = False  # the plugins' entry points imported
         self.load_lock = threading.Lock()
@@ -142,7 +143,7 @@ class OpTable:
                            preference=preference, samples=samples, table=self)
         self.ops[name] = definition
         if sizes is not None:
-            cost.declare(name, sizes)
+            self.signatures.declare(name, sizes)
         self.composites[name] = {}
         self.derivatives[name] = {}
         self.op_rules[name] = own_rules

@@ -3,8 +3,9 @@
 As pluggy's ``PluginManager`` holds its plugins and hooks, one ``Registry`` holds the op table (``table``: the op
 definitions, their composites, derivative ops, rules and preferences, and the listeners of changes) and the router
 (``router``: the frames ``use()`` pushes, the bounded decision table and its generation, the dispatcher Libraries of
-either backend, the compiled module and the patched attributes). ``install()`` puts the routing into PyTorch and
-``uninstall()`` takes all of it out again.
+either backend, the compiled module, the patches and the patched attributes), and the router's selector
+(``selector``: the decisions of the table, their bounded cache and the evidence slot they read). ``install()`` puts
+the routing into PyTorch and ``uninstall()`` takes all of it out again.
 
 ``DEFAULT`` is the registry ``import registry`` fills; the module-level names (``define_op``, ``register``, ``use``,
 ``select``, ``OPS``, ``COMPOSITES``, ...) are its table's and its router's. PyTorch's dispatcher is one per process:
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from registry.core import routing, selector
+from registry.core import evidence, routing, selector
 from registry.core.model import Composite, OpDef
 from registry.core.registration import TABLE, F, OpTable
 from registry.core.routing import ROUTER, Router
@@ -30,6 +31,15 @@ class Registry:
         self.router = Router(self.table) if router is None else router
         if self.router.table is not self.table:
             raise ValueError("Registry: the router routes another op table than the one given")
+        self.selector = self.router.selector  # the decisions of this table, their cache and evidence
+
+    @property
+    def evidence(self) -> evidence.EvidenceSlot:
+        return self.selector.evidence
+
+    def register_source(self, source: evidence.EvidenceSource) -> None:
+        """Make ``source`` the evidence this registry's later decisions read (its cached ones are dropped)."""
+        self.selector.evidence.register(source)
 
     # --- the op table -------------------------------------------------------------------------------------------
 
@@ -70,8 +80,8 @@ class Registry:
         return routing.use(policy, pins, record=record, router=self.router)
 
     def select(self, op: str, **context: Any) -> selector.Decision:
-        """``select()``: the decision for ``op`` in a described context, and why."""
-        return selector.select(op, **context)
+        """``select()``: the decision for ``op`` in a described context, and why, from this registry's table."""
+        return self.selector.select(op, **context)
 
     def install(self) -> None:
         """Register every kernel at PyTorch's dispatcher and patch the two Python-level paths (``use()`` does it on
@@ -93,8 +103,8 @@ class Registry:
         self.router.set_routing_backend(backend)
 
     def clear_cache(self) -> None:
-        """Forget every decision (a new generation for both backends' tables)."""
-        selector.clear_cache()
+        """Forget every decision (a new generation for the selector's cache and both backends' tables)."""
+        self.selector.clear()
 
 
 DEFAULT = Registry(TABLE, ROUTER)

@@ -35,20 +35,9 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch._functorch.vmap as functorch_vmap
 from torch._C._functorch import maybe_current_level
 
-from registry.core import (
-    batch_split,
-    control_flow,
-    cost,
-    dynamic,
-    fresh_buffers,
-    functionalization,
-    inplace_under_jvp,
-    library_patches,
-    out_arguments,
-)
+from registry.core import batch_split, control_flow, cost, dynamic, patches
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, given_arguments, size_key, vmap_active, vmap_levels
 from registry.core.kernels.background import BUILD as _BUILD
@@ -57,8 +46,8 @@ from registry.core.model import Op, Overload
 from registry.core.ops import ORIGINAL, aten_schema
 from registry.core.recording import RecordedDecision, Run
 from registry.core.registration import TABLE, OpTable
-from registry.core.runners import inplace_message, records_autograd, rewrapped, tensor_positions
-from registry.core.selector import CACHE_LISTENERS, POLICIES, SelectionError, decide, unknown_op_message
+from registry.core.runners import InplaceRefusalError, inplace_message, records_autograd, rewrapped, tensor_positions
+from registry.core.selector import POLICIES, SELECTOR, SelectionError, Selector, unknown_op_message
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 BACKEND_ENV = "MULTICOMPOSITE_ROUTING"  # "python" forces the Python kernels; "cpp" makes a failed build an error
@@ -150,6 +139,7 @@ def _decider(router: Router) -> Callable[..., Chosen]:
     few reads of C++ state: the interpreter stack and each tensor's wrapper levels. The table is a closure variable,
     not an attribute: a hit reads nothing of the router."""
     decisions = router.decisions
+    decide = router.selector.decide
 
     def decide_call(op: Op, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any], compiling: bool) -> Chosen:
         tensors = _tensor_args(op, args, kwargs)
@@ -206,8 +196,12 @@ class Router:
     removes and restores it all, so that PyTorch behaves as before the import.
     """
 
-    def __init__(self, table: OpTable) -> None:
+    def __init__(self, table: OpTable, selector: Selector | None = None,
+                 patch_set: tuple[patches.Patch, ...] = patches.PATCHES) -> None:
         self.table = table
+        self.selector = Selector(table) if selector is None else selector
+        if self.selector.table is not table:
+            raise ValueError("Router: the selector decides for another op table than the one given")
         self.local = _Local()
         self.frames: dict[Signature, Frame] = {}  # interned frames that do not record
         self.frame_count = 0
@@ -226,11 +220,12 @@ class Router:
         self.backend: str | None = None  # "cpp" or "python", once chosen
         self.cpp: ModuleType | None = None  # the compiled kernels' module while the C++ backend is active
         self.set_frame: Callable[[int], None] | None = None  # cpp.set_frame while the C++ backend is active
+        self.patch_set = patch_set  # installed in order, uninstalled in reverse (registry.core.patches)
         self.patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) while installed
         self.installed = False
         self.removed = False  # uninstall() was called: use() routes nothing until install()
         self.decide = _decider(self)
-        CACHE_LISTENERS.append(self.clear)
+        self.selector.listeners.append(self.clear)
 
     # --- the decision table -------------------------------------------------------------------------------------
 
@@ -257,7 +252,7 @@ class Router:
         ops, composites = self.table.ops, self.table.composites
         for op, pin in checked.items():
             if op not in ops:
-                raise SelectionError(f"use(pins=...): {unknown_op_message(op)}")
+                raise SelectionError(f"use(pins=...): {unknown_op_message(op, ops)}")
             if pin not in composites[op] and pin not in KINDS:
                 raise SelectionError(
                     f"use(pins=...): {op} has no composite or kind {pin!r}; registered: {', '.join(composites[op])}"
@@ -333,7 +328,7 @@ class Router:
             if recorded is not None:
                 recorded.called(name)
             if inplace and not self_covers:
-                raise RuntimeError(inplace_message(packet))
+                raise InplaceRefusalError(inplace_message(packet))
             # The layers below this one reach this kernel again with the same call: it is decided here, once.
             local.busy = True
             try:
@@ -359,8 +354,8 @@ class Router:
         local = self.local
         positions = tensor_positions(name)
         decide_call = self.decide
-        of_op = cost.derivative_arguments(op, name)
         op_def = self.table.ops[op]
+        of_op = cost.derivative_arguments(op, name, self.table.signatures, op_def.tensor_args)
 
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             fixed = rewrapped(args, positions)
@@ -411,14 +406,10 @@ class Router:
             if self.library is None:
                 self.library = torch.library.Library("aten", "IMPL")
                 control_flow.register(self.library, self.routing_on)
-                out_arguments.install(self.library, self.routing_on,
-                                      {o.name for op in self.table.ops.values() for o in op.overloads})
-                inplace_under_jvp.install(self.library, self.routing_on)
             dynamic.register(self.library, self.routing_on, self.refusing)
             if not self.installed:
-                functionalization.install(self.routing_on)
-                library_patches.install(self.routing_on)  # Function.apply, checkpoint, flex_attention
-                self.patch(functorch_vmap, "_flat_vmap", functionalization.functionalizing_flat_vmap)
+                for patch in self.patch_set:  # out=, functorch's _flat_vmap, Function.apply, checkpoint, ...
+                    patch.install(self.routing_on)
                 self.patch(torch.Tensor, "contiguous", _contiguous)
                 self.installed = True
 
@@ -439,15 +430,12 @@ class Router:
                 self.library._destroy()
                 self.library = None
             self.refusing.clear()
-            fresh_buffers.unregister()
             for owner, attribute, original in reversed(self.patches):
                 setattr(owner, attribute, original)
             self.patches.clear()
-            functionalization.uninstall()
-            batch_split.SPLITTER.uninstall()
-            inplace_under_jvp.uninstall()  # it wraps what out_arguments wrapped: unwrapped first
-            out_arguments.uninstall()
-            library_patches.uninstall()
+            for patch in reversed(self.patch_set):  # each wraps what those before it wrapped: unwrapped first
+                patch.uninstall()
+            batch_split.SPLITTER.uninstall()  # the boolean-mask kernel and __setitem__, where a refusal put them
             self.routed_ops.clear()
             self.installed = False
             self.removed = True
@@ -588,8 +576,8 @@ def _record_derivative(run: Run, op: str, name: str, functional: Callable[..., A
                 "kernel has no batching rule").called(name)
 
 
-# The default router, of the default op table: what the module-level names route with.
-ROUTER = Router(TABLE)
+# The default router, of the default op table and its selector: what the module-level names route with.
+ROUTER = Router(TABLE, SELECTOR)
 
 
 class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `with registry.use():`

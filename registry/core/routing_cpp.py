@@ -20,7 +20,7 @@ import torch
 from registry.core import cost
 from registry.core.context import vmap_active
 from registry.core.model import Op, Overload
-from registry.core.runners import inplace_message, records_autograd, runner
+from registry.core.runners import InplaceRefusalError, inplace_message, records_autograd, runner
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 PASS, NATIVE = 0, 1  # the codes kernels/routing.cpp knows; anything else a decider returns is what to call
@@ -30,7 +30,7 @@ class PythonRouting(Protocol):
     """What the C++ kernels call back into: ``routing.Router``."""
 
     local: Any  # this thread's use() frames (``.frames``, innermost last)
-    table: Any  # the op table (``.derivatives``)
+    table: Any  # the op table (``.derivatives``, ``.signatures``)
     # (op, frame, args, kwargs, compiling) -> (composite, (out of place, in place) -> runs PyTorch's own kernel,
     # whether self covers the batching, recorded)
     decide: Callable[..., tuple[Callable[..., Any], tuple[bool, bool], bool, Any]]
@@ -58,7 +58,7 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
         cargs, ckwargs = (args, kwargs) if adapt is None else adapt(args, kwargs)
         composite, native_runs, self_covers, _ = decide_call(op, frame, cargs, ckwargs, False)
         if inplace and not self_covers:
-            raise RuntimeError(inplace_message(packet))
+            raise InplaceRefusalError(inplace_message(packet))
         if native_runs[inplace]:  # the kind's entry says (registry.core.kinds)
             return NATIVE
         run = runners.get(composite)
@@ -72,7 +72,8 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
 def _derivative_decider(router: PythonRouting, functional: Callable[..., Any], op: Op,
                         name: str) -> Callable[..., Any]:
     local, decide_call = router.local, router.decide
-    of_op = cost.derivative_arguments(op.name, name)  # None: always the functional form under vmap
+    # None: always the functional form under vmap
+    of_op = cost.derivative_arguments(op.name, name, router.table.signatures, op.tensor_args)
 
     def decide(*args: Any, **kwargs: Any) -> Any:
         frame = local.frames[-1]

@@ -130,38 +130,43 @@ def innermost_vmap(ctx: Context) -> bool:
 KIND_RULES: dict[str, Rule] = {name: kind.rule for name, kind in kinds.KIND.items() if kind.rule is not None}
 
 
-def problem(op: str, kind: str, ctx: Context) -> Problem | None:
+def problem(op: str, kind: str, ctx: Context, op_rules: dict[str, dict[str, Rule]] | None = None) -> Problem | None:
     """The known problem of ``op``'s ``kind`` composite in ``ctx``, or None when the rules know of none: the rule of
-    the kind as such first, then the op's own rule for that kind."""
+    the kind as such first, then the op's own rule for that kind (in ``op_rules``, an op table's; default: the
+    default table's)."""
     generic = KIND_RULES.get(kind)
     found = generic(ctx) if generic is not None else None
     if found is not None:
         return found
-    specific = OP_RULES.get(op, {}).get(kind)
+    specific = (OP_RULES if op_rules is None else op_rules).get(op, {}).get(kind)
     return specific(ctx) if specific is not None else None
 
 
-def _own_order(ctx: Context, op: str | None) -> Order | None:
-    specific = OP_PREFERENCES.get(op) if op is not None else None
+Preferences = dict[str, Callable[[Context], "Order | None"]]
+
+
+def _own_order(ctx: Context, op: str | None, preferences: Preferences | None) -> Order | None:
+    specific = (OP_PREFERENCES if preferences is None else preferences).get(op) if op is not None else None
     return specific(ctx) if specific is not None else None
 
 
-def preference(ctx: Context, op: str | None = None) -> tuple[str, ...]:
-    """Kinds in order of preference: ``op``'s own order where its ``define_op`` gives one here, else the general one.
+def preference(ctx: Context, op: str | None = None, preferences: Preferences | None = None) -> tuple[str, ...]:
+    """Kinds in order of preference: ``op``'s own order where its ``define_op`` gives one here (in ``preferences``,
+    an op table's; default: the default table's), else the general one.
 
     Without a profile the rules put functional before primitive under vmap: the functional composites need nothing
     but PyTorch's ops and verify everywhere, while the fused primitives' speed depends on the machine (their C
     kernels need gcc; for index_add and index_copy they measured 0.6x-0.8x native, for masked_fill 3x-6.8x). Where a
     profile exists, ``auto`` picks the fastest valid composite beyond the noise (bench/fused.py, bench/kinds.py).
     """
-    own = _own_order(ctx, op)
+    own = _own_order(ctx, op, preferences)
     if own is not None:
         return own.kinds
     return kinds.order(_under_vmap(ctx))
 
 
-def preference_reason(ctx: Context, op: str | None = None) -> str:
-    own = _own_order(ctx, op)
+def preference_reason(ctx: Context, op: str | None = None, preferences: Preferences | None = None) -> str:
+    own = _own_order(ctx, op, preferences)
     if own is not None:
         return own.reason
     if _under_vmap(ctx):

@@ -49,6 +49,12 @@ def records_autograd(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(value, torch.Tensor) and value.requires_grad for value in (*args, *kwargs.values()))
 
 
+class InplaceRefusalError(RuntimeError):
+    """A routing kernel's refusal of an in-place op under vmap that would write a batched value into an unbatched
+    self: PyTorch's own refusal, word for word (code that reads the text still recognises it), raised as its own type
+    so that automatic functionalization (registry.core.functionalization) recognises it without reading it."""
+
+
 def inplace_message(packet: str) -> str:
     """PyTorch's own error for an in-place op under vmap that would write a batched value into an unbatched self."""
     return (f"vmap: {packet}(self, *extra_args) is not possible because there exists a Tensor `other` in extra_args "

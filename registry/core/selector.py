@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import difflib
 import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +16,7 @@ from registry.core.kinds import KINDS, NATIVE
 from registry.core.model import Composite
 from registry.core.ops import OPS
 from registry.core.ratios import MIN_NOISE, ratio_text
-from registry.core.registration import COMPOSITES, ON_CHANGE, load
+from registry.core.registration import TABLE, OpTable
 from registry.core.stacks import format_stack, parse_stack, shorten
 
 POLICIES = ("auto", "fastest", "rules", "native")
@@ -46,44 +45,36 @@ class Decision:
     policy: str
     speedup: float | None = None  # measured: native's time over the choice's, where both were profiled
     runner_up_speedup: float | None = None  # measured: the runner-up's time over the choice's
+    # The chosen composite's function, from the op table that decided (not part of what the decision says).
+    function: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
 
     @property
-    def fn(self):
-        return COMPOSITES[self.op][self.composite].fn
+    def fn(self) -> Callable[..., Any]:
+        if self.function is None:
+            raise RuntimeError(f"Decision({self.op}/{self.composite}) was made without its function; report this bug")
+        return self.function
 
 
-# Least recently used decisions, at most CACHE_SIZE: a key holds caller-supplied values (device, size), so an
-# unbounded dict would grow with every distinct query.
+# Decisions a selector keeps, at most CACHE_SIZE (the oldest goes first): a key holds caller-supplied values (device,
+# size), so an unbounded dict would grow with every distinct query.
 CACHE_SIZE = 4096
-_cache: OrderedDict[tuple, Decision] = OrderedDict()
-_cache_lock = threading.Lock()
 
 
-def clear_cache() -> None:
-    """Forget every cached decision (after composites are added or removed, or the evidence changed)."""
-    with _cache_lock:
-        _cache.clear()
-    for listener in CACHE_LISTENERS:
-        listener()
-
-
-CACHE_LISTENERS: list = []  # the router's eager cache registers here
-ON_CHANGE.append(clear_cache)
-evidence.ON_SOURCE_CHANGE.append(clear_cache)
-
-
-def unknown_op_message(op: str) -> str:
+def unknown_op_message(op: str, ops: Mapping[str, Any] | None = None) -> str:
+    """That ``op`` is not covered (by ``ops``, an op table's; default: the default table's), with close names."""
+    ops = OPS if ops is None else ops
     op = shorten(op)  # an error never echoes more than a short prefix of what was sent
-    close = difflib.get_close_matches(op, OPS, n=3)
+    close = difflib.get_close_matches(op, ops, n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else "."
-    return f"unknown op {op!r}{hint} {covered_ops()}"
+    return f"unknown op {op!r}{hint} {covered_ops(ops)}"
 
 
-def covered_ops() -> str:
+def covered_ops(ops: Mapping[str, Any] | None = None) -> str:
     """How an error names the covered ops: every name while they are few, else the count and where to list them."""
-    if len(OPS) <= 8:
-        return f"Covered ops: {', '.join(OPS)}"
-    return f"{len(OPS)} ops are covered: list them with `multicomposite ops` or GET /ops"
+    ops = OPS if ops is None else ops
+    if len(ops) <= 8:
+        return f"Covered ops: {', '.join(ops)}"
+    return f"{len(ops)} ops are covered: list them with `multicomposite ops` or GET /ops"
 
 
 def _describe(ctx: Context) -> str:
@@ -94,52 +85,6 @@ def _describe(ctx: Context) -> str:
 
 
 Judged = list[tuple[Composite, "rules.Problem | None"]]
-
-
-def _verdicts(op: str, ctx: Context, policy: str) -> tuple[Judged, dict[str, int]]:
-    """Each composite's problem in ``ctx`` (rules, and for ``auto`` the verified matrix), and how many matrix
-    entries speak for it there."""
-    judged, verified = [], {}
-    for composite in COMPOSITES[op].values():
-        problem = rules.problem(op, composite.kind, ctx)
-        if policy in ("auto", "fastest"):
-            measured, count = evidence.source().evidence(op, composite.name, ctx, OPS[op].tensor_args)
-            verified[composite.name] = count
-            if problem is None and measured is not None:
-                problem = rules.Problem(measured.status, f"measured: {measured.text}")
-        judged.append((composite, problem))
-    return judged, verified
-
-
-def _resolve_pin(op: str, pin: str) -> Composite:
-    composites = COMPOSITES[op]
-    if pin in composites:
-        return composites[pin]
-    by_kind = [c for c in composites.values() if c.kind == pin]
-    if by_kind:
-        return by_kind[0]
-    raise SelectionError(
-        f"pins[{op!r}] = {pin!r} names no composite or kind of {op}; registered: {', '.join(composites)}; "
-        f"kinds: {', '.join(KINDS)}"
-    )
-
-
-def decide(op: str, ctx: Context, policy: str = "auto", pin: str | None = None) -> Decision:
-    """The decision for ``op`` in ``ctx``: cached per (op, context, policy, pin)."""
-    size = (ctx.numel or 1).bit_length()  # profiles are kept per power-of-two size
-    key = (op, ctx.stack, ctx.batched, ctx.dtype, ctx.device, ctx.self_covers_batching, ctx.tensors, size, policy,
-           pin, cost.bucket(op, ctx), ctx.given)
-    with _cache_lock:
-        decision = _cache.get(key)
-        if decision is not None:
-            _cache.move_to_end(key)
-            return decision
-    decision = _decide(op, ctx, policy, pin)
-    with _cache_lock:
-        _cache[key] = decision
-        if len(_cache) > CACHE_SIZE:
-            _cache.popitem(last=False)
-    return decision
 
 
 # What a choice rests on (``Choice.basis``): each has its own explanation.
@@ -182,95 +127,12 @@ class Choice:
     costed: cost.Costed | None = None  # COST: native or a composite by cost at the call's sizes (registry.core.cost)
     speedup: float | None = None
     runner_up_speedup: float | None = None
+    order_reason: str = ""  # RULES: why the preferred kinds come in their order here (``rules.preference_reason``)
 
 
 def _rank(order: tuple[str, ...], kind: str) -> int:
     """A kind's place in ``order``; a kind an op's own order does not name comes after every kind it names."""
     return order.index(kind) if kind in order else len(order)
-
-
-def choose(op: str, ctx: Context, policy: str, pin: str | None) -> Choice:
-    """Which composite of ``op`` runs in ``ctx`` under ``policy`` (and ``pin``), and on what basis: the rules'
-    verdicts, the measured evidence and timings, the shipped reference profiles. Raises SelectionError where nothing
-    can be chosen."""
-    load()
-    if op not in OPS:
-        raise SelectionError(unknown_op_message(op))
-    if policy not in POLICIES:
-        raise SelectionError(f"select({op}): unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
-    judged, verified = _verdicts(op, ctx, policy)
-    base = {"op": op, "ctx": ctx, "policy": policy, "judged": judged, "verified": verified}
-
-    if pin is not None:
-        chosen = _resolve_pin(op, pin)
-        problem = dict((c.name, p) for c, p in judged)[chosen.name]
-        if problem is not None:
-            valid = [c.name for c, p in judged if p is None]
-            raise SelectionError(
-                f"select({op}): pinned composite {chosen.name} ({chosen.kind}) is not valid under {_describe(ctx)}: "
-                f"{problem.status}, {problem.evidence}; valid choices: {', '.join(valid) or 'none'}"
-            )
-        return Choice(**base, chosen=chosen, basis=PINNED, pin=pin)
-    if policy == "native":
-        return Choice(**base, chosen=next(c for c, _ in judged if c.kind == NATIVE.name), basis=POLICY_NATIVE)
-    order = rules.preference(ctx, op)
-    valid = [(c, p) for c, p in judged if p is None]
-    if not valid:
-        slow_native = next((c for c, p in judged if c.kind == NATIVE.name and p is not None and p.status == "slow"),
-                           None)
-        if slow_native is not None and policy in ("auto", "fastest"):
-            # Only where no measurement says native does worse here than loop (errs, or is wrong).
-            measured, _ = evidence.source().evidence(op, slow_native.name, ctx, OPS[op].tensor_args)
-            if measured is not None and measured.status != "slow":
-                slow_native = None
-        if slow_native is not None:
-            # PyTorch's own op runs here, in vmap's per-sample loop, with the right values: what the call does
-            # without use(). Refusing it would break code that works natively (a function functionalized
-            # automatically meets an op whose only batched composite is a primitive, which functionalize cannot run).
-            return Choice(**base, chosen=slow_native, basis=SLOW_NATIVE)
-        listed = ", ".join(f"{c.name} [{p.status}]" for c, p in judged)
-        raise SelectionError(
-            f"select({op}): no composite is valid under {_describe(ctx)}; registered: {listed}. Register a "
-            "functional or primitive composite, or run this op outside the transform"
-        )
-    costed = cost.choose(op, ctx, judged, policy)  # native or a composite by cost at the call's sizes
-    if costed is not None:
-        return Choice(**base, chosen=COMPOSITES[op][costed.composite], basis=COST, costed=costed,
-                      speedup=costed.speedup)
-    names = list(COMPOSITES[op])
-    chosen = min(valid, key=lambda item: (_rank(order, item[0].kind), names.index(item[0].name)))[0]
-    skipped = tuple((c, p) for c, p in judged
-                    if p is not None and _rank(order, c.kind) < _rank(order, chosen.kind))
-    measured = (evidence.source().timings(op, ctx, [c.name for c, _ in judged])
-                if policy in ("auto", "fastest") else {})
-    timed_valid = sorted((measured[c.name].score_us, c.name) for c, _ in valid if c.name in measured)
-    if timed_valid:
-        fastest = measured[timed_valid[0][1]]
-        rules_choice = measured.get(chosen.name)
-        within_noise = False
-        if rules_choice is not None and rules_choice.composite != fastest.composite:
-            # A profile only says the fastest is faster if it is by more than the noise of both timings: below that,
-            # the rules' choice stays, so a noisy profile cannot flip a decision.
-            band = max(MIN_NOISE, fastest.spread, rules_choice.spread)
-            within_noise = rules_choice.score_us <= fastest.score_us * (1 + band)
-        if not within_noise:
-            chosen = COMPOSITES[op][fastest.composite]
-        best = measured[chosen.name]
-        native = next((c.name for c, _ in judged if c.kind == NATIVE.name), None)
-        others = [(score, name) for score, name in timed_valid if name != chosen.name]
-        runner_up = others[0] if others else None
-        return Choice(**base, chosen=chosen, basis=MEASURED, skipped=skipped, measured=measured, fastest=fastest,
-                      within_noise=within_noise, runner_up=runner_up,
-                      speedup=measured[native].score_us / best.score_us if native in measured else None,
-                      runner_up_speedup=runner_up[0] / best.score_us if runner_up else None)
-    # The reference reorders composites the matrix speaks for alike: where it verifies the rules' choice, only other
-    # verified composites may replace it.
-    alike = [(c, p) for c, p in valid if not verified.get(chosen.name, 0) or verified.get(c.name, 0)]
-    shipped = _reference_choice(op, ctx, policy, chosen, alike)
-    if shipped is not None:
-        return Choice(**base, chosen=COMPOSITES[op][shipped.fastest], basis=REFERENCE, skipped=skipped,
-                      reference=shipped)
-    return Choice(**base, chosen=chosen, basis=RULES, skipped=skipped)
 
 
 def explain(choice: Choice) -> str:
@@ -332,9 +194,9 @@ def explain(choice: Choice) -> str:
     elif choice.skipped:
         worse, problem = choice.skipped[0]
         reason = (f"{worse.name} fails under {where} ({problem.status}: {problem.evidence}); "
-                  f"{chosen.name} is the next choice: {rules.preference_reason(ctx, op)}")
+                  f"{chosen.name} is the next choice: {choice.order_reason}")
     else:
-        reason = f"{chosen.name} is preferred under {where}: {rules.preference_reason(ctx, op)}"
+        reason = f"{chosen.name} is preferred under {where}: {choice.order_reason}"
     if policy == "fastest":
         reason += " (no profile here: rules decide)"
     elif policy == "auto":
@@ -348,13 +210,6 @@ def _verified(choice: Choice, unverified: str) -> str:
     return f" (verified: {count} {entries} ok here)" if count else unverified
 
 
-def _decide(op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
-    choice = choose(op, ctx, policy, pin)
-    chosen = choice.chosen
-    kind = NATIVE.name if choice.basis == SLOW_NATIVE else chosen.kind
-    return Decision(op=op, composite=chosen.name, kind=kind, reason=explain(choice) + ".",
-                    alternatives=_alternatives(choice.judged, chosen), context=ctx, policy=policy,
-                    speedup=choice.speedup, runner_up_speedup=choice.runner_up_speedup)
 
 
 def _reference_choice(op: str, ctx: Context, policy: str, chosen: Composite, valid: Judged) -> Reference | None:
@@ -400,6 +255,251 @@ def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     return dtype
 
 
+class Selector:
+    """The decisions of one op table (``Registry.selector``): which composite runs in a context, and why.
+
+    It holds what the decisions read and keep: the op table (its composites, rules, preferences and size
+    signatures), the evidence slot (``registry.core.evidence``), and a bounded cache of decisions (at most
+    ``capacity``, the oldest goes first) with its generation, bumped by ``clear()`` on every change of composites or
+    evidence, when the listeners (the router's tables of either backend) are told too. A decision made while the
+    generation moved is returned but not kept.
+    """
+
+    def __init__(self, table: OpTable, evidence_slot: evidence.EvidenceSlot | None = None,
+                 capacity: int = CACHE_SIZE) -> None:
+        self.table = table
+        self.evidence = evidence.EvidenceSlot() if evidence_slot is None else evidence_slot
+        self.capacity = capacity
+        self.cache: dict[tuple, Decision] = {}
+        self.generation = 0
+        self.lock = threading.Lock()
+        self.listeners: list[Callable[[], None]] = []  # told after every clear(): the router's decision tables
+        table.listeners.append(self.clear)
+        self.evidence.listeners.append(self.clear)
+
+    def clear(self) -> None:
+        """Forget every cached decision (after composites are added or removed, or the evidence changed)."""
+        with self.lock:
+            self.generation += 1
+            self.cache.clear()
+        for listener in self.listeners:
+            listener()
+
+    def decide(self, op: str, ctx: Context, policy: str = "auto", pin: str | None = None) -> Decision:
+        """The decision for ``op`` in ``ctx``: cached per (op, context, policy, pin)."""
+        size = (ctx.numel or 1).bit_length()  # profiles are kept per power-of-two size
+        key = (op, ctx.stack, ctx.batched, ctx.dtype, ctx.device, ctx.self_covers_batching, ctx.tensors, size,
+               policy, pin, self.table.signatures.bucket(op, ctx), ctx.given)
+        cache = self.cache
+        decision = cache.get(key)
+        if decision is not None:
+            return decision
+        generation = self.generation
+        decision = self.decide_uncached(op, ctx, policy, pin)
+        with self.lock:
+            if self.generation == generation:  # else the composites or the evidence changed meanwhile: not kept
+                if len(cache) >= self.capacity:
+                    del cache[next(iter(cache))]
+                cache[key] = decision
+        return decision
+
+    def verdicts(self, op: str, ctx: Context, policy: str) -> tuple[Judged, dict[str, int]]:
+        """Each composite's problem in ``ctx`` (rules, and for ``auto`` the verified matrix), and how many matrix
+        entries speak for it there."""
+        table, source = self.table, self.evidence.source
+        judged, verified = [], {}
+        tensor_args = table.ops[op].tensor_args
+        for composite in table.composites[op].values():
+            problem = rules.problem(op, composite.kind, ctx, table.op_rules)
+            if policy in ("auto", "fastest"):
+                measured, count = source.evidence(op, composite.name, ctx, tensor_args)
+                verified[composite.name] = count
+                if problem is None and measured is not None:
+                    problem = rules.Problem(measured.status, f"measured: {measured.text}")
+            judged.append((composite, problem))
+        return judged, verified
+
+    def resolve_pin(self, op: str, pin: str) -> Composite:
+        composites = self.table.composites[op]
+        if pin in composites:
+            return composites[pin]
+        by_kind = [c for c in composites.values() if c.kind == pin]
+        if by_kind:
+            return by_kind[0]
+        raise SelectionError(
+            f"pins[{op!r}] = {pin!r} names no composite or kind of {op}; registered: {', '.join(composites)}; "
+            f"kinds: {', '.join(KINDS)}"
+        )
+
+    def choose(self, op: str, ctx: Context, policy: str, pin: str | None) -> Choice:
+        """Which composite of ``op`` runs in ``ctx`` under ``policy`` (and ``pin``), and on what basis: the rules'
+        verdicts, the measured evidence and timings, the shipped reference profiles. Raises SelectionError where nothing
+        can be chosen."""
+        table = self.table
+        table.load()
+        if op not in table.ops:
+            raise SelectionError(unknown_op_message(op, table.ops))
+        if policy not in POLICIES:
+            raise SelectionError(f"select({op}): unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
+        judged, verified = self.verdicts(op, ctx, policy)
+        base = {"op": op, "ctx": ctx, "policy": policy, "judged": judged, "verified": verified}
+
+        if pin is not None:
+            chosen = self.resolve_pin(op, pin)
+            problem = dict((c.name, p) for c, p in judged)[chosen.name]
+            if problem is not None:
+                valid = [c.name for c, p in judged if p is None]
+                raise SelectionError(
+                    f"select({op}): pinned composite {chosen.name} ({chosen.kind}) is not valid under "
+                    f"{_describe(ctx)}: {problem.status}, {problem.evidence}; valid choices: "
+                    f"{', '.join(valid) or 'none'}"
+                )
+            return Choice(**base, chosen=chosen, basis=PINNED, pin=pin)
+        if policy == "native":
+            return Choice(**base, chosen=next(c for c, _ in judged if c.kind == NATIVE.name), basis=POLICY_NATIVE)
+        order = rules.preference(ctx, op, table.op_preferences)
+        valid = [(c, p) for c, p in judged if p is None]
+        if not valid:
+            slow_native = next((c for c, p in judged if c.kind == NATIVE.name and p is not None and p.status == "slow"),
+                               None)
+            if slow_native is not None and policy in ("auto", "fastest"):
+                # Only where no measurement says native does worse here than loop (errs, or is wrong).
+                measured, _ = self.evidence.source.evidence(op, slow_native.name, ctx, table.ops[op].tensor_args)
+                if measured is not None and measured.status != "slow":
+                    slow_native = None
+            if slow_native is not None:
+                # PyTorch's own op runs here, in vmap's per-sample loop, with the right values: what the call
+                # does without use(). Refusing it would break code that works natively (a function functionalized
+                # automatically meets an op whose only batched composite is a primitive, which functionalize
+                # cannot run).
+                return Choice(**base, chosen=slow_native, basis=SLOW_NATIVE)
+            listed = ", ".join(f"{c.name} [{p.status}]" for c, p in judged)
+            raise SelectionError(
+                f"select({op}): no composite is valid under {_describe(ctx)}; registered: {listed}. Register a "
+                "functional or primitive composite, or run this op outside the transform"
+            )
+        costed = cost.choose(op, ctx, judged, policy, table.signatures.bucket(op, ctx), self.evidence.source,
+                             table.ops[op].tensor_args)  # native or a composite by cost at the call's sizes
+        if costed is not None:
+            return Choice(**base, chosen=table.composites[op][costed.composite], basis=COST, costed=costed,
+                          speedup=costed.speedup)
+        names = list(table.composites[op])
+        chosen = min(valid, key=lambda item: (_rank(order, item[0].kind), names.index(item[0].name)))[0]
+        skipped = tuple((c, p) for c, p in judged
+                        if p is not None and _rank(order, c.kind) < _rank(order, chosen.kind))
+        measured = (self.evidence.source.timings(op, ctx, [c.name for c, _ in judged])
+                    if policy in ("auto", "fastest") else {})
+        timed_valid = sorted((measured[c.name].score_us, c.name) for c, _ in valid if c.name in measured)
+        if timed_valid:
+            fastest = measured[timed_valid[0][1]]
+            rules_choice = measured.get(chosen.name)
+            within_noise = False
+            if rules_choice is not None and rules_choice.composite != fastest.composite:
+                # A profile only says the fastest is faster if it is by more than the noise of both timings: below that,
+                # the rules' choice stays, so a noisy profile cannot flip a decision.
+                band = max(MIN_NOISE, fastest.spread, rules_choice.spread)
+                within_noise = rules_choice.score_us <= fastest.score_us * (1 + band)
+            if not within_noise:
+                chosen = table.composites[op][fastest.composite]
+            best = measured[chosen.name]
+            native = next((c.name for c, _ in judged if c.kind == NATIVE.name), None)
+            others = [(score, name) for score, name in timed_valid if name != chosen.name]
+            runner_up = others[0] if others else None
+            return Choice(**base, chosen=chosen, basis=MEASURED, skipped=skipped, measured=measured, fastest=fastest,
+                          within_noise=within_noise, runner_up=runner_up,
+                          speedup=measured[native].score_us / best.score_us if native in measured else None,
+                          runner_up_speedup=runner_up[0] / best.score_us if runner_up else None)
+        # The reference reorders composites the matrix speaks for alike: where it verifies the rules' choice, only other
+        # verified composites may replace it.
+        alike = [(c, p) for c, p in valid if not verified.get(chosen.name, 0) or verified.get(c.name, 0)]
+        shipped = _reference_choice(op, ctx, policy, chosen, alike)
+        if shipped is not None:
+            return Choice(**base, chosen=table.composites[op][shipped.fastest], basis=REFERENCE, skipped=skipped,
+                          reference=shipped)
+        return Choice(**base, chosen=chosen, basis=RULES, skipped=skipped,
+                      order_reason=rules.preference_reason(ctx, op, table.op_preferences))
+
+
+    def decide_uncached(self, op: str, ctx: Context, policy: str, pin: str | None) -> Decision:
+        """The decision for ``op`` in ``ctx``, made now (``decide`` keeps it)."""
+        choice = self.choose(op, ctx, policy, pin)
+        chosen = choice.chosen
+        kind = NATIVE.name if choice.basis == SLOW_NATIVE else chosen.kind
+        return Decision(op=op, composite=chosen.name, kind=kind, reason=explain(choice) + ".",
+                        alternatives=_alternatives(choice.judged, chosen), context=ctx, policy=policy,
+                        speedup=choice.speedup, runner_up_speedup=choice.runner_up_speedup,
+                        function=chosen.fn)
+
+
+    def select(
+        self,
+        op: str,
+        *,
+        stack: str | Iterable[str] = (),
+        batched: Iterable[str] = (),
+        dtype: torch.dtype | str | None = None,
+        device: str | None = None,
+        numel: int | None = None,
+        policy: str = "auto",
+        pins: Mapping[str, str] | None = None,
+        tensors: Iterable[str] | None = None,
+    ) -> Decision:
+        """Which composite of ``op`` runs under ``stack`` (``"vmap(grad)"``, ``"vmap,grad"`` or a sequence), and why.
+
+        ``batched`` names the tensor arguments batched at the innermost vmap; ``tensors`` the arguments that are tensors
+        (default: all of the op's tensor parameters, the Tensor overloads).
+        """
+        ops = self.table.ops
+        if op not in ops:
+            raise SelectionError(unknown_op_message(op, ops))
+        try:
+            parsed = parse_stack(stack)
+        except ValueError as error:
+            raise SelectionError(f"select({op}): {error}") from None
+        params = ops[op].tensor_args
+        batched_names = tuple(batched)
+        unknown = [name for name in batched_names if name not in params]
+        if unknown:
+            raise SelectionError(
+                f"select({op}): batched names {', '.join(unknown)} are not tensor arguments of {op}; "
+                f"its tensor arguments are {', '.join(params)}"
+            )
+        if batched_names and "vmap" not in parsed:
+            raise SelectionError(f"select({op}): batched={','.join(batched_names)} needs vmap in the stack")
+        tensor_names = params if tensors is None else tuple(tensors)
+        ctx = Context(
+            stack=parsed,
+            batched=tuple(name for name in params if name in batched_names),
+            dtype=_dtype(dtype),
+            device=device,
+            numel=numel,
+            self_covers_batching=not batched_names or "self" in batched_names,
+            tensors=tensor_names,
+        )
+        pin = (pins or {}).get(op)
+        return self.decide(op, ctx, policy, pin)
+
+
+# The default registry's selector: of the default op table, reading the default evidence slot.
+SELECTOR = Selector(TABLE, evidence.SLOT)
+
+
+def clear_cache() -> None:
+    """Forget every decision of the default registry (after composites are added or removed, or the evidence
+    changed)."""
+    SELECTOR.clear()
+
+
+def decide(op: str, ctx: Context, policy: str = "auto", pin: str | None = None) -> Decision:
+    """The default registry's decision for ``op`` in ``ctx`` (``Selector.decide``)."""
+    return SELECTOR.decide(op, ctx, policy, pin)
+
+
+def choose(op: str, ctx: Context, policy: str, pin: str | None) -> Choice:
+    """The default registry's choice (``Selector.choose``), before any prose."""
+    return SELECTOR.choose(op, ctx, policy, pin)
+
+
 def select(
     op: str,
     *,
@@ -412,36 +512,7 @@ def select(
     pins: Mapping[str, str] | None = None,
     tensors: Iterable[str] | None = None,
 ) -> Decision:
-    """Which composite of ``op`` runs under ``stack`` (``"vmap(grad)"``, ``"vmap,grad"`` or a sequence), and why.
-
-    ``batched`` names the tensor arguments batched at the innermost vmap; ``tensors`` the arguments that are tensors
-    (default: all of the op's tensor parameters, the Tensor overloads).
-    """
-    if op not in OPS:
-        raise SelectionError(unknown_op_message(op))
-    try:
-        parsed = parse_stack(stack)
-    except ValueError as error:
-        raise SelectionError(f"select({op}): {error}") from None
-    params = OPS[op].tensor_args
-    batched_names = tuple(batched)
-    unknown = [name for name in batched_names if name not in params]
-    if unknown:
-        raise SelectionError(
-            f"select({op}): batched names {', '.join(unknown)} are not tensor arguments of {op}; "
-            f"its tensor arguments are {', '.join(params)}"
-        )
-    if batched_names and "vmap" not in parsed:
-        raise SelectionError(f"select({op}): batched={','.join(batched_names)} needs vmap in the stack")
-    tensor_names = params if tensors is None else tuple(tensors)
-    ctx = Context(
-        stack=parsed,
-        batched=tuple(name for name in params if name in batched_names),
-        dtype=_dtype(dtype),
-        device=device,
-        numel=numel,
-        self_covers_batching=not batched_names or "self" in batched_names,
-        tensors=tensor_names,
-    )
-    pin = (pins or {}).get(op)
-    return decide(op, ctx, policy, pin)
+    """Which composite of ``op`` runs under ``stack`` (``"vmap(grad)"``, ``"vmap,grad"`` or a sequence), and why:
+    ``Selector.select`` of the default registry."""
+    return SELECTOR.select(op, stack=stack, batched=batched, dtype=dtype, device=device, numel=numel, policy=policy,
+                           pins=pins, tensors=tensors)

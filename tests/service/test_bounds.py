@@ -70,15 +70,15 @@ def test_distinct_devices_are_refused_and_never_cached(serve) -> None:
     selector.clear_cache()
     response = client.post("/select", json=[{"op": "index_add", "device": f"dev{i}"} for i in range(200)])
     assert _detail(response).startswith("query 0: device 'dev0' is not available here")
-    assert len(selector._cache) == 0
+    assert len(selector.SELECTOR.cache) == 0
 
 
 def test_every_cache_is_bounded(serve, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(selector, "CACHE_SIZE", 8)
+    monkeypatch.setattr(selector.SELECTOR, "capacity", 8)
     selector.clear_cache()
     for numel in range(20):  # 20 distinct power-of-two sizes: 20 decision keys
         registry.select("index_add", stack="vmap", numel=2**numel)
-    assert len(selector._cache) == 8
+    assert len(selector.SELECTOR.cache) == 8
     client = serve(cache_size=4)
     for numel in range(10):
         assert client.get("/select", params={"op": "index_add", "numel": numel}).status_code == 200

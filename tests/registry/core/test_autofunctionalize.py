@@ -291,7 +291,7 @@ def test_functionalization_module_patches_one_function() -> None:
     registry.use()  # registers the kernels and installs the vmap implementation
     import torch._functorch.vmap as functorch_vmap
 
-    assert functorch_vmap._flat_vmap is functionalization.functionalizing_flat_vmap
+    assert functorch_vmap._flat_vmap == functionalization.PATCH.flat_vmap  # the default patch's, bound
 
 
 def test_one_wrapper_around_several_ops_is_remembered_per_op() -> None:

@@ -1,0 +1,50 @@
+"""What the routing puts into PyTorch outside the dispatcher: one ``Patch`` object per module, installed in order.
+
+Each patch owns what it changed and what it needs to change it back (the predicate it was given, its Library, the
+originals), as ``install(active)`` and ``uninstall()``; ``active()`` says whether this thread is inside ``use()`` with
+a policy that routes. Elsewhere each patched entry point runs PyTorch's own code. The router installs them in the
+order below and uninstalls them in reverse (``inplace_under_jvp`` wraps what ``out_arguments`` wrapped).
+
+- ``out_arguments``: grad's, vjp's and jvp's implementations retry an ``out=`` refusal with the ``out=`` kernels.
+- ``inplace_under_jvp``: jvp's implementation registers the kernels of the overloads routed only under jvp.
+- ``fresh_buffers``: the kernels of an automatically functionalized region (registered at the first one).
+- ``functionalization``: functorch's ``_flat_vmap``, which functionalizes a level where a write needs it.
+- ``legacy_functions``: ``torch.autograd.Function.apply`` for pre-2.0 Functions under a transform.
+- ``checkpointing``: ``torch.utils.checkpoint`` in both forms (the reentrant one is a pre-2.0 Function).
+- ``flex_attention``: a vmap rule for the ``flex_attention`` higher-order operator.
+
+PyTorch's attributes and dispatcher are one per process, so the patches are too: ``PATCHES`` holds each module's
+``PATCH``, and every router installs those (one registry's routing is installed at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from registry.core import (
+    checkpointing,
+    flex_attention,
+    fresh_buffers,
+    functionalization,
+    inplace_under_jvp,
+    legacy_functions,
+    out_arguments,
+)
+
+
+class Patch(Protocol):
+    """One module's change to PyTorch, and its undoing."""
+
+    def install(self, active: Callable[[], bool]) -> None:
+        """Put the change in place; ``active()``: whether this thread routes."""
+        ...
+
+    def uninstall(self) -> None:
+        """Take everything ``install`` (and what it registered since) put in place out again."""
+        ...
+
+
+PATCHES: tuple[Patch, ...] = (out_arguments.PATCH, inplace_under_jvp.PATCH, fresh_buffers.PATCH,
+                              functionalization.PATCH, legacy_functions.PATCH, checkpointing.PATCH,
+                              flex_attention.PATCH)
