@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import text
 
 from registry.store import workers as worker_rows
-from registry.store.db import FINISHED_JOB_STATES, Store
+from registry.store.job_store import FINISHED_JOB_STATES, JobStore
 from service.jobs.kinds import DEFAULT_KIND
 from service.jobs.tasks import TASK_NAME, defer_async
 
@@ -31,7 +31,7 @@ log = logging.getLogger("multicomposite.worker")
 class Reaper:
     """What worker ``worker_id`` does about other workers' stalled jobs."""
 
-    def __init__(self, store: Store, worker_id: str, *, heartbeat_s: float, stale_after_s: float,
+    def __init__(self, store: JobStore, worker_id: str, *, heartbeat_s: float, stale_after_s: float,
                  max_attempts: int) -> None:
         self.store = store
         self.worker_id = worker_id

@@ -42,7 +42,7 @@ def is_store_error(error: BaseException) -> bool:
     """Whether ``error`` is the store refusing or losing a connection (worth retrying), not a bug."""
     from sqlalchemy.exc import DBAPIError
 
-    from registry.store.db import StoreUnavailableError
+    from registry.store.connection import StoreUnavailableError
 
     return isinstance(error, StoreUnavailableError | DBAPIError)
 

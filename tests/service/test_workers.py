@@ -19,7 +19,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, func, select, text
 
 from registry.store import workers as worker_rows
-from registry.store.db import JobRecord, Store
+from registry.store.db import Store
+from registry.store.records import JobRecord
 from registry.store.workers import workers_table
 from service.cli import main
 from service.jobs import running
@@ -396,7 +397,7 @@ def test_a_worker_refuses_a_store_below_the_head_revision_saying_to_upgrade_it(p
     """The workers table is the migrations' (revision 0005), no longer made by a worker when it starts: a store at
     0004 is refused in one line until `multicomposite db upgrade`, and then the worker registers."""
     from registry.store import migrate
-    from registry.store.db import safe_url
+    from registry.store.database import safe_url
     from service.jobs.worker import WorkerSetupError
 
     migrate.upgrade(postgres_empty_url, "0004")
