@@ -132,7 +132,8 @@ def fill_store(url: str, entries: int = 1200) -> None:
     from registry.core.ops import OPS
     from registry.core.registration import COMPOSITES, load
     from registry.core.sources import source_hashes
-    from registry.store.db import MatrixEntry, ProfileEntry, Store
+    from registry.store.evidence_store import EvidenceStore
+    from registry.store.records import MatrixEntry, ProfileEntry
 
     load()
     hashes = source_hashes()
@@ -156,7 +157,7 @@ def fill_store(url: str, entries: int = 1200) -> None:
                             runs=100, peak_memory=None, source_hash=hashes[("index_fill", name)],
                             torch_version=torch.__version__)
                for name, median in (("native", 300.0), ("functional", 40.0), ("primitive", 60.0))]
-    with Store(url) as store:
+    with EvidenceStore(url) as store:
         store.write_entries(rows)
         store.write_profiles(timings)
 

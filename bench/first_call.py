@@ -61,10 +61,10 @@ def measure(rounds: int, store: bool, collector: str = "cold") -> dict[str, floa
         env = {k: v for k, v in os.environ.items() if k != "MULTICOMPOSITE_DB"}
         env["XDG_DATA_HOME"] = folder
         if store:
-            from registry.store.db import Store
+            from registry.store.evidence_store import EvidenceStore
 
             url = f"sqlite:///{Path(folder) / 'store.db'}"
-            Store(url).close()
+            EvidenceStore(url).close()
             env["MULTICOMPOSITE_DB"] = url
         outside, inside = [], []
         for _ in range(rounds):

@@ -38,7 +38,8 @@ def _fail(message: str) -> Exception:
 
 
 def _url(args: argparse.Namespace) -> tuple[str, str]:
-    from registry.store.db import default_url, safe_url
+    from registry.store.connection import default_url
+    from registry.store.database import safe_url
 
     url = args.url or default_url()
     return url, safe_url(url)

@@ -18,7 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 import registry
 from registry.core.stacks import shorten
-from registry.store.db import StoreUnavailableError
+from registry.store.connection import StoreUnavailableError
 from service import dashboard
 from service.jobs.startup import job_backend
 from service.metrics import Metrics

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastapi import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from registry.store.db import JOB_STATES
+from registry.store.job_store import JOB_STATES
 from service.jobs.backend import JobBackend
 
 

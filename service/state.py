@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from registry.store import evidence
-from registry.store.db import Store, StoreUnavailableError, safe_url
+from registry.store.connection import StoreUnavailableError
+from registry.store.database import safe_url
+from registry.store.db import Store
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from registry.core.stacks import shorten
-from registry.store.db import MatrixEntry, ProfileEntry
+from registry.store.records import MatrixEntry, ProfileEntry
 from service.state import StoreState
 from service.validation import InputError
 

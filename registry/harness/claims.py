@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import registry
 from registry.core import rules
 from registry.core.context import Context
-from registry.store.db import MatrixEntry
+from registry.store.records import MatrixEntry
 
 
 def claim_failures(entries: Sequence[MatrixEntry]) -> list[MatrixEntry]:

@@ -28,7 +28,7 @@ from registry.core.ops import OPS
 from registry.core.registration import COMPOSITES
 from registry.harness import case_stacks, outcomes
 from registry.harness import opinfo_cases as cases
-from registry.store.db import MatrixEntry
+from registry.store.records import MatrixEntry
 
 # matrix stack -> the survey stacks whose worst outcome it records
 STACKS: dict[tuple[str, ...], tuple[str, ...]] = {

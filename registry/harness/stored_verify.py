@@ -15,10 +15,11 @@ from registry.store.benchlock import recorded_run
 if TYPE_CHECKING:
     import torch
 
-    from registry.store.db import MatrixEntry, Store
+    from registry.store.evidence_store import EvidenceStore
+    from registry.store.records import MatrixEntry
 
 
-def verify_into(store: Store, *, ops: Iterable[str] | None, stacks: Iterable[str | Sequence[str]] | None,
+def verify_into(store: EvidenceStore, *, ops: Iterable[str] | None, stacks: Iterable[str | Sequence[str]] | None,
                 dtypes: Sequence[torch.dtype], progress: Callable[[int, int, str], None] | None = None,
                 workers: int | None = None) -> list[MatrixEntry]:
     """``verify(ops, stacks, dtypes)`` (``registry.harness.verify``), its entries written to ``store``; the

@@ -38,7 +38,7 @@ from registry.harness.checks import batched_names, entry_call, native_call
 from registry.harness.comparison import compare, errors
 from registry.harness.interpreter import Fn, Layout, differentiates, reference, transformed
 from registry.harness.samples import SAMPLES, Args, Sample, fault_name, fault_samples
-from registry.store.db import MatrixEntry
+from registry.store.records import MatrixEntry
 
 BASE_TRANSFORMS = ("vmap", "grad", "jvp")
 OUTER_TRANSFORMS = ("functionalize", "compile")

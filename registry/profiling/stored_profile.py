@@ -16,10 +16,11 @@ from registry.store.benchlock import timed_run
 if TYPE_CHECKING:
     import torch
 
-    from registry.store.db import ProfileEntry, Store
+    from registry.store.evidence_store import EvidenceStore
+    from registry.store.records import ProfileEntry
 
 
-def profile_into(store: Store, *, ops: Iterable[str] | None, workloads: Sequence[str] | None,
+def profile_into(store: EvidenceStore, *, ops: Iterable[str] | None, workloads: Sequence[str] | None,
                  numels: Sequence[int] = (1024,), batch_sizes: Sequence[int], dtypes: Sequence[torch.dtype],
                  device: str, min_run_time: float, progress: Callable[[int, int, str], None] | None = None,
                  refused: list[str] | None = None,

@@ -33,7 +33,7 @@ from registry.harness.comparison import compare
 from registry.harness.interpreter import Layout, transformed
 from registry.harness.samples import SAMPLES
 from registry.profiling import noise
-from registry.store.db import ProfileEntry
+from registry.store.records import ProfileEntry
 
 WORKLOADS = ("vmap", "grad", "vmap(grad)", "jacrev", "jacfwd", "hessian")
 JACOBIAN_NUMEL = 16  # per sample: a Jacobian has numel**2 elements

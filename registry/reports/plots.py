@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from registry.core.status import FAILING, worst
-from registry.store.db import MatrixEntry
+from registry.store.records import MatrixEntry
 
 # Worst last: a cell shows the worst status over its patterns and dtypes. Unlike an aggregate over samples, a cell
 # ranks "unsupported" above "ok": a pattern that could not be checked shows, rather than hiding behind one that was.

@@ -1,8 +1,8 @@
 """The checks table: one row per ``registry.check`` report a check job stored (``records.CheckRecord``), and what is
 read and written of it.
 
-Defined on ``registry.store.db``'s metadata beside the others, so ``Store()`` creates it with them (the migrations'
-``env.py`` imports this module so that Alembic compares it too); revision 0006 adds it to an existing store.
+Defined on ``registry.store.tables``' metadata beside the others (the migrations' ``env.py`` imports this module so
+that Alembic compares it too); revision 0006 adds it to an existing store.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any
 
 from sqlalchemy import select
 
-from registry.store.db import METADATA, Store, json_fields, record_table
+from registry.store.evidence_store import EvidenceStore
 from registry.store.records import CheckRecord
+from registry.store.tables import METADATA, json_fields, record_table
 
 checks_table = record_table("checks", CheckRecord, METADATA)
 _JSON = json_fields(CheckRecord)  # report
@@ -31,21 +32,21 @@ def _record(row: Any) -> CheckRecord:
     return CheckRecord(**{name: json.loads(values[name]) if name in _JSON else values[name] for name in _FIELDS})
 
 
-def write_check(store: Store, record: CheckRecord) -> None:
+def write_check(store: EvidenceStore, record: CheckRecord) -> None:
     """Store one check; a check of the same id (its job, run again) is replaced."""
-    with store._writing() as conn:
+    with store.writing() as conn:
         conn.execute(checks_table.delete().where(checks_table.c.id == record.id))
         conn.execute(checks_table.insert().values(**_row(record)))
 
 
-def stored_checks(store: Store, *, limit: int = 100) -> list[CheckRecord]:
+def stored_checks(store: EvidenceStore, *, limit: int = 100) -> list[CheckRecord]:
     """The newest checks first, at most ``limit``."""
     query = select(checks_table).order_by(checks_table.c.created_at.desc(), checks_table.c.id).limit(limit)
-    with store._reading() as conn:
+    with store.reading() as conn:
         return [_record(row) for row in conn.execute(query)]
 
 
-def stored_check(store: Store, check_id: str) -> CheckRecord | None:
-    with store._reading() as conn:
+def stored_check(store: EvidenceStore, check_id: str) -> CheckRecord | None:
+    with store.reading() as conn:
         row = conn.execute(select(checks_table).where(checks_table.c.id == check_id)).first()
     return None if row is None else _record(row)

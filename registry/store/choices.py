@@ -12,8 +12,8 @@ from registry.core.ops import OPS
 from registry.core.selector import SelectionError, select
 from registry.core.stacks import format_stack
 from registry.store import evidence
-from registry.store.db import MatrixEntry, ProfileEntry
 from registry.store.evidence import FAILING
+from registry.store.records import MatrixEntry, ProfileEntry
 
 
 @contextmanager

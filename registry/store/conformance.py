@@ -1,8 +1,8 @@
 """The conformance table: one row per covered op, op_db entry, check, dtype and torch version, with how many cases
 passed natively and inside ``registry.use()`` (``registry.harness.conformance``).
 
-Defined on ``registry.store.db``'s metadata like the survey's table, so ``Store()`` creates it with the others (the
-migrations' ``env.py`` imports this module); revision 0004 adds it to an existing store.
+Defined on ``registry.store.tables``' metadata like the survey's table (the migrations' ``env.py`` imports this
+module); revision 0004 adds it to an existing store.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 
 from sqlalchemy import Column, Integer, String, Table, Text, UniqueConstraint, select
 
-from registry.store.db import METADATA, Store, upsert
+from registry.store.evidence_store import EvidenceStore
+from registry.store.tables import METADATA, upsert
 
 COUNTS = ("cases", "native_passed", "use_passed", "newly_passing", "newly_failing", "degenerate_cases")
 
@@ -46,19 +47,20 @@ def _to_row(row: Any) -> dict[str, Any]:
     return {c: values[c] for c in _COLUMNS}
 
 
-def write_conformance(store: Store, rows: Iterable[Any]) -> int:
+def write_conformance(store: EvidenceStore, rows: Iterable[Any]) -> int:
     """Upsert conformance rows (ConformanceRow objects or dicts) in one transaction; a later run replaces an earlier
     one's row with the same torch version, op, entry, check and dtype. Returns how many were given."""
     given = [_to_row(row) for row in rows]
     if not given:
         return 0
     unique = list({tuple(row[k] for k in _KEY): row for row in given}.values())
-    with store._writing() as conn:
+    with store.writing() as conn:
         upsert(conn, conformance_results, unique, _KEY)
     return len(given)
 
 
-def conformance_rows(store: Store, *, torch_version: str | None = None, op: str | None = None) -> list[dict[str, Any]]:
+def conformance_rows(store: EvidenceStore, *, torch_version: str | None = None,
+                     op: str | None = None) -> list[dict[str, Any]]:
     """Stored conformance rows matching the filters, ordered by op, entry, check and dtype."""
     query = select(conformance_results)
     for column, value in (("torch_version", torch_version), ("op", op)):
@@ -66,5 +68,5 @@ def conformance_rows(store: Store, *, torch_version: str | None = None, op: str 
             query = query.where(conformance_results.c[column] == value)
     query = query.order_by(conformance_results.c.op, conformance_results.c.entry, conformance_results.c.check,
                            conformance_results.c.dtype)
-    with store._reading() as conn:
+    with store.reading() as conn:
         return [{c: row._mapping[c] for c in _COLUMNS} for row in conn.execute(query)]

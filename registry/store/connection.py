@@ -5,9 +5,7 @@
 from __future__ import annotations
 
 import os
-import random
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,23 +49,22 @@ def sqlite_pragmas(dbapi_connection: Any, _record: Any, busy_timeout_ms: int = B
     """Set up a new SQLite connection: a busy timeout, and WAL (SQLAlchemy calls this on every connect)."""
     import sqlite3  # here: knowing where the store is needs no database driver
 
+    from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random
+
+    def switch_to_wal() -> None:
+        attempt = dbapi_connection.cursor()
+        try:
+            attempt.execute("PRAGMA journal_mode=WAL")
+        finally:
+            attempt.close()  # a failed statement left open keeps its shared lock: the other waiter would wait too
+
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         # WAL lets readers proceed while a writer commits and keeps the file consistent if a writer is killed.
         # Switching a new file to WAL while another connection holds its lock fails at once (SQLite calls no busy
         # handler there): two processes creating one store together. Retry until the other is done.
-        deadline = time.monotonic() + busy_timeout_ms / 1000
-        while True:
-            attempt = dbapi_connection.cursor()
-            try:
-                attempt.execute("PRAGMA journal_mode=WAL")
-                break
-            except sqlite3.OperationalError:
-                if time.monotonic() > deadline:
-                    raise
-            finally:
-                attempt.close()  # a failed statement left open keeps its shared lock: the other waiter would wait too
-            time.sleep(0.05 + random.random() * 0.05)
+        Retrying(retry=retry_if_exception_type(sqlite3.OperationalError), stop=stop_after_delay(busy_timeout_ms / 1000),
+                 wait=wait_random(0.05, 0.1), reraise=True)(switch_to_wal)
     finally:
         cursor.close()

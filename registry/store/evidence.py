@@ -194,7 +194,7 @@ def _read_store(read: str) -> list[Any]:
         return stored
     try:
         from registry.store import fresh
-        from registry.store.db import Store
+        from registry.store.evidence_store import EvidenceStore
     except ModuleNotFoundError as error:
         if not _warned:  # once a process: the matrix and the profiles are read apart
             _warned.append(True)
@@ -204,7 +204,7 @@ def _read_store(read: str) -> list[Any]:
     # A reader never makes the file: a SQLite store deleted since the check above (or while a retry was due) must
     # not come back as a new, empty one that a server then takes for its own.
     opened = url if path is None else f"sqlite:///file:{quote(os.path.abspath(path))}?mode=rw&uri=true"
-    store = Store(opened, timeout_s=health.READ_TIMEOUT_S)
+    store = EvidenceStore(opened, timeout_s=health.READ_TIMEOUT_S)
     try:
         result = getattr(fresh, read)(store)
     finally:
@@ -240,7 +240,7 @@ def store_status() -> StoreStatus:
 
 
 def use_store(store: Any) -> None:
-    """Read evidence from ``store`` (an open Store) from now on: reloaded lazily at the next decision."""
+    """Read evidence from ``store`` (an open EvidenceStore) from now on: reloaded lazily at the next decision."""
     from registry.store.fresh import fresh_entries, fresh_profiles
 
     use_loader(lambda: fresh_entries(store))

@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from registry.store.db import MatrixEntry, ProfileEntry, Store
+    from registry.store.evidence_store import EvidenceStore
+    from registry.store.records import MatrixEntry, ProfileEntry
 
 
-def fresh_entries(store: Store, **filters: Any) -> list[MatrixEntry]:
+def fresh_entries(store: EvidenceStore, **filters: Any) -> list[MatrixEntry]:
     """``store``'s matrix entries fresh for this torch and these composites' sources (``filters``: as
-    ``Store.fresh_entries`` takes them, e.g. ``op``)."""
+    ``EvidenceStore.fresh_entries`` takes them, e.g. ``op``)."""
     import torch
 
     from registry.core.sources import source_hashes
@@ -20,7 +21,7 @@ def fresh_entries(store: Store, **filters: Any) -> list[MatrixEntry]:
     return store.fresh_entries(source_hashes=source_hashes(), torch_version=torch.__version__, **filters)
 
 
-def fresh_profiles(store: Store, **filters: Any) -> list[ProfileEntry]:
+def fresh_profiles(store: EvidenceStore, **filters: Any) -> list[ProfileEntry]:
     """``store``'s profiles fresh for this torch and these composites' sources."""
     import torch
 

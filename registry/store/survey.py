@@ -1,7 +1,7 @@
 """The survey table: one row per op_db entry, stack, batching variant, dtype and torch version, with native's status
 and the status inside ``registry.use()``.
 
-The table is defined on ``registry.store.db``'s metadata beside the others (the migrations' ``env.py`` imports this
+The table is defined on ``registry.store.tables``' metadata beside the others (the migrations' ``env.py`` imports this
 module so that Alembic compares it too); the schema itself is made by the migrations.
 """
 
@@ -13,7 +13,8 @@ from typing import Any
 from sqlalchemy import Column, Float, Integer, String, Table, Text, UniqueConstraint, select
 
 from registry.core.status import STATUSES
-from registry.store.db import METADATA, Store, upsert
+from registry.store.evidence_store import EvidenceStore
+from registry.store.tables import METADATA, upsert
 
 survey_results = Table(
     "survey_results",
@@ -52,19 +53,19 @@ def _to_row(row: Any) -> dict[str, Any]:
     return {c: values[c] for c in _COLUMNS}
 
 
-def write_survey(store: Store, rows: Iterable[Any]) -> int:
+def write_survey(store: EvidenceStore, rows: Iterable[Any]) -> int:
     """Upsert survey rows (SurveyRow objects or dicts) in one transaction; a later run replaces an earlier one's row
     with the same torch version, entry, stack, batching and dtype. Returns how many were given."""
     given = [_to_row(row) for row in rows]
     if not given:
         return 0
     unique = list({tuple(row[k] for k in _KEY): row for row in given}.values())
-    with store._writing() as conn:
+    with store.writing() as conn:
         upsert(conn, survey_results, unique, _KEY)
     return len(given)
 
 
-def survey_rows(store: Store, *, torch_version: str | None = None, op: str | None = None,
+def survey_rows(store: EvidenceStore, *, torch_version: str | None = None, op: str | None = None,
                 stack: str | None = None) -> list[dict[str, Any]]:
     """Stored survey rows matching the filters, ordered by entry, stack, batching and dtype."""
     query = select(survey_results)
@@ -73,5 +74,5 @@ def survey_rows(store: Store, *, torch_version: str | None = None, op: str | Non
             query = query.where(survey_results.c[column] == value)
     query = query.order_by(survey_results.c.op, survey_results.c.stack, survey_results.c.batching,
                            survey_results.c.dtype)
-    with store._reading() as conn:
+    with store.reading() as conn:
         return [{c: row._mapping[c] for c in _COLUMNS} for row in conn.execute(query)]

@@ -6,7 +6,7 @@ it runs now. ``heartbeat`` and ``started_at`` are the database server's clock (s
 whose clocks differ agree on who is stale. Workers run on PostgreSQL stores only (``func.now()`` is the server's
 time there); the table is in every store's schema, made by the migrations (revision 0005) like every other table.
 
-The table is defined on ``registry.store.db``'s metadata beside the others (the migrations' ``env.py`` imports this
+The table is defined on ``registry.store.tables``' metadata beside the others (the migrations' ``env.py`` imports this
 module so that Alembic compares it too).
 """
 
@@ -17,8 +17,9 @@ from typing import Any
 
 from sqlalchemy import Engine, delete, func, select, update
 
-from registry.store.db import ACTIVE_JOB_STATES, METADATA, jobs_table, record_table
+from registry.store.job_store import ACTIVE_JOB_STATES, jobs_table
 from registry.store.records import WorkerRecord
+from registry.store.tables import METADATA, record_table
 
 workers_table = record_table("workers", WorkerRecord, METADATA)
 

@@ -36,14 +36,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from registry.harness import conformance
     from registry.store.conformance import write_conformance
-    from registry.store.db import Store
+    from registry.store.evidence_store import EvidenceStore
 
     try:
         checks = conformance.parse_checks(args.check)
         jobs = conformance.covered_entries(args.op)
         config = conformance.ConformanceConfig(checks=checks, sample_limit=args.limit_samples)
         workers = args.workers if args.workers is not None else min(2, os.cpu_count() or 1)
-        store = Store()
+        store = EvidenceStore()
         try:
             with out.progress("conformance", "jobs") as progress:
                 def save(rows: list[Any], done: int, total: int) -> None:

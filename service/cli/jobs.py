@@ -33,8 +33,9 @@ def job_json(job: Any) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from registry.core.stacks import shorten
+    from registry.store.job_store import JobStore
 
-    store = open_store()
+    store = open_store(JobStore)
     try:
         if args.id is not None:
             job = store.job(args.id)

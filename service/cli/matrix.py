@@ -13,7 +13,7 @@ from service.cli.vocabulary import STATUSES
 from service.cli_output import UsageError
 
 if TYPE_CHECKING:
-    from registry.store.db import MatrixEntry
+    from registry.store.records import MatrixEntry
 
 
 def run(args: argparse.Namespace) -> int:

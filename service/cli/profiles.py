@@ -12,7 +12,7 @@ from service.cli import arguments
 from service.cli.store import entry_json, fresh, open_store
 
 if TYPE_CHECKING:
-    from registry.store.db import ProfileEntry
+    from registry.store.records import ProfileEntry
 
 COLUMNS = ("op", "workload", "dtype", "batch", "composite", "median us", "IQR us", "vs native", "detail")
 

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from registry.store.db import StoreUnavailableError
+    from registry.store.connection import StoreUnavailableError
     from service.main import create_app
     from service.settings import SettingsError, load_settings
     from service.state import StoreState

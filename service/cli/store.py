@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from service.cli_output import UsageError
 
 if TYPE_CHECKING:
-    from registry.store.db import MatrixEntry, ProfileEntry, Store
+    from registry.store.database import Database
+    from registry.store.evidence_store import EvidenceStore
+    from registry.store.records import MatrixEntry, ProfileEntry
+
+StoreT = TypeVar("StoreT", bound="Database")
 
 
-def open_store() -> Store:
-    """The default store, checked; UsageError (one line) when it cannot be opened."""
-    from registry.store.db import Store, StoreUnavailableError
+def open_store(kind: type[StoreT] | None = None) -> StoreT:
+    """The default store, checked, as ``kind`` (the evidence store unless told: ``JobStore`` for the jobs); UsageError
+    (one line) when it cannot be opened."""
+    from registry.store.connection import StoreUnavailableError
+    from registry.store.evidence_store import EvidenceStore
 
     _check_variable_names()
     try:
-        store = Store()
+        store = (kind or EvidenceStore)()
         store.check()
     except StoreUnavailableError as error:
         raise UsageError(str(error)) from None
@@ -24,7 +30,7 @@ def open_store() -> Store:
         first = (str(error).strip().splitlines() or [""])[0]
         raise UsageError(f"the store cannot be opened: {type(error).__name__}: {first}; check MULTICOMPOSITE_DB"
                          ) from None
-    return store
+    return store  # type: ignore[return-value]
 
 
 def _check_variable_names() -> None:
@@ -40,7 +46,7 @@ def _check_variable_names() -> None:
         raise UsageError(str(error)) from None
 
 
-def fresh(store: Store, *, entries: bool = True,
+def fresh(store: EvidenceStore, *, entries: bool = True,
           profiles: bool = True) -> tuple[list[MatrixEntry], list[ProfileEntry]]:
     """The matrix entries and profiles still valid for this torch and these composites' sources
     (``registry.store.fresh``); a table not asked for is not read (an empty list)."""

@@ -14,7 +14,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from registry.harness import survey
-    from registry.store.db import Store
+    from registry.store.evidence_store import EvidenceStore
     from registry.store.survey import write_survey
 
     try:
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
         config = survey.SurveyConfig(stacks=stacks or survey.SURVEY_STACKS, limit_samples=args.limit_samples,
                                      case_timeout_s=args.timeout)
         workers = args.workers if args.workers is not None else min(2, os.cpu_count() or 1)
-        store = Store()
+        store = EvidenceStore()
         try:
             with out.progress("survey", "jobs") as progress:
                 def save(rows: list, done: int, total: int) -> None:

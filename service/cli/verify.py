@@ -15,7 +15,7 @@ from service.cli.store import entry_json, open_store
 from service.cli_output import UsageError
 
 if TYPE_CHECKING:
-    from registry.store.db import MatrixEntry
+    from registry.store.records import MatrixEntry
 
 # The stacks whose choice the summary shows when no --stack narrows it: the batched ones every op is verified
 # under (OpInfo ops run vmap, grad, vmap(grad) and vmap(jvp); the seed ops every nesting).

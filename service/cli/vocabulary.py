@@ -10,5 +10,5 @@ from __future__ import annotations
 POLICIES: tuple[str, ...] = ("auto", "fastest", "rules", "native")
 # registry.core.status.STATUSES
 STATUSES: tuple[str, ...] = ("ok", "slow", "error", "mismatch", "unsupported")
-# registry.store.db.JOB_STATES
+# registry.store.job_store.JOB_STATES
 JOB_STATES: tuple[str, ...] = ("queued", "running", "cancelling", "done", "failed", "cancelled", "interrupted")

@@ -39,7 +39,7 @@ def configure_worker(worker: argparse.ArgumentParser) -> None:
 
 
 def run_worker_command(args: argparse.Namespace) -> int:
-    from registry.store.db import StoreUnavailableError
+    from registry.store.connection import StoreUnavailableError
     from service.jobs.kinds import detect_device_kinds, queue_for
     from service.jobs.tasks import is_postgres
     from service.jobs.worker import NEEDS_POSTGRES, Worker, WorkerOptions, WorkerSetupError, log

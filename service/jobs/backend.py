@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from registry.store.db import JobRecord
+from registry.store.records import JobRecord
 
 Job = JobRecord
 # What a job reports as it goes: cases done, cases in all.

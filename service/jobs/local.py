@@ -24,7 +24,8 @@ import uuid
 from collections import deque
 from typing import Any, NoReturn
 
-from registry.store.db import ACTIVE_JOB_STATES, Store, this_process
+from registry.store.job_store import ACTIVE_JOB_STATES, JobStore
+from registry.store.processes import this_process
 from service.jobs.backend import PRUNE_EVERY_S, Job, JobWork, QueueFullError
 from service.jobs.kinds import detect_device_kinds
 from service.jobs.running import JobCancelledError, ended, error_reason, is_store_error, progress_writer, until_stored
@@ -48,7 +49,7 @@ class LocalRunner:
 
     where = "on this host"
 
-    def __init__(self, run: JobWork, store: Store, queue_size: int, timeout_s: float, retention_s: float) -> None:
+    def __init__(self, run: JobWork, store: JobStore, queue_size: int, timeout_s: float, retention_s: float) -> None:
         self._run = run
         self._store = store
         self._queue_size = queue_size

@@ -10,7 +10,9 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from registry.store.db import FINISHED_JOB_STATES, Store, StoreUnavailableError, this_process
+from registry.store.connection import StoreUnavailableError
+from registry.store.job_store import FINISHED_JOB_STATES, JobStore
+from registry.store.processes import this_process
 from registry.store.workers import registered_kinds
 from service.jobs.backend import PRUNE_EVERY_S, Job, QueueFullError
 from service.jobs.kinds import DEFAULT_KIND, kind_device_type
@@ -25,7 +27,7 @@ class QueuedJobs:
 
     where = "on any worker"
 
-    def __init__(self, store: Store, queue_size: int, retention_s: float,
+    def __init__(self, store: JobStore, queue_size: int, retention_s: float,
                  on_finished: Callable[[], None] = lambda: None) -> None:
         """``on_finished``: called when a read finds a job finished, so that the service's cached responses are
         dropped before a client that sees the job done reads the results (the watcher would notice only at its

@@ -7,7 +7,6 @@ queued again. Dead workers' rows are pruned once their jobs are taken."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import text
 
 from registry.store import workers as worker_rows
-from registry.store.db import FINISHED_JOB_STATES, Store
+from registry.store.job_store import FINISHED_JOB_STATES, JobStore
 from service.jobs.kinds import DEFAULT_KIND
 from service.jobs.tasks import TASK_NAME, defer_async
 
@@ -31,7 +30,7 @@ log = logging.getLogger("multicomposite.worker")
 class Reaper:
     """What worker ``worker_id`` does about other workers' stalled jobs."""
 
-    def __init__(self, store: Store, worker_id: str, *, heartbeat_s: float, stale_after_s: float,
+    def __init__(self, store: JobStore, worker_id: str, *, heartbeat_s: float, stale_after_s: float,
                  max_attempts: int) -> None:
         self.store = store
         self.worker_id = worker_id
@@ -84,17 +83,22 @@ class Reaper:
         reason it writes (procrastinate's heartbeat, which decides when a job is stalled, may lag this one)."""
         return worker_rows.prune_stale(self.store.engine, self.stale_after_s, keep=self.worker_id)
 
-    def orphaned_jobs(self) -> list[tuple[str, str]]:
+    async def orphaned_jobs(self, app: procrastinate.App) -> list[tuple[str, str]]:
         """Store jobs ``queued`` for over ``stale_after_s`` with no procrastinate job to run them: the server that
         accepted one was killed between writing its row and queueing it. (id, device kind) of each, to queue
-        again; one queued twice is still run once (a worker's claim is conditional on ``queued``)."""
+        again; one queued twice is still run once (a worker's claim is conditional on ``queued``).
+
+        procrastinate's jobs to do or doing are listed first (its own ``list_jobs_async``), then the store's queued
+        rows: a job that finishes in between was listed, so it is not taken for orphaned."""
+        from procrastinate.jobs import Status
+
+        waiting = {str(job.task_kwargs.get("job_id", ""))
+                   for status in (Status.TODO, Status.DOING)
+                   for job in await app.job_manager.list_jobs_async(task=TASK_NAME, status=status.value)}
         cutoff = time.time() - max(self.stale_after_s, 2 * self.heartbeat_s)
-        query = text("SELECT id, params FROM jobs WHERE state = 'queued' AND created_at < :cutoff AND NOT EXISTS "
-                     "(SELECT 1 FROM procrastinate_jobs p WHERE p.args->>'job_id' = jobs.id "
-                     "AND p.status IN ('todo', 'doing'))")
-        with self.store.engine.connect() as conn:
-            rows = conn.execute(query, {"cutoff": cutoff}).all()
-        return [(row.id, json.loads(row.params).get("device_kind", DEFAULT_KIND)) for row in rows]
+        queued = await asyncio.to_thread(self.store.jobs, states=("queued",))
+        return [(job.id, job.params.get("device_kind", DEFAULT_KIND)) for job in queued
+                if job.created_at < cutoff and job.id not in waiting]
 
     async def reap(self, app: procrastinate.App, reachable_since: float | None) -> list[tuple[str, str]]:
         """One pass, unless another worker is reaping: returns (store job id, outcome) for each stalled job.
@@ -128,7 +132,7 @@ class Reaper:
                         await app.job_manager.finish_job(stalled_job, status=status, delete_job=False)
                     outcomes.append((job_id, outcome))
                     log.warning("job %s of a stalled worker: %s", job_id, outcome)
-                for job_id, kind in await asyncio.to_thread(self.orphaned_jobs):
+                for job_id, kind in await self.orphaned_jobs(app):
                     await defer_async(app, job_id, kind)
                     outcomes.append((job_id, "queued again"))
                     log.warning("job %s was never queued (its server stopped first): queued again", job_id)

@@ -14,12 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
+
 from service.jobs.backend import Job, Progress
 
 # A job's progress is written at most this often: verify reports per context, far faster than anyone polls.
 PROGRESS_EVERY_S = 0.25
-# While the store refuses a write that must happen (a job's start or end), it is retried after this many seconds,
-# doubling up to the last.
+# While the store refuses a write that must happen (a job's start or end), it is retried (tenacity) after this many
+# seconds, doubling up to the last.
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 10.0
 
@@ -40,7 +42,7 @@ def is_store_error(error: BaseException) -> bool:
     """Whether ``error`` is the store refusing or losing a connection (worth retrying), not a bug."""
     from sqlalchemy.exc import DBAPIError
 
-    from registry.store.db import StoreUnavailableError
+    from registry.store.connection import StoreUnavailableError
 
     return isinstance(error, StoreUnavailableError | DBAPIError)
 
@@ -50,19 +52,26 @@ def until_stored(write: Callable[[], Any], what: str, job_id: str, stop: threadi
     """``write()``, retried while the store refuses it, until it is taken; its value. Any error but the store's is
     raised. Once ``stop`` is set, it is not retried: None is returned (the job's row then says what the last write
     said, and a restart takes it from there), or with ``raise_when_stopping`` the store's error is raised (a worker's
-    row stays running, and the reaper retries the job once the worker is gone)."""
-    delay = RETRY_FIRST_S
-    while True:
-        try:
-            return write()
-        except Exception as error:
-            if not is_store_error(error) or (raise_when_stopping and stop.is_set()):
-                raise
-            log.warning("job %s: the store refused %s (%s); retrying in %g s", job_id, what, error_reason(error),
-                        delay)
-        if stop.wait(delay) and not raise_when_stopping:
+    row stays running, and the reaper retries the job once the worker is gone). The waits between tries start at
+    ``RETRY_FIRST_S`` and double up to ``RETRY_MAX_S``; a stop ends a wait at once."""
+    def worth_retrying(error: BaseException) -> bool:
+        return is_store_error(error) and not (raise_when_stopping and stop.is_set())
+
+    def refused(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        delay = state.next_action.sleep if state.next_action is not None else 0.0
+        log.warning("job %s: the store refused %s (%s); retrying in %g s", job_id, what,
+                    error_reason(error) if error is not None else "", delay)
+
+    retrying = Retrying(retry=retry_if_exception(worth_retrying), reraise=True, before_sleep=refused,
+                        wait=wait_exponential(multiplier=RETRY_FIRST_S, max=RETRY_MAX_S), sleep=stop.wait)
+    for attempt in retrying:
+        # A stop that ended the wait: no further try (a write could wait out SQLite's whole busy timeout).
+        if attempt.retry_state.attempt_number > 1 and stop.is_set() and not raise_when_stopping:
             return None
-        delay = min(delay * 2, RETRY_MAX_S)
+        with attempt:
+            return write()
+    raise AssertionError("unreachable: Retrying either returns the write's value or raises its error")
 
 
 def progress_writer(job: Job, *, write: Callable[[int, int], bool], not_running: Callable[[], NoReturn],

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from registry.store.db import Store
+    from registry.store.evidence_store import EvidenceStore
     from service.jobs.backend import Job, JobWork, Progress
 
 
-def make_job_work(store_: Store, on_written: Callable[[], None] = lambda: None) -> JobWork:
+def make_job_work(store_: EvidenceStore, on_written: Callable[[], None] = lambda: None) -> JobWork:
     """``on_written``: called after a job writes the store and before it is reported done, so that a client that
     sees the job done never reads a response cached before the write (the watcher would notice only at its poll)."""
 
@@ -51,7 +51,7 @@ def make_job_work(store_: Store, on_written: Callable[[], None] = lambda: None) 
     return run_job
 
 
-def run_check(store_: Store, job: Job, progress: Progress) -> dict[str, Any]:
+def run_check(store_: EvidenceStore, job: Job, progress: Progress) -> dict[str, Any]:
     """A check job: one of the built-in programs (``service.check_examples``, named in the params; never code sent
     with the request) through ``registry.check``; the report is stored under the job's id."""
     import torch

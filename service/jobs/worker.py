@@ -30,7 +30,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from sqlalchemy.engine import make_url
 
 from registry.store import workers as worker_rows
-from registry.store.db import ACTIVE_JOB_STATES, JobRecord, Store, StoreUnavailableError
+from registry.store.connection import StoreUnavailableError
+from registry.store.db import Store
+from registry.store.job_store import ACTIVE_JOB_STATES
+from registry.store.records import JobRecord
 from service.jobs.backend import JobWork
 from service.jobs.kinds import DEFAULT_KIND, queue_for
 from service.jobs.reaper import Reaper

@@ -6,7 +6,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 from fastapi import APIRouter
 
-from registry.store.db import StoreUnavailableError
+from registry.store.connection import StoreUnavailableError
 from service.deps import StateDep
 from service.models import ErrorPublic, Health, VersionPublic
 

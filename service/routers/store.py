@@ -10,7 +10,8 @@ from fastapi import APIRouter, HTTPException, Query
 import registry
 from registry.core.selector import unknown_op_message
 from registry.core.stacks import MAX_STACK_TEXT, format_stack, shorten
-from registry.store.db import STATUSES, MatrixEntry, ProfileEntry
+from registry.core.status import STATUSES
+from registry.store.records import MatrixEntry, ProfileEntry
 from service.deps import StateDep
 from service.models import MatrixEntryPublic, MatrixPage, ProfilePage, ProfilePublic
 from service.timestamps import iso_utc

@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 
+# The store's modules that build on SQLAlchemy (sqlite_reader, records and connection do not).
+STORE_ON_SQLALCHEMY = ("registry.store.db", "registry.store.database", "registry.store.tables",
+                       "registry.store.evidence_store", "registry.store.job_store")
 # Not torch.testing._internal itself: torch imports its common_dtype and logging_tensor.
 HEAVY = ("sqlalchemy", "alembic", "fastapi", "uvicorn", "pydantic", "matplotlib", "procrastinate", "psycopg", "rich",
          "sympy", "torch._dynamo", "torch.testing._internal.opinfo",
-         "torch.testing._internal.common_methods_invocations", "registry.harness", "registry.store.db",
+         "torch.testing._internal.common_methods_invocations", "registry.harness", *STORE_ON_SQLALCHEMY,
          "registry.profiling", "registry.reports", "service")
 
 PROBE = textwrap.dedent("""
@@ -76,4 +79,4 @@ def test_an_older_store_is_migrated_without_the_harness(tmp_path: Path) -> None:
     assert loaded["after_import"] == []
     assert "sqlalchemy" in loaded["after_first_call"]
     assert [m for m in loaded["after_first_call"]
-            if not m.startswith(("sqlalchemy", "alembic", "registry.store.db"))] == []
+            if not m.startswith(("sqlalchemy", "alembic", *STORE_ON_SQLALCHEMY))] == []

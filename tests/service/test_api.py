@@ -194,7 +194,7 @@ def test_one_query_posted_as_an_object_says_that_post_select_takes_a_list(client
 
 
 def test_metrics_report_a_failing_store_instead_of_failing(client: TestClient) -> None:
-    from registry.store.db import StoreUnavailableError
+    from registry.store.connection import StoreUnavailableError
 
     assert "multicomposite_store_up 1.0" in client.get("/metrics").text
 
@@ -248,7 +248,8 @@ ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 def test_jobs_spell_stacks_one_way_and_give_iso_times(client: TestClient, db_url: str) -> None:
     import time
 
-    from registry.store.db import JobRecord, Store
+    from registry.store.db import Store
+    from registry.store.records import JobRecord
 
     client.app.state.runner._run = lambda job, progress: (progress(1, 1), {"entries": 0})[1]
     response = client.post("/verify", json={"ops": ["masked_fill"], "stacks": ["vmap,grad", "vmap(jvp)"]})
@@ -276,7 +277,8 @@ def test_matrix_entries_give_iso_times(client: TestClient, db_url: str) -> None:
     import torch
 
     from registry.core.sources import source_hashes
-    from registry.store.db import MatrixEntry, Store
+    from registry.store.db import Store
+    from registry.store.records import MatrixEntry
 
     entry = MatrixEntry(op="take", composite="functional", kind="functional", stack=("vmap",), pattern="all",
                         dtype="float32", status="ok", detail="", max_abs_error=0.0, max_rel_error=0.0,

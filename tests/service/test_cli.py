@@ -17,7 +17,8 @@ from registry.core.selector import covered_ops
 from registry.core.sources import source_hashes
 from registry.store import evidence
 from registry.store.choices import native_failures
-from registry.store.db import JobRecord, MatrixEntry, ProfileEntry, Store
+from registry.store.db import Store
+from registry.store.records import JobRecord, MatrixEntry, ProfileEntry
 from registry.store.survey import write_survey
 from service import cli_output
 from service.cli import SUBCOMMANDS, build_parser, main

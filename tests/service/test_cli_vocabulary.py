@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from registry.core.selector import POLICIES
 from registry.core.status import STATUSES
-from registry.store.db import JOB_STATES
+from registry.store.job_store import JOB_STATES
 from service.cli import vocabulary
 
 

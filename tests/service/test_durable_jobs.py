@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 from fastapi.testclient import TestClient
 
-from registry.store.db import JobRecord, Store
+from registry.store.db import Store
+from registry.store.records import JobRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 DEAD = f"{socket.gethostname()}:999999999"  # a process id no process has

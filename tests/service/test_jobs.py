@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from registry.store.db import StoreUnavailableError
+from registry.store.connection import StoreUnavailableError
 from service.main import create_app
 from service.settings import Settings
 

@@ -83,7 +83,8 @@ def test_a_job_running_when_the_app_stops_ends_interrupted_at_its_next_case_boun
     """The runner's thread ends with its app: it does not run on beside the next app of the process."""
     import threading
 
-    from registry.store.db import Store, this_process
+    from registry.store.db import Store
+    from registry.store.processes import this_process
 
     reached, proceed = threading.Event(), threading.Event()
 

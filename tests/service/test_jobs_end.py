@@ -23,7 +23,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from registry.store import connection
-from registry.store.db import Store, StoreUnavailableError
+from registry.store.connection import StoreUnavailableError
+from registry.store.db import Store
 from service.jobs import running
 from service.jobs.backend import Job
 

@@ -14,7 +14,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from registry.core.sources import source_hashes
-from registry.store.db import ProfileEntry, Store
+from registry.store.db import Store
+from registry.store.records import ProfileEntry
 
 ROOT = Path(__file__).resolve().parents[2]
 QUERY = {"op": "masked_fill", "stack": "vmap", "batched": "self", "dtype": "float32"}
@@ -26,7 +27,8 @@ STORE_BACKENDS = ("sqlite", "postgres")
 WRITER = textwrap.dedent("""
     import sys, torch
     from registry.core.sources import source_hashes
-    from registry.store.db import MatrixEntry, Store
+    from registry.store.records import MatrixEntry
+    from registry.store.db import Store
     hashes = source_hashes()
     with Store(sys.argv[1]) as store:
         store.write_entries([MatrixEntry(

@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 
 import registry
 from registry.core.sources import source_hashes
-from registry.store.db import MatrixEntry, ProfileEntry, Store
+from registry.store.db import Store
+from registry.store.records import MatrixEntry, ProfileEntry
 
 # Each test that uses a store runs on SQLite and on PostgreSQL (tests/service/conftest.py).
 STORE_BACKENDS = ("sqlite", "postgres")

@@ -78,7 +78,7 @@ def test_a_postgres_server_killed_and_restarted(postgres_own_server, serve) -> N
     """PostgreSQL killed (kill -9) under a running service: every store route answers 503 JSON naming the store
     and the driver's reason, /healthz stays up; once the server is back the same app answers again. (The server
     fixture comes first: it is torn down after the app, which closes its pool while PostgreSQL still answers.)"""
-    from registry.store.db import safe_url
+    from registry.store.database import safe_url
     from registry.store.migrate import upgrade
 
     url = postgres_own_server.create_database()

@@ -4,6 +4,7 @@ refuses to start a worker."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -19,11 +20,13 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, func, select, text
 
 from registry.store import workers as worker_rows
-from registry.store.db import JobRecord, Store
+from registry.store.db import Store
+from registry.store.records import JobRecord
 from registry.store.workers import workers_table
 from service.cli import main
 from service.jobs import running
 from service.jobs.kinds import detect_device_kinds, queue_for, resolve_kind
+from service.jobs.tasks import defer_async, make_app
 from service.jobs.worker import Worker, WorkerOptions
 from service.main import create_app
 from service.settings import Settings
@@ -336,7 +339,16 @@ def test_a_job_whose_server_died_before_queueing_it_is_queued_again(worker_here:
     store.add_job(JobRecord(id="never-queued", kind="verify", params={"device_kind": "cpu"},
                             created_at=time.time() - 60))
     store.add_job(JobRecord(id="just-added", kind="verify", params={"device_kind": "cpu"}))
-    assert worker_here.reaper.orphaned_jobs() == [("never-queued", "cpu")]
+    store.add_job(JobRecord(id="on-the-queue", kind="verify", params={"device_kind": "cpu"},
+                            created_at=time.time() - 60))
+
+    async def orphaned() -> list[tuple[str, str]]:
+        app = make_app(worker_here.options.url, sync=False)
+        async with app.open_async():
+            await defer_async(app, "on-the-queue", "cpu")  # procrastinate has it to do: not orphaned
+            return await worker_here.reaper.orphaned_jobs(app)
+
+    assert asyncio.run(orphaned()) == [("never-queued", "cpu")]
 
 
 # Without a PostgreSQL server -----------------------------------------------------------------------------------------
@@ -396,7 +408,7 @@ def test_a_worker_refuses_a_store_below_the_head_revision_saying_to_upgrade_it(p
     """The workers table is the migrations' (revision 0005), no longer made by a worker when it starts: a store at
     0004 is refused in one line until `multicomposite db upgrade`, and then the worker registers."""
     from registry.store import migrate
-    from registry.store.db import safe_url
+    from registry.store.database import safe_url
     from service.jobs.worker import WorkerSetupError
 
     migrate.upgrade(postgres_empty_url, "0004")

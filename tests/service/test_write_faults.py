@@ -21,7 +21,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from registry.core.sources import source_hashes
-from registry.store.db import MatrixEntry, Store, StoreUnavailableError
+from registry.store.connection import StoreUnavailableError
+from registry.store.db import Store
+from registry.store.records import MatrixEntry
 
 ROOT = Path(__file__).resolve().parents[2]
 FRAME = 4096 + 24  # one page in SQLite's -wal

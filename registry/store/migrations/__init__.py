@@ -1,7 +1,7 @@
 """The store's schema migrations (Alembic): ``env.py``, and one revision per schema change under ``versions/``.
 
 They run through ``registry.store.migrate`` (``multicomposite db upgrade``); there is no alembic.ini. A new revision,
-after changing the tables in ``registry/store/db.py``::
+after changing the tables (``registry/store/evidence_store.py``, ``job_store.py``, ``survey.py``, ...)::
 
     python -c "from alembic import command; from registry.store.migrate import _config; \\
                command.revision(_config(), message='what changes', rev_id='0003')"

@@ -8,10 +8,12 @@ from sqlalchemy import Connection, text
 
 import registry.store.checks
 import registry.store.conformance
+import registry.store.evidence_store
+import registry.store.job_store
 import registry.store.survey
 import registry.store.workers  # noqa: F401  (these define their tables on the same metadata)
-from registry.store.db import METADATA
 from registry.store.migrate import MIGRATION_LOCK_KEY
+from registry.store.tables import METADATA
 
 
 def run_migrations(connection: Connection) -> None:

@@ -15,7 +15,7 @@ import registry
 from registry.core import reference, selector
 from registry.core.sources import source_hashes
 from registry.store import evidence
-from registry.store.db import ProfileEntry
+from registry.store.records import ProfileEntry
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from registry.core.sources import source_hashes
 from registry.profiling import noise
 from registry.profiling.timing import profile
 from registry.store import evidence
-from registry.store.db import ProfileEntry
+from registry.store.records import ProfileEntry
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,8 @@ import registry
 from registry.core.sources import source_hashes
 from registry.profiling.timing import bucket, profile
 from registry.store import evidence
-from registry.store.db import ProfileEntry, Store
+from registry.store.db import Store
+from registry.store.records import ProfileEntry
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ from registry.reports.plots import (
     speedup_figure,
     speedup_lines,
 )
-from registry.store.db import MatrixEntry, ProfileEntry
+from registry.store.records import MatrixEntry, ProfileEntry
 
 
 def _entry(composite: str, kind: str, median: float | None, iqr: float | None, *, detail: str = "",

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from registry.store.benchlock import LOCK_NAME, BenchmarkBusyError, benchmark_lock, timed_run
-from registry.store.db import ProfileEntry, Store
+from registry.store.db import Store
+from registry.store.records import ProfileEntry
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from registry.store.db import JobRecord, Store, StoreUnavailableError
+from registry.store.connection import StoreUnavailableError
+from registry.store.db import Store
+from registry.store.records import JobRecord
 from tests.registry.store.test_store import entry
 
 

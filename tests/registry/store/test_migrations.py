@@ -20,8 +20,11 @@ from sqlalchemy import create_engine, inspect, make_url, text
 
 from registry.store import migrate
 from registry.store.connection import SchemaError
-from registry.store.db import METADATA, ProfileEntry, Store, safe_url
+from registry.store.database import safe_url
+from registry.store.db import Store
 from registry.store.migrate import MIGRATION_LOCK_KEY
+from registry.store.records import ProfileEntry
+from registry.store.tables import METADATA
 from service.cli import main
 from tests.registry.store.test_store import entry
 

@@ -13,8 +13,11 @@ import psycopg
 import pytest
 from sqlalchemy import make_url
 
-from registry.store.db import JobRecord, Store, StoreUnavailableError, safe_url
+from registry.store.connection import StoreUnavailableError
+from registry.store.database import safe_url
+from registry.store.db import Store
 from registry.store.migrate import upgrade
+from registry.store.records import JobRecord
 from tests.pgserver import PostgresServer
 from tests.registry.store.test_store import entry
 

@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("sqlalchemy")
 
 from registry.store import migrate, sqlite_reader
-from registry.store.db import MatrixEntry, ProfileEntry, Store
+from registry.store.db import Store
+from registry.store.records import MatrixEntry, ProfileEntry
 
 HASHES = {("index_add", "native"): "h-native", ("index_add", "functional"): "h-functional"}
 
@@ -87,8 +88,8 @@ def test_the_default_store_is_read_with_it(url: str, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr("torch.__version__", "2.13.0")
 
     def no_store(*args: object, **kwargs: object) -> None:
-        raise AssertionError("Store opened for a store at the newest revision")
+        raise AssertionError("EvidenceStore opened for a store at the newest revision")
 
-    monkeypatch.setattr("registry.store.db.Store", no_store)
+    monkeypatch.setattr("registry.store.evidence_store.EvidenceStore", no_store)
     assert [e.status for e in evidence.stored_entries()] == ["ok", "mismatch"]
     assert [p.median_us for p in evidence.stored_profiles()] == [4.0, None, 10.0]

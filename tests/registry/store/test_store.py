@@ -15,8 +15,11 @@ from typing import Any
 
 import pytest
 
+from registry.core.status import STATUSES
 from registry.reports.plots import render_matrix_png, stack_label
-from registry.store.db import STATUSES, MatrixEntry, Store, default_url
+from registry.store.connection import default_url
+from registry.store.db import Store
+from registry.store.records import MatrixEntry
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -223,7 +226,8 @@ BATCH = 25
 WRITER = textwrap.dedent(
     """
     import sys
-    from registry.store.db import MatrixEntry, Store
+    from registry.store.records import MatrixEntry
+    from registry.store.db import Store
 
     store = Store(sys.argv[1])
     batch = 0

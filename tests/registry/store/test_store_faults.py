@@ -27,7 +27,8 @@ from registry.store.connection import ENV_VAR
 
 pytest.importorskip("sqlalchemy")
 
-from registry.store.db import MatrixEntry, Store
+from registry.store.db import Store
+from registry.store.records import MatrixEntry
 
 ROOT = Path(__file__).resolve().parents[3]
 STACKS = ("", "vmap", "grad", "vmap(grad)", "vmap(vmap)", "jvp")
