@@ -7,6 +7,7 @@ Per op and stack, in interleaved rounds (``registry.profiling.noise.interleaved`
     direct  the primitive composite called directly inside the loss, inside the same ``use()`` as routed (so the
             loss's other ops are routed alike)
     routed  the op inside ``use(pins={op: "primitive"})`` on the backend
+    cpp     the op inside ``use(pins={op: "cpp_op"})`` on the backend: the primitive as a C++ op (where it is built)
 So ``routed - direct`` is what routing the op costs, ``direct - floor`` what the primitive itself costs, and
 ``needs`` (``native / target``) how fast the whole call would have to be.
 """
@@ -28,6 +29,12 @@ from registry.profiling import noise
 
 BATCH, SIZE = 256, 1000
 TARGETS = {"masked_scatter": (5.0, 5.0), "masked_fill": (5.0, 3.0), "index_fill": (5.0, 3.0)}  # (vmap, vmap(grad))
+
+
+def _cpp_op_valid(op: str) -> bool:
+    from registry.core import kernels
+
+    return "cpp_op" in registry.composites(op) and kernels.fused_ops_available()
 
 
 def _primitive(op: str) -> Callable[..., torch.Tensor]:
@@ -74,11 +81,16 @@ def measure(rounds: int, min_run_time: float, backend: str) -> list[dict[str, An
                 "direct": _quiet(transform(direct_loss), args, pins={op: "primitive"}),
                 "routed": _quiet(transform(loss), args, pins={op: "primitive"}),
             }
-            torch.testing.assert_close(runners["routed"](), runners["native"]())
+            if _cpp_op_valid(op):
+                runners["cpp"] = _quiet(transform(loss), args, pins={op: "cpp_op"})
+            for name in ("routed", "cpp"):
+                if name in runners:
+                    torch.testing.assert_close(runners[name](), runners["native"]())
             timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time, clock=time.thread_time)
             us = {name: t.median_us for name, t in timed.items()}
             target = TARGETS[op][stack == "vmap(grad)"]
             rows.append({"backend": backend, "op": op, "stack": stack, **us, "speedup": us["native"] / us["routed"],
+                         "cpp_speedup": us["native"] / us["cpp"] if "cpp" in us else None,
                          "target": target, "target_us": us["native"] / target})
     return rows
 
@@ -94,14 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # timed in thread CPU time: one thread, so all of the work is counted
     print(f"torch {torch.__version__}, 1 thread, thread CPU time, median of {args.rounds} interleaved rounds, us")
     print(f"{'backend':7s} {'op':15s} {'stack':11s} {'native':>7s} {'floor':>7s} {'direct':>7s} {'routed':>7s} "
-          f"{'routing':>8s} {'speedup':>8s} {'target':>7s} {'needs':>7s}")
+          f"{'routing':>8s} {'speedup':>8s} {'target':>7s} {'needs':>7s} {'cpp':>7s} {'cpp x':>7s}")
     active = routing.routing_backend()
     try:
         for backend in args.backend or ("cpp", "python"):
             for r in measure(args.rounds, args.min_run_time, backend):
                 print(f"{r['backend']:7s} {r['op']:15s} {r['stack']:11s} {r['native']:7.0f} {r['floor']:7.0f} "
                       f"{r['direct']:7.0f} {r['routed']:7.0f} {r['routed'] - r['direct']:+8.0f} "
-                      f"{r['speedup']:7.2f}x {r['target']:6.0f}x {r['target_us']:7.0f}")
+                      f"{r['speedup']:7.2f}x {r['target']:6.0f}x {r['target_us']:7.0f} "
+                      + (f"{r['cpp']:7.0f} {r['cpp_speedup']:6.2f}x" if r["cpp_speedup"] is not None else ""))
     finally:
         routing.set_routing_backend(active)
     return 0

@@ -3,6 +3,7 @@
 from composites import (
     attention,
     copies,
+    cpp_ops,
     elementwise,
     embedding,
     index,
@@ -24,6 +25,7 @@ from composites import (
 __all__ = [
     "attention",
     "copies",
+    "cpp_ops",
     "elementwise",
     "embedding",
     "index",

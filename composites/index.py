@@ -65,7 +65,7 @@ define_op("index_fill", "int_Tensor", tensors=("self", "index", "value"),
           rules={"native": _index_fill_native, "mutating": _index_fill_derivative})
 
 
-def _rank1_view(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor | None):
+def rank1_view(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor | None):
     """0-d and 1-d inputs viewed as 1-d with dim 0, other inputs with ``dim`` made non-negative."""
     if self.dim() <= 1:
         return self.reshape(-1), 0, index.reshape(-1), None if source is None else source.reshape(-1)
@@ -95,7 +95,7 @@ def index_add_functional(self, dim, index, source, *, alpha=1):
     """scatter_add of alpha * source at the expanded index."""
     check_index_add(self, dim, index, source, alpha)
     alpha = native_alpha(self, alpha)
-    flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
+    flat, dim_, index_, source_ = rank1_view(self, dim, index, source)
     scaled = source_ if alpha == 1 else source_ * alpha
     return flat.scatter_add(dim_, _scatter_index(index_, source_, dim_), scaled).reshape(self.shape)
 
@@ -197,7 +197,7 @@ def index_add_primitive(self, dim, index, source, *, alpha=1):
     """IndexAdd: one autograd node with its own backward, jvp and vmap rules (fused: one native kernel per batch)."""
     check_index_add(self, dim, index, source, alpha)
     alpha = native_alpha(self, alpha)
-    flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
+    flat, dim_, index_, source_ = rank1_view(self, dim, index, source)
     return apply(IndexAdd, flat, dim_, index_, source_, alpha).reshape(self.shape)
 
 
@@ -216,7 +216,7 @@ def index_copy_mutating(self, dim, index, source):
 def index_copy_functional(self, dim, index, source):
     """scatter of source at the expanded index."""
     check_index_copy(self, dim, index, source)
-    flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
+    flat, dim_, index_, source_ = rank1_view(self, dim, index, source)
     try:
         return flat.scatter(dim_, _scatter_index(index_, source_, dim_), source_).reshape(self.shape)
     except RuntimeError as error:  # scatter's own bounds check: native raises IndexError
@@ -311,14 +311,14 @@ class IndexCopy(Function):
 def index_copy_primitive(self, dim, index, source):
     """IndexCopy: one autograd node with its own backward, jvp and vmap rules (fused: one native kernel per batch)."""
     check_index_copy(self, dim, index, source)
-    flat, dim_, index_, source_ = _rank1_view(self, dim, index, source)
+    flat, dim_, index_, source_ = rank1_view(self, dim, index, source)
     return apply(IndexCopy, flat, dim_, index_, source_).reshape(self.shape)
 
 
 # --- index_fill --------------------------------------------------------------------------------------------------
 
 
-def _index_mask(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+def index_mask(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     """A bool mask, broadcastable to ``self``, that is True at ``index`` along ``dim``.
 
     Indices in [-size, size) are valid, as in native. Shifted by ``size`` they land in [0, 2 * size), where scatter's
@@ -347,7 +347,7 @@ def index_fill_mutating(self, dim, index, value):
 def index_fill_functional(self, dim, index, value):
     """where(mask of index along dim, value, self)."""
     check_index_fill(self, dim, index, value)
-    return torch.where(_index_mask(self, dim, index), scalar_or_tensor(value, self), self)
+    return torch.where(index_mask(self, dim, index), scalar_or_tensor(value, self), self)
 
 
 class IndexFill(Function):
@@ -382,7 +382,7 @@ class IndexFill(Function):
             grad_self = apply(IndexFill, grad, ctx.dim, index, None)
         if ctx.value_shape is not None and ctx.needs_input_grad[3]:
             # At the index's mask, not index_select: repeated indices fill once, and unique() cannot be batched.
-            grad_value = apply(Fill, None, _index_mask(grad, ctx.dim, index), grad).sum_to_size(ctx.value_shape)
+            grad_value = apply(Fill, None, index_mask(grad, ctx.dim, index), grad).sum_to_size(ctx.value_shape)
         return grad_self, None, None, grad_value
 
     @staticmethod
@@ -410,8 +410,8 @@ class IndexFill(Function):
 def index_fill_primitive(self, dim, index, value):
     """IndexFill: one autograd node with its own backward, jvp and vmap rules (fused: one native kernel per batch)."""
     check_index_fill(self, dim, index, value)
-    _index_mask(self, dim, index)  # the bounds check native makes ([-size, size)), which works under vmap too
-    flat, dim_, index_, _ = _rank1_view(self, dim, index, None)
+    index_mask(self, dim, index)  # the bounds check native makes ([-size, size)), which works under vmap too
+    flat, dim_, index_, _ = rank1_view(self, dim, index, None)
     size = flat.shape[dim_]
     filled = apply(IndexFill, flat, dim_, index_ % max(size, 1), scalar_or_tensor(value, self)).reshape(self.shape)
     return laid_out_like(filled, self)

@@ -98,6 +98,18 @@ def custom_op_rule(ctx: Context) -> Problem | None:
     return None
 
 
+def cpp_op_rule(ctx: Context) -> Problem | None:
+    # Imported here: the kernels' module is only needed where a cpp_op composite is judged.
+    from registry.core import kernels
+
+    if "compile" in ctx.stack:
+        return Problem("error", "the C++ ops have no fake-tensor kernel verified under torch.compile")
+    if not kernels.fused_ops_available():
+        return Problem("error", "the C++ ops are not built in this process (they compile with the routing kernels: "
+                                f"{kernels.HOW_TO})")
+    return None
+
+
 # --- how the mechanical kinds are made from the schema ------------------------------------------------------------
 
 
@@ -241,7 +253,12 @@ CUSTOM_OP = Kind("custom_op", "a torch.library.custom_op with its own autograd, 
                  rule=custom_op_rule, rank=4, rank_under_vmap=3, check=check_custom_op,
                  needs_function="torch.library.custom_op")
 
-KIND: dict[str, Kind] = {kind.name: kind for kind in (NATIVE, MUTATING, FUNCTIONAL, PRIMITIVE, CUSTOM_OP)}
+# Last in both orders: where no profile ranks it, a composite of this kind is chosen only where nothing else is valid.
+CPP_OP = Kind("cpp_op", "an op of our own in C++ (registry/core/kernels/fused_ops.cpp) with its forward, autograd, "
+              "forward-AD and batching kernels in C++", rule=cpp_op_rule, rank=5, rank_under_vmap=5, traceable=False)
+
+KIND: dict[str, Kind] = {kind.name: kind
+                         for kind in (NATIVE, MUTATING, FUNCTIONAL, PRIMITIVE, CUSTOM_OP, CPP_OP)}
 KINDS: tuple[str, ...] = tuple(KIND)
 KIND_DOCS: dict[str, str] = {kind.name: kind.doc for kind in KIND.values()}
 GENERATED: tuple[str, ...] = tuple(name for name, kind in KIND.items() if kind.generate is not None)

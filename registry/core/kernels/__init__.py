@@ -1,5 +1,6 @@
-"""The compiled routing kernels (``routing.cpp``): built once per (torch, Python, compiler flags, source) into a cache
-folder, then loaded from it in milliseconds; never downloaded.
+"""The compiled kernels (``routing.cpp``, the routing; ``fused_ops.cpp``, the fused primitives as C++ ops), one
+extension: built once per (torch, Python, compiler flags, sources) into a cache folder, then loaded from it in
+milliseconds; never downloaded.
 
 ``build_kernels()`` (or ``multicomposite build-kernels``) compiles them ahead of time; otherwise the first ``use()``
 starts the compile in a background process (about a minute on two cores) and routes with the Python kernels until
@@ -29,7 +30,9 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).with_name("routing.cpp")
+# One extension of two sources: the routing kernels, and the fused primitives as C++ ops (``fused_ops.cpp``: their
+# TORCH_LIBRARY registrations run when the extension loads).
+SOURCES = (Path(__file__).with_name("routing.cpp"), Path(__file__).with_name("fused_ops.cpp"))
 CACHE_ENV = "MULTICOMPOSITE_KERNELS_DIR"
 FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-w")
 HOW_TO = ("install a C++ compiler and nlohmann-json (Debian: apt-get install g++ nlohmann-json3-dev), then run "
@@ -57,7 +60,7 @@ def _command(compiler: str, output: Path, name: str) -> list[str]:
     libraries = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        compiler, *FLAGS, str(SOURCE), "-o", str(output),
+        compiler, *FLAGS, *(str(source) for source in SOURCES), "-o", str(output),
         f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{path}" for path in includes), *(f"-L{path}" for path in libraries),
         *(f"-Wl,-rpath,{path}" for path in libraries), "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
@@ -65,10 +68,10 @@ def _command(compiler: str, output: Path, name: str) -> list[str]:
 
 
 def build_id() -> str:
-    """What a build depends on: torch, Python, the compiler flags and the source (not the compiler's path, so that a
+    """What a build depends on: torch, Python, the compiler flags and the sources (not the compiler's path, so that a
     runtime image without a compiler loads what its build stage compiled)."""
     digest = hashlib.sha256()
-    for part in (torch.__version__, sys.version, " ".join(FLAGS), SOURCE.read_text()):
+    for part in (torch.__version__, sys.version, " ".join(FLAGS), *(source.read_text() for source in SOURCES)):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:16]
@@ -149,7 +152,8 @@ def _compile(compiler: str, path: Path, quiet: bool) -> Path:
             first = errors[0].strip() if errors else f"exit status {done.returncode}"
             if "nlohmann/json.hpp" in done.stderr:
                 first = "the header <nlohmann/json.hpp> is missing (functorch's DynamicLayer.h includes it)"
-            raise KernelBuildError(f"compiling {SOURCE.name} failed: {first}; {HOW_TO}")
+            names = " and ".join(source.name for source in SOURCES)
+            raise KernelBuildError(f"compiling {names} failed: {first}; {HOW_TO}")
         staging.chmod(0o755)  # mkdtemp's folder is private; the cache may be shared by a team's image
         staging.rename(path.parent)  # atomic: every process sees either no build or a whole one
     finally:
@@ -192,3 +196,18 @@ def load(*, wait: bool = True) -> ModuleType | None:
                                "`multicomposite build-kernels`") from error
     _module = module
     return module
+
+
+def fused_ops_available() -> bool:
+    """Whether the fused primitives' C++ ops (``fused_ops.cpp``: ``torch.ops.multicomposite.fill`` and the others)
+    are registered in this process: the extension is loaded, or it is built and loads now (a stat, then
+    milliseconds). Never compiles: where no build is there yet, False (the first ``use()`` starts one)."""
+    if _module is not None:
+        return True
+    if not built():
+        return False
+    try:
+        load()
+    except KernelBuildError:
+        return False
+    return True

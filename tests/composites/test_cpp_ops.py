@@ -1,0 +1,132 @@
+"""The cpp_op kind (registry.core.kinds.CPP_OP) and its composites of masked_fill, masked_scatter and index_fill
+(composites/cpp_ops.py): ops of our own in C++ with their forward, autograd, forward-AD and batching kernels, compared
+with native PyTorch in a per-sample loop outside any transform under every stack their rule allows, bit for bit where
+the mask is False, and refused by the rule where the C++ build is missing."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch import func
+
+import registry
+from registry.core import kernels
+from registry.core.context import Context
+from registry.core.kinds import KIND, KINDS
+from registry.harness.checks import PATTERNS, STACKS, check, skip_reason
+from registry.harness.samples import SAMPLES
+
+OPS = ("masked_fill", "masked_scatter", "index_fill")
+FALLBACK = "There is a performance drop"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    """The ops compile with the routing kernels; without a compiler the kind is invalid (tested below) and the rest
+    of this module has nothing to run."""
+    try:
+        kernels.build_kernels(quiet=True)
+    except kernels.KernelBuildError as error:
+        if os.environ.get("ROUTING_TEST_REQUIRE_CPP"):
+            raise
+        pytest.skip(f"no C++ build here: {error}")
+
+
+def test_cpp_op_is_one_entry_of_the_kind_table() -> None:
+    assert "cpp_op" in KINDS and KIND["cpp_op"].rule is not None
+    for op in OPS:
+        assert registry.composites(op)["cpp_op"].kind == "cpp_op"
+    assert kernels.fused_ops_available()
+
+
+def test_the_rule_refuses_where_the_build_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    rule = KIND["cpp_op"].rule
+    assert rule(Context(stack=("vmap", "grad"))) is None
+    monkeypatch.setattr(kernels, "fused_ops_available", lambda: False)
+    problem = rule(Context(stack=("vmap", "grad")))
+    assert problem is not None and problem.status == "error" and "not built" in problem.evidence
+    assert rule(Context(stack=("compile", "vmap"))) is not None
+
+
+CPP_STACKS = [s for s in STACKS if s != "compile"]  # the rule marks compile invalid
+
+
+@pytest.mark.parametrize("stack", CPP_STACKS)
+@pytest.mark.parametrize("op", OPS)
+def test_cpp_op_under_every_stack(op: str, stack: str) -> None:
+    """The C++ op, pinned, under every stack and batching pattern, against the Python loop of native PyTorch."""
+    failures = []
+    for sample in SAMPLES[op]:
+        for pattern in PATTERNS:
+            if skip_reason(sample, stack, pattern):
+                continue
+            with registry.use(pins={op: "cpp_op"}):
+                outcome = check(sample, stack, pattern)
+            if outcome.status != "ok":
+                failures.append(f"{sample.id} {stack} {pattern}: {outcome.status} {outcome.detail}")
+    assert failures == []
+
+
+def _special(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    flat = values.view(-1)
+    flat[0], flat[1], flat[2], flat[3] = float("nan"), float("inf"), float("-inf"), -0.0
+    flat.view(torch.int32)[4] = flat.view(torch.int32)[0] | 1  # a NaN payload must survive bit for bit
+    return values
+
+
+def test_values_are_native_bit_for_bit_under_vmap() -> None:
+    g = torch.Generator().manual_seed(3)
+    x, source = _special((4, 3, 7), 1), _special((4, 21), 2)
+    mask = torch.rand(4, 3, 7, generator=g) > 0.5
+    value = torch.randn(4, generator=g)
+    index = torch.tensor([0, 2, 2, -1])
+    cases = {
+        "masked_fill": (lambda x, m, v: x.masked_fill(m, v), (x, mask, value)),
+        "masked_scatter": (lambda x, m, s: x.masked_scatter(m, s), (x, mask, source)),
+        "index_fill": (lambda x, v: x.index_fill(1, index, v), (x, value)),
+    }
+    for op, (f, args) in cases.items():
+        want = torch.stack([f(*sample) for sample in zip(*args, strict=True)])
+        with registry.use(pins={op: "cpp_op"}, record=True) as run, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = func.vmap(f)(*args)
+        assert [str(w.message) for w in caught if FALLBACK in str(w.message)] == [], op
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), op
+        assert {d.composite for d in run.decisions} == {"cpp_op"}, op
+
+
+def test_per_sample_gradients_without_a_fallback() -> None:
+    """vmap(grad) through the C++ autograd and batching kernels: no per-sample loop, the loop's gradients."""
+    g = torch.Generator().manual_seed(4)
+    x, source = torch.randn(6, 40, generator=g, dtype=torch.float64), torch.randn(6, 40, generator=g,
+                                                                                  dtype=torch.float64)
+    mask = torch.rand(6, 40, generator=g) > 0.5
+
+    def loss(x, s):
+        return (x.masked_scatter(mask[0], s) ** 2).sum() + x.masked_fill(mask[1], 2.0).sum()
+
+    def loop_grad(x, s):
+        x, s = x.clone().requires_grad_(), s.clone().requires_grad_()
+        return torch.autograd.grad(loss(x, s), (x, s))
+
+    want = [torch.stack(parts) for parts in zip(*(loop_grad(a, b) for a, b in zip(x, source, strict=True)),
+                                                strict=True)]
+    with registry.use(pins={"masked_scatter": "cpp_op", "masked_fill": "cpp_op"}, record=True) as run, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = func.vmap(func.grad(loss, argnums=(0, 1)))(x, source)
+    assert [str(w.message) for w in caught if FALLBACK in str(w.message)] == []
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    assert {(d.op, d.composite) for d in run.decisions} == {("masked_scatter", "cpp_op"), ("masked_fill", "cpp_op")}
+
+
+def test_too_short_a_source_raises_as_the_primitive_does() -> None:
+    self, mask = torch.zeros(2, 4), torch.tensor([[True, True, True, False], [True, False, False, False]])
+    with registry.use(pins={"masked_scatter": "cpp_op"}), \
+            pytest.raises(RuntimeError, match="masked_scatter: .*more Trues than source has elements"):
+        func.vmap(torch.Tensor.masked_scatter)(self, mask, torch.ones(2, 2))
