@@ -2,17 +2,19 @@
 
 The core measures nothing and stores nothing. Policy ``auto`` (and ``fastest``) asks the registered source for the
 worst failing entry of the verified matrix that applies to a context, and for the profiled timings of the
-candidates; without a source there is no evidence and the rules decide. ``registry/__init__`` registers the store's
-source (``registry.store.evidence``); a program may register its own (``register_source``).
+candidates; without a source there is no evidence and the rules decide. ``registry/__init__`` names the store's
+source (``registry.store.evidence``) as the default, made on the first decision that asks for evidence; a program may
+register its own (``register_source``). This module imports no torch: ``registry/__init__`` imports it at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from registry.core.context import Context
+if TYPE_CHECKING:
+    from registry.core.context import Context
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class NoEvidence:
         return {}
 
 
-_source: EvidenceSource = NoEvidence()
+_source: EvidenceSource | None = None  # None: not made yet; the default's factory makes it on the first ``source()``
+_default: Callable[[], EvidenceSource] = NoEvidence
 # Called after the source changes (the selector drops its cached decisions, which were made on the old evidence).
 ON_SOURCE_CHANGE: list[Callable[[], None]] = []
 
@@ -67,6 +70,16 @@ def register_source(source: EvidenceSource) -> None:
         listener()
 
 
+def register_default(factory: Callable[[], EvidenceSource]) -> None:
+    """Make ``factory()`` the source where none is registered, called when a decision first asks for evidence (the
+    store's source imports the store's modules, which ``import registry`` leaves for then)."""
+    global _default
+    _default = factory
+
+
 def source() -> EvidenceSource:
-    """The registered evidence source."""
+    """The registered evidence source (the default's, made now, where none is)."""
+    global _source
+    if _source is None:
+        _source = _default()
     return _source

@@ -253,6 +253,7 @@ class Router:
         if policy not in POLICIES:
             raise SelectionError(f"use(): unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
         checked = dict(pins or {})
+        self.table.load()
         ops, composites = self.table.ops, self.table.composites
         for op, pin in checked.items():
             if op not in ops:

@@ -52,6 +52,8 @@ from registry.store.connection import (
     default_url,
     sqlite_pragmas,
 )
+from registry.store.job_states import ACTIVE_JOB_STATES, FINISHED_JOB_STATES
+from registry.store.job_states import JOB_STATES as JOB_STATES  # the store's users read it here too
 from registry.store.records import (
     MATRIX_KEY,
     PROFILE_KEY,
@@ -63,10 +65,6 @@ from registry.store.records import (
     profile_from_mapping,
 )
 
-# cancelling: a running job asked to stop; its runner stops at the next case boundary and marks it cancelled.
-JOB_STATES: tuple[str, ...] = ("queued", "running", "cancelling", "done", "failed", "cancelled", "interrupted")
-ACTIVE_JOB_STATES: tuple[str, ...] = ("running", "cancelling")  # a runner has it
-FINISHED_JOB_STATES: tuple[str, ...] = ("done", "failed", "cancelled", "interrupted")
 CHECK_TIMEOUT_S = 5.0  # a readiness check waits this long for a lock, not a writer's 30 s
 
 
