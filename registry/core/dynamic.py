@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._C import _DisableFuncTorch
+from torch._C import _DisableFuncTorch  # noqa: PLC2701 - functorch's bindings have no public API
 
 from registry.core.context import functorch_stack, vmap_levels
 from registry.core.disagree import LevelValues, SamplesDisagreeError, level_values, wrap

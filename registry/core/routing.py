@@ -35,8 +35,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch._functorch.vmap as functorch_vmap
-from torch._C._functorch import maybe_current_level
+import torch._functorch.vmap as functorch_vmap  # noqa: PLC2701 - functorch's internals have no public API
+from torch._C._functorch import maybe_current_level  # noqa: PLC2701 - functorch's bindings have no public API
 
 from registry.core import (
     control_flow,
