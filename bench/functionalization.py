@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
-import torch._functorch.vmap as functorch_vmap
+import torch._functorch.vmap as functorch_vmap  # noqa: PLC2701 - functorch's internals have no public API
 from torch import func, nn
 from torch.func import functional_call
 from torch.utils.benchmark import Timer

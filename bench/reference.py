@@ -216,7 +216,7 @@ def check(rounds: int, min_run_time: float, cpu_time: bool = False) -> list[dict
                         return run(*tensors)
                 return call
 
-            batched = tuple(name for name in selector.OPS[op].tensor_args if name in ("self", "mask", "value"))
+            batched = tuple(name for name in registry.OPS[op].tensor_args if name in ("self", "mask", "value"))
             decision = registry.select(op, stack="vmap,grad", batched=batched, dtype="float32", numel=NUMEL)
             runners = {"auto": routed()}
             for alternative in (decision.composite, *(v.composite for v in decision.alternatives if v.ok)):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import func, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten  # noqa: PLC2701 - PyTorch's pytree
 
 import registry
 from bench.models import Setup, Workload, all_workloads

@@ -17,8 +17,8 @@ import warnings
 from typing import Any
 
 import torch
-from torch.testing._internal.opinfo.core import SampleInput
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.testing._internal.opinfo.core import SampleInput  # noqa: PLC2701 - the OpInfo database
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: PLC2701 - PyTorch's pytree
 
 from registry.harness import case_stacks, comparison, opinfo_cases
 from registry.harness.outcomes import Outcome

@@ -9,9 +9,15 @@ derivative op its backward calls (``unfold_backward``, ``cummaxmin_backward``).
 from __future__ import annotations
 
 import torch
-from torch._C._functorch import _unwrap_batched as unwrap_batched
-from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_level
-from torch._decomp import decompositions
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    _unwrap_batched as unwrap_batched,
+)
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    get_unwrapped,
+    is_batchedtensor,
+    maybe_get_level,
+)
+from torch._decomp import decompositions  # noqa: PLC2701 - PyTorch's own decompositions
 
 from composites.masked import scalar_or_tensor
 from registry.core import rules

@@ -32,7 +32,12 @@ from __future__ import annotations
 import threading
 
 import torch
-from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_bdim, maybe_get_level
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    get_unwrapped,
+    is_batchedtensor,
+    maybe_get_bdim,
+    maybe_get_level,
+)
 from torch.utils.weak import WeakIdKeyDictionary
 
 from registry.core import rules, selector

@@ -33,7 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._C._functorch import is_legacy_batchedtensor, maybe_get_level
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    is_legacy_batchedtensor,
+    maybe_get_level,
+)
 
 from composites import native_kernels
 from composites.shapes import broadcast_shape

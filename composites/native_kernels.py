@@ -198,7 +198,10 @@ def failure() -> str | None:
 def usable(*tensors: torch.Tensor | None) -> bool:
     """Plain CPU tensors with memory of their own, of an element size the kernels handle (not wrapped by a
     transform, not a subclass, not complex128)."""
-    from torch._C._functorch import is_legacy_batchedtensor, maybe_get_level
+    from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+        is_legacy_batchedtensor,
+        maybe_get_level,
+    )
 
     for t in tensors:
         if t is None:

@@ -20,7 +20,12 @@ composite computes what PyTorch does.
 from __future__ import annotations
 
 import torch
-from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_bdim, maybe_get_level
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    get_unwrapped,
+    is_batchedtensor,
+    maybe_get_bdim,
+    maybe_get_level,
+)
 
 from registry.core import rules
 from registry.core.context import Context, functorch_stack, vmap_levels

@@ -13,9 +13,15 @@ import math
 from typing import Any
 
 import torch
-from torch._C import _DisableFuncTorch
-from torch._C._functorch import _unwrap_batched as unwrap_batched
-from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_get_level
+from torch._C import _DisableFuncTorch  # noqa: PLC2701 - functorch's bindings have no public API
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    _unwrap_batched as unwrap_batched,
+)
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    get_unwrapped,
+    is_batchedtensor,
+    maybe_get_level,
+)
 from torch.autograd import Function
 
 from composites.checks import check_dim

@@ -13,6 +13,11 @@ from registry.harness import fallback
 from registry.store import health
 from tests.pgserver import PostgresServer, PostgresUnavailableError, require_server
 
+# The suite checks the built-in families: load them before collection, whose parametrizations read the op table
+# (``import registry`` leaves them for the first call that needs them; tests/registry/test_lazy_import.py checks that
+# each such call loads them in a fresh interpreter).
+registry.load()
+
 
 @pytest.fixture(autouse=True)
 def _no_leftover_routing():

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten  # noqa: PLC2701 - PyTorch's pytree
 
 import registry
 from bench.models import Setup, Workload, all_workloads

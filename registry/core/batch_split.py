@@ -27,8 +27,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._C import _DisableFuncTorch
-from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_unflatten
+from torch._C import _DisableFuncTorch  # noqa: PLC2701 - functorch's bindings have no public API
+from torch.utils._pytree import (  # noqa: PLC2701 - PyTorch's pytree
+    _broadcast_to_and_flatten,
+    tree_flatten,
+    tree_unflatten,
+)
 
 from registry.core import dynamic, mask_writes
 from registry.core.context import vmap_levels

@@ -33,7 +33,10 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch._C._functorch import get_inplace_requires_grad_allowed, maybe_get_level
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    get_inplace_requires_grad_allowed,
+    maybe_get_level,
+)
 
 from registry.core import legacy_functions
 from registry.core.context import functorch_stack

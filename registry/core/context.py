@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._C._functorch import (
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
     TransformType,
     get_interpreter_stack,
     get_unwrapped,

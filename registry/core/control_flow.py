@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._C import _DisableFuncTorch
+from torch._C import _DisableFuncTorch  # noqa: PLC2701 - functorch's bindings have no public API
 
 from registry.core.disagree import SamplesDisagreeError, aligned, level_values
 from registry.core.frames import calling_user_frame, raising_user_frame

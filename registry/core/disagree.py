@@ -12,8 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch._C import _DisableFuncTorch
-from torch._C._functorch import _add_batch_dim, get_unwrapped, is_batchedtensor, maybe_get_bdim, maybe_get_level
+from torch._C import _DisableFuncTorch  # noqa: PLC2701 - functorch's bindings have no public API
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    _add_batch_dim,
+    get_unwrapped,
+    is_batchedtensor,
+    maybe_get_bdim,
+    maybe_get_level,
+)
 
 
 class SamplesDisagreeError(RuntimeError):

@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch._C import _DisableFuncTorch
+from torch._C import _DisableFuncTorch  # noqa: PLC2701 - functorch's bindings have no public API
 
 from registry.core.context import functorch_stack, vmap_levels
 from registry.core.disagree import LevelValues, SamplesDisagreeError, level_values, wrap

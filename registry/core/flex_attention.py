@@ -20,8 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._C._functorch import TransformType, _add_batch_dim, _unwrap_batched
-from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    TransformType,
+    _add_batch_dim,
+    _unwrap_batched,
+)
+from torch._higher_order_ops.flex_attention import (  # noqa: PLC2701 - the flex_attention operator
+    flex_attention as flex_attention_hop,
+)
 
 
 def _front(tensor: Any, level: int) -> tuple[Any, bool]:

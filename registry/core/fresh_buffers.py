@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._C._functorch import _wrap_functional_tensor, get_interpreter_stack, maybe_current_level, maybe_get_level
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    _wrap_functional_tensor,
+    get_interpreter_stack,
+    maybe_current_level,
+    maybe_get_level,
+)
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 

@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch._functorch.vmap as functorch_vmap
-from torch._functorch.eager_transforms import functionalize
+import torch._functorch.vmap as functorch_vmap  # noqa: PLC2701 - functorch's internals have no public API
+from torch._functorch.eager_transforms import functionalize  # noqa: PLC2701 - functorch's internals have no public API
 
 from registry.core import batch_split, control_flow, fresh_buffers, out_arguments, write_target
 from registry.core.context import functorch_stack

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch._functorch.eager_transforms as eager_transforms
+import torch._functorch.eager_transforms as eager_transforms  # noqa: PLC2701 - functorch's internals have no public API
 
 from registry.core.context import functorch_stack
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
-from torch._C._functorch import (
+import torch.utils._pytree as pytree  # noqa: PLC2701 - PyTorch's pytree
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
     CVmapInterpreterPtr,
     _add_batch_dim,
     _unwrap_batched,
@@ -42,9 +42,18 @@ from torch._C._functorch import (
     is_gradtrackingtensor,
     peek_interpreter_stack,
 )
-from torch._C._functorch import TransformType as _TransformType
-from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
-from torch.autograd.function import Function, _SingleLevelFunction, once_differentiable
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    TransformType as _TransformType,
+)
+from torch._functorch.utils import (  # noqa: PLC2701 - functorch's internals have no public API
+    enable_single_level_autograd_function,
+    unwrap_dead_wrappers,
+)
+from torch.autograd.function import (
+    Function,
+    _SingleLevelFunction,  # noqa: PLC2701 - what functorch calls
+    once_differentiable,
+)
 
 from registry.core.context import functorch_stack
 from registry.core.stacks import format_stack

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch._C._functorch import (
+from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
     CGradInterpreterPtr,
     CJvpInterpreterPtr,
     CVmapInterpreterPtr,
@@ -28,9 +28,12 @@ from torch._C._functorch import (
     push_dynamic_layer_stack,
     unwrap_if_dead,
 )
-from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
+from torch._functorch.utils import (  # noqa: PLC2701 - functorch's internals have no public API
+    enable_single_level_autograd_function,
+    unwrap_dead_wrappers,
+)
 from torch.autograd import forward_ad
-from torch.autograd.forward_ad import _set_fwd_grad_enabled
+from torch.autograd.forward_ad import _set_fwd_grad_enabled  # noqa: PLC2701 - what functorch calls
 
 # Dimension order of each memory format, as a permutation of the logical dimensions.
 _FORMAT_ORDER: dict[torch.memory_format, tuple[int, ...]] = {

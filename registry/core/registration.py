@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import threading
 from collections.abc import Callable, Mapping
@@ -69,7 +70,7 @@ class OpTable:
 
     def __init__(self, *, ops: dict[str, Op] | None = None, op_rules: dict[str, dict[str, rule_tables.Rule]] | None
                  = None, op_preferences: dict[str, Callable[[rule_tables.Context], rule_tables.Order | None]] | None
-                 = None) -> None:
+                 = None, builtins: tuple[str, ...] = ()) -> None:
         self.ops: dict[str, Op] = {} if ops is None else ops  # name -> OpDef, in definition order
         # op name -> composite name -> Composite, in registration order.
         self.composites: dict[str, dict[str, Composite]] = {}
@@ -82,8 +83,14 @@ class OpTable:
             {} if op_preferences is None else op_preferences)
         self.signatures = cost.Signatures()  # op -> its size signature (``define_op(..., sizes=...)``)
         self.listeners: list[Callable[[], None]] = []  # called after every change to the composites
-        self.loaded = False  # the plugins' entry points imported
-        self.load_lock = threading.Lock()
+        # The packages of composites shipped with the registry, imported by ``load()`` before the plugins. Named, not
+        # imported: the families build on the core, so the core imports them only when the ops are first needed.
+        self.builtins = builtins
+        self.loaded = False  # the built-in families and the plugins' entry points imported
+        self.loading = False  # ``load()`` is importing them: a call from inside those imports returns at once
+        # Reentrant: a family's import that asks for the ops again (``register`` of an op another family defines)
+        # runs on the loading thread and must not wait for itself.
+        self.load_lock = threading.RLock()
 
     def changed(self) -> None:
         for listener in self.listeners:
@@ -165,6 +172,8 @@ class OpTable:
         ``torch.autograd.Function``, a ``custom_op`` its ``torch.library.custom_op`` (``function=``).
         """
         if op not in self.ops:
+            self.load()  # the op may be one of the families' that are not imported yet
+        if op not in self.ops:
             raise RegistrationError(f"register: unknown op {op!r}; define it first with define_op(...) in its "
                                     "composites module")
         if kind not in KINDS:
@@ -201,6 +210,8 @@ class OpTable:
         ``decomposition_table()`` lists it wherever ``op`` itself is decomposed.
         """
         if op not in self.ops:
+            self.load()
+        if op not in self.ops:
             raise RegistrationError(f"register_derivative: unknown op {op!r}; define it first with define_op(...) "
                                     "in its composites module")
         name, _, overload_name = overload.partition(".")
@@ -224,6 +235,7 @@ class OpTable:
 
     def unregister(self, op: str, name: str) -> Composite:
         """Remove a composite (tests and plugins replacing one); returns it."""
+        self.load()
         composites = self.composites.get(op, {})
         if name not in composites:
             raise KeyError(f"unregister: {op} has no composite {name!r}; it has {', '.join(composites)}")
@@ -232,15 +244,22 @@ class OpTable:
         return removed
 
     def load(self) -> None:
-        """Import every ``multicomposite.composites`` entry point, once (``import registry`` has imported the
-        built-in composites package just before)."""
+        """Import the built-in composite families (``builtins``), then every ``multicomposite.composites`` entry
+        point, once: ``import registry`` imports neither; the first call that needs the ops (``select``, ``use``,
+        ``composites``, ``registry.OPS``, ...) calls this. A failed import is raised and tried again next time."""
         if self.loaded:
             return
         with self.load_lock:
-            if self.loaded:
+            if self.loaded or self.loading:
                 return
-            self.load_plugins()
-            self.loaded = True
+            self.loading = True
+            try:
+                for package in self.builtins:
+                    importlib.import_module(package)
+                self.load_plugins()
+                self.loaded = True
+            finally:
+                self.loading = False
 
     def load_plugins(self) -> list[str]:
         """Import every module named in the ``multicomposite.composites`` entry-point group; returns their names."""
@@ -252,9 +271,11 @@ class OpTable:
         return loaded
 
 
-# The default table, which ``import registry`` fills (``registry.core.registry_object.DEFAULT`` holds it) and the
-# module-level names below are: every module and plugin that imports them registers into it.
-TABLE = OpTable(ops=OPS, op_rules=rule_tables.OP_RULES, op_preferences=rule_tables.OP_PREFERENCES)
+# The default table, which ``load()`` fills (``registry.core.registry_object.DEFAULT`` holds it) and the module-level
+# names below are: every module and plugin that imports them registers into it. ``composites`` is the package of the
+# built-in families.
+TABLE = OpTable(ops=OPS, op_rules=rule_tables.OP_RULES, op_preferences=rule_tables.OP_PREFERENCES,
+                builtins=("composites",))
 COMPOSITES = TABLE.composites
 DERIVATIVES = TABLE.derivatives
 ON_CHANGE = TABLE.listeners

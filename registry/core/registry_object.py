@@ -43,16 +43,21 @@ class Registry:
 
     # --- the op table -------------------------------------------------------------------------------------------
 
+    # The tables are handed out loaded: the built-in families and the plugins are imported on the first read.
+
     @property
     def ops(self) -> dict[str, Any]:
+        self.table.load()
         return self.table.ops
 
     @property
     def composites(self) -> dict[str, dict[str, Composite]]:
+        self.table.load()
         return self.table.composites
 
     @property
     def derivatives(self) -> dict[str, dict[str, Callable[..., object]]]:
+        self.table.load()
         return self.table.derivatives
 
     def define_op(self, name: str, overload: str = "", **options: Any) -> OpDef:

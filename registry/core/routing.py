@@ -35,7 +35,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch._C._functorch import maybe_current_level
+from torch._C._functorch import maybe_current_level  # noqa: PLC2701 - functorch's bindings have no public API
 
 from registry.core import batch_split, control_flow, cost, dynamic, patches
 from registry.core.collector import collection_paused
@@ -249,6 +249,7 @@ class Router:
         if policy not in POLICIES:
             raise SelectionError(f"use(): unknown policy {policy!r}; policies are {', '.join(POLICIES)}")
         checked = dict(pins or {})
+        self.table.load()
         ops, composites = self.table.ops, self.table.composites
         for op, pin in checked.items():
             if op not in ops:

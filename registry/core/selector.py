@@ -15,11 +15,10 @@ from registry.core.context import Context
 from registry.core.kinds import KINDS, NATIVE
 from registry.core.model import Composite
 from registry.core.ops import OPS
+from registry.core.policies import POLICIES
 from registry.core.ratios import MIN_NOISE, ratio_text
 from registry.core.registration import TABLE, OpTable
 from registry.core.stacks import format_stack, parse_stack, shorten
-
-POLICIES = ("auto", "fastest", "rules", "native")
 
 
 class SelectionError(ValueError):
@@ -449,6 +448,7 @@ class Selector:
         ``batched`` names the tensor arguments batched at the innermost vmap; ``tensors`` the arguments that are tensors
         (default: all of the op's tensor parameters, the Tensor overloads).
         """
+        self.table.load()
         ops = self.table.ops
         if op not in ops:
             raise SelectionError(unknown_op_message(op, ops))

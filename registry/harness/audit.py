@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC2701 - TorchDispatchMode has no public home
 
 from registry.core.messages import first_line
 from registry.core.registration import COMPOSITES, RegistrationError, load

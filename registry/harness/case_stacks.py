@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten  # noqa: PLC2701 - PyTorch's pytree
 
 from registry.core.dynamic import REFUSAL_PHRASE
 from registry.core.functionalization import remembering_apart

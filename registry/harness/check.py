@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten_with_path  # noqa: PLC2701 - PyTorch's pytree
 
 from registry.core import functionalization
 from registry.core.batch_split import BatchSplitWarning
@@ -294,7 +294,7 @@ def _check_batching(args: Sequence[Any], in_dims: tuple[int | None, ...]) -> Non
 
 def _per_sample(args: Sequence[Any], in_dims: tuple[int | None, ...]) -> tuple[Any, ...]:
     """The first sample of each batched argument (what the function sees under vmap)."""
-    from torch.utils._pytree import tree_map
+    from torch.utils._pytree import tree_map  # noqa: PLC2701 - PyTorch's pytree
 
     return tuple(arg if d is None else tree_map(lambda t, d=d: t.select(d, 0) if isinstance(t, torch.Tensor) else t,
                                                  arg) for arg, d in zip(args, in_dims, strict=True))

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten  # noqa: PLC2701 - PyTorch's pytree
 
 from registry.core.messages import described
 from registry.harness import case_stacks, deadline, fork_pool, outcomes

@@ -1,5 +1,15 @@
 """Jobs in forked worker processes: a job that raises, crashes its worker or hangs becomes rows that say so, and
-the run goes on (the survey's and the conformance suite's)."""
+the run goes on (the survey's and the conformance suite's).
+
+Why not the standard library's pools: this pool kills the one worker whose job outlived its time and replaces it,
+and turns a worker's death into rows for the job it held, while every other job runs on. ``ProcessPoolExecutor``
+(fork context, ``max_tasks_per_child``) cannot kill the worker behind one future (``result(timeout=)`` only stops
+waiting; the hung worker keeps its slot) and a worker that dies marks the whole pool broken, failing every pending
+job. ``multiprocessing.Pool`` replaces a dead worker but never reports the job it held (its result waits forever)
+and has no way to kill the worker running a given task. A kept library that does both is ``pebble``'s
+``ProcessPool`` (``submit(fn, timeout, ...)`` kills a worker past its time; a crash is that future's
+``ProcessExpired``).
+"""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import func
 from torch.autograd import forward_ad
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: PLC2701 - PyTorch's pytree
 
 from registry.core.stacks import format_stack, split_stack
 

@@ -25,7 +25,7 @@ import torch
 
 from registry.core import routing
 from registry.core.ops import OPS
-from registry.core.registration import COMPOSITES
+from registry.core.registration import COMPOSITES, load
 from registry.harness import case_stacks, outcomes
 from registry.harness import opinfo_cases as cases
 from registry.store.records import MatrixEntry
@@ -55,6 +55,7 @@ def _database() -> dict[str, Any]:
 
 def entries(op: str) -> list[Any]:
     """The OpInfo entries of ``op`` (``define_op(..., opinfo=...)``)."""
+    load()
     database = _database()
     missing = [name for name in OPS[op].opinfo if name not in database]
     if missing:
@@ -79,6 +80,7 @@ def check_all(op: str, composites: Sequence[str], dtype: torch.dtype,
               timeout_s: float = CASE_TIMEOUT_S) -> dict[tuple[str, tuple[str, ...], str], outcomes.Outcome]:
     """The worst outcome of each composite over ``op``'s OpInfo samples in each (stack, pattern) cell; every case
     (and its reference, computed once) is shared by all composites and cells."""
+    load()
     for stack, _ in cells:
         if stack not in STACKS:
             raise ValueError(f"{op}: OpInfo cases run under {', '.join(map(str, STACKS))}, not {stack}")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten  # noqa: PLC2701 - PyTorch's pytree
 
 from registry.core.messages import described
 from registry.harness import comparison
@@ -50,7 +50,9 @@ def entry_id(opinfo: Any) -> str:
 def op_db() -> list[Any]:
     """PyTorch's OpInfo database (imports ``expecttest``, a test-only dependency: ``pip install -e '.[dev]'``)."""
     try:
-        from torch.testing._internal.common_methods_invocations import op_db as database
+        from torch.testing._internal.common_methods_invocations import (  # noqa: PLC2701 - the OpInfo database
+            op_db as database,
+        )
     except ImportError as error:  # expecttest missing
         raise SurveyError(f"cannot import PyTorch's OpInfo database ({error}); install the dev extra: "
                           "pip install -e '.[dev]'") from error

@@ -335,7 +335,9 @@ def _scalar_faults(name: str) -> dict[str, Fault]:
 
 def _schema_arguments(op: str) -> list[Any]:
     from registry.core.ops import OPS  # the core imports this module's users, not this module
+    from registry.core.registration import load
 
+    load()
     packet = getattr(torch.ops.aten, op)
     return list(getattr(packet, OPS[op].overload or "default")._schema.arguments)
 

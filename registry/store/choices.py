@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from registry.core.ops import OPS
+from registry.core.registration import load
 from registry.core.selector import SelectionError, select
 from registry.core.stacks import format_stack
 from registry.store import evidence
@@ -35,6 +36,7 @@ def batched_for(op: str, pattern: str, stack: tuple[str, ...]) -> tuple[str, ...
     """The tensor arguments a matrix pattern batches: what the selector is asked for that cell."""
     if "vmap" not in stack:
         return ()
+    load()
     tensor_args = OPS[op].tensor_args
     if pattern == "self":
         return ("self",)
@@ -80,6 +82,7 @@ def choices_by_op(entries: Sequence[MatrixEntry], stacks: Sequence[tuple[str, ..
         if key not in worst or rank.index(e.status) > rank.index(worst[key]):
             worst[key] = e.status
     choices: dict[str, dict[tuple[str, ...], tuple[str, str] | None]] = {}
+    load()
     with evidence_of(entries):
         for op in dict.fromkeys(e.op for e in entries):
             choices[op] = {}

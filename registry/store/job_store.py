@@ -14,14 +14,14 @@ from sqlalchemy import and_, func, select, update
 from sqlalchemy.engine import Row
 
 from registry.store.database import Database
+
+# The states live apart from the tables (job_states) so that the command line's --help lists them without SQLAlchemy.
+from registry.store.job_states import ACTIVE_JOB_STATES as ACTIVE_JOB_STATES
+from registry.store.job_states import FINISHED_JOB_STATES as FINISHED_JOB_STATES
+from registry.store.job_states import JOB_STATES as JOB_STATES
 from registry.store.processes import process_alive
 from registry.store.records import JobRecord
 from registry.store.tables import METADATA, json_fields, record_table
-
-# cancelling: a running job asked to stop; its runner stops at the next case boundary and marks it cancelled.
-JOB_STATES: tuple[str, ...] = ("queued", "running", "cancelling", "done", "failed", "cancelled", "interrupted")
-ACTIVE_JOB_STATES: tuple[str, ...] = ("running", "cancelling")  # a runner has it
-FINISHED_JOB_STATES: tuple[str, ...] = ("done", "failed", "cancelled", "interrupted")
 
 jobs_table = record_table("jobs", JobRecord, METADATA)
 _JOB_JSON = json_fields(JobRecord)  # params, result

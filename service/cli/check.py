@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from registry.core.policies import POLICIES
 from service import cli_output as out
 from service.cli import arguments
-from service.cli.vocabulary import POLICIES
 
 
 class _Problems(Exception):  # noqa: N818 -- the usage problems found, one line each

@@ -8,10 +8,10 @@ import argparse
 import time
 from typing import Any
 
+from registry.store.job_states import JOB_STATES
 from service import cli_output as out
 from service.cli import arguments
 from service.cli.store import open_store
-from service.cli.vocabulary import JOB_STATES
 from service.cli_output import UsageError
 
 

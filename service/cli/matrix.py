@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from registry.core.status import STATUSES
 from service import cli_output as out
 from service.cli import arguments
 from service.cli.store import entry_json, fresh, open_store
-from service.cli.vocabulary import STATUSES
 from service.cli_output import UsageError
 
 if TYPE_CHECKING:

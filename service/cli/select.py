@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from registry.core.policies import POLICIES
 from service import cli_output as out
 from service.cli import arguments
-from service.cli.vocabulary import POLICIES
 from service.cli_output import UsageError
 
 

@@ -9,7 +9,7 @@ import warnings
 import torch
 import torch.nn.functional as F  # noqa: N812 -- PyTorch's own spelling
 from torch import func
-from torch.testing._internal.opinfo.core import SampleInput
+from torch.testing._internal.opinfo.core import SampleInput  # noqa: PLC2701 - the OpInfo database
 
 import registry
 from registry.harness import survey

@@ -144,7 +144,8 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 def test_help_loads_neither_torch_nor_the_service() -> None:
     # --help took 4 s: every command's module, torch and the registry were imported to build the parser.
     result = _python("import sys\nfrom service.cli import main\ncode = main(['--help'])\n"
-                     "print(code, sorted(m for m in ('torch', 'registry', 'fastapi', 'sqlalchemy', 'service.main') "
+                     "print(code, sorted(m for m in ('torch', 'composites', 'registry.core.selector', 'fastapi', "
+                     "'sqlalchemy', 'service.main') "
                      "if m in sys.modules))")
     assert result.stdout.splitlines()[-1] == "0 []", result.stderr[-2000:]
     assert "Verify, profile and choose among the decompositions of each PyTorch op under torch.func transforms" in \
@@ -152,13 +153,15 @@ def test_help_loads_neither_torch_nor_the_service() -> None:
 
 
 def test_every_commands_help_loads_neither_torch_nor_the_store() -> None:
-    # `select`, `matrix`, `jobs` and `worker --help` took 1.5 s: their choices came from the registry (torch).
+    # `select`, `matrix`, `jobs` and `worker --help` took 1.5 s: their choices came from the registry (torch). They
+    # still do, from its torch-free leaf modules (test_cli_choices.py).
     from service.cli import SUBCOMMANDS
 
     names = [command.name for command in SUBCOMMANDS]
     result = _python("import sys\nfrom service.cli import main\n"
                      f"codes = [main([name, '--help']) for name in {names!r}]\n"
-                     "print(set(codes), sorted(m for m in ('torch', 'registry', 'sqlalchemy', 'fastapi', "
+                     "print(set(codes), sorted(m for m in ('torch', 'composites', 'registry.core.selector', "
+                     "'sqlalchemy', 'fastapi', "
                      "'procrastinate') if m in sys.modules))")
     assert result.stdout.splitlines()[-1] == "{0} []", result.stderr[-2000:]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, text
 
-import registry.store.checks
-import registry.store.conformance
-import registry.store.evidence_store
-import registry.store.job_store
-import registry.store.survey
+import registry.store.checks  # noqa: F401
+import registry.store.conformance  # noqa: F401
+import registry.store.evidence_store  # noqa: F401
+import registry.store.job_store  # noqa: F401
+import registry.store.survey  # noqa: F401
 import registry.store.workers  # noqa: F401  (these define their tables on the same metadata)
 from registry.store.migrate import MIGRATION_LOCK_KEY
 from registry.store.tables import METADATA

@@ -289,7 +289,7 @@ def test_write_into_a_parameter_names_it() -> None:
 
 def test_functionalization_module_patches_one_function() -> None:
     registry.use()  # registers the kernels and installs the vmap implementation
-    import torch._functorch.vmap as functorch_vmap
+    import torch._functorch.vmap as functorch_vmap  # noqa: PLC2701 - functorch's internals have no public API
 
     assert functorch_vmap._flat_vmap == functionalization.PATCH.flat_vmap  # the default patch's, bound
 

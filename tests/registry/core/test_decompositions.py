@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._functorch.aot_autograd import aot_function
+from torch._functorch.aot_autograd import aot_function  # noqa: PLC2701 - functorch's internals have no public API
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import registry

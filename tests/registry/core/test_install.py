@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch._functorch.vmap as functorch_vmap
+import torch._functorch.vmap as functorch_vmap  # noqa: PLC2701 - functorch's internals have no public API
 from torch import func
 
 import registry

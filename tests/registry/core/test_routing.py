@@ -446,7 +446,7 @@ def test_eager_autograd_kernel_passes_through_without_grad(spy) -> None:
 def test_wrapped_numbers_reach_pytorchs_kernel() -> None:
     """C++ wraps Python scalars in 0-d tensors that reach a Python kernel as numbers (``to`` on one, under nested
     vmap after Dynamo has been imported): they go back to PyTorch's kernel as tensors, inside use() and outside."""
-    from registry.core.routing import _rewrapped
+    from registry.core.routing import _rewrapped  # noqa: PLC2701 - a test of the module's own helper
 
     assert _rewrapped((2, torch.float32), (0,))[0].dtype == torch.int64
     assert _rewrapped((2.5,), (0,))[0].dtype == torch.float64

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.testing._internal.opinfo.core import SampleInput
+from torch.testing._internal.opinfo.core import SampleInput  # noqa: PLC2701 - the OpInfo database
 
 from registry.harness import survey
 from registry.store.db import Store
