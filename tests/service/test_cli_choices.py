@@ -12,8 +12,8 @@ from pathlib import Path
 from registry.core.policies import POLICIES
 from registry.core.selector import POLICIES as SELECTOR_POLICIES
 from registry.core.status import STATUSES
-from registry.store.db import ACTIVE_JOB_STATES, FINISHED_JOB_STATES
 from registry.store.job_states import JOB_STATES
+from registry.store.job_store import ACTIVE_JOB_STATES, FINISHED_JOB_STATES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ for name in ("select", "check", "matrix", "jobs"):
         code = main([name, "--help"])
     helps[name] = [code, out.getvalue()]
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "composites", "sqlalchemy")
-               or m in ("registry.core.selector", "registry.store.db"))
+               or m in ("registry.core.selector", "registry.store.db", "registry.store.job_store"))
 print(json.dumps({"helps": helps, "heavy": heavy}))
 """
 
