@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
 
-.PHONY: venv test lint serve bench bench-api clean browser-deps postgres-deps kernel-deps kernels container-smoke
+.PHONY: venv test test-all lint serve bench bench-api clean browser-deps postgres-deps kernel-deps kernels container-smoke
 
 venv: $(STAMP)
 
@@ -71,9 +71,21 @@ kernel-deps:
 kernels: $(STAMP) kernel-deps
 	@$(VENV)/bin/multicomposite build-kernels || [ "$(AS_ROOT)" = 0 ]
 
+# The suite in two parts: every test file on a worker of its own, as many workers as cores (pytest-xdist; a file's
+# module fixtures are made once), then the tests marked serial alone (they time code, or load the cores on purpose).
+# test-all: every case of the sampled tests too (MULTICOMPOSITE_TEST_ALL=1, tests/cases.py; e.g. conformance on every
+# sample of every covered op), which the docs' conformance figures are measured with; longer than CI allows.
+TEST_WORKERS ?= auto
+TEST_ENV = DASHBOARD_TEST_REQUIRE_BROWSER=$(AS_ROOT) POSTGRES_TEST_REQUIRE_SERVER=$(AS_ROOT) \
+	ROUTING_TEST_REQUIRE_CPP=$(AS_ROOT)
+
 test: $(STAMP) lint browser-deps postgres-deps kernels
-	DASHBOARD_TEST_REQUIRE_BROWSER=$(AS_ROOT) POSTGRES_TEST_REQUIRE_SERVER=$(AS_ROOT) \
-		ROUTING_TEST_REQUIRE_CPP=$(AS_ROOT) $(PY) -m pytest
+	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(TEST_ENV) $(PY) -m pytest -m serial
+
+test-all: $(STAMP) lint browser-deps postgres-deps kernels
+	$(TEST_ENV) MULTICOMPOSITE_TEST_ALL=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(TEST_ENV) MULTICOMPOSITE_TEST_ALL=1 $(PY) -m pytest -m serial
 
 serve: $(STAMP)
 	$(VENV)/bin/multicomposite serve

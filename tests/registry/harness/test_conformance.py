@@ -18,13 +18,14 @@ from registry.harness import conformance, survey
 from registry.store.conformance import conformance_rows, write_conformance
 from registry.store.db import Store
 from service.cli import main
+from tests import cases
 
 # Entries whose degenerate samples (empty, 0-d, a target of one element, channels_last, a weight of no dimension)
 # broke inside use() before their composites declined those shapes: op -> samples checked in float64 (0: every
 # sample; batch_norm's first 8 hold its empty input, #3, and take a quarter of its minute).
 EDGE_OPS = {"batch_norm": 8, "take": 0, "multi_margin_loss": 0, "soft_margin_loss": 0, "chalf": 0, "fft_ihfft2": 0,
             "histogram": 0}
-FAST_SAMPLES = 2
+FAST_SAMPLES = cases.samples(2)  # every sample under make test-all
 
 
 def _newly_failing(rows: list[conformance.ConformanceRow]) -> list[str]:
@@ -55,7 +56,8 @@ DEPTH3_OPS = ("batch_norm", "instance_norm", "max_unpool2d")
 
 def test_no_depth3_check_that_passes_natively_fails_inside_use_on_a_sample() -> None:
     run = conformance.run_conformance(conformance.covered_entries(DEPTH3_OPS), ["float64"],
-                                      conformance.ConformanceConfig(checks=conformance.DEPTH3_CHECKS, sample_limit=1))
+                                      conformance.ConformanceConfig(checks=conformance.DEPTH3_CHECKS,
+                                                                                    sample_limit=cases.samples(1)))
     assert _newly_failing(run.rows) == []
     summary = conformance.totals(run.rows)
     for check in conformance.DEPTH3_CHECKS:

@@ -12,6 +12,9 @@ from registry.core import reference
 from registry.profiling import noise
 from registry.profiling.timing import profile
 
+# Timings (thread CPU time, its share of wall time): alone, after make test's parallel part.
+pytestmark = pytest.mark.serial
+
 
 def _matmul_loop(seconds: float) -> None:
     """What keeps both cores busy: a 2-thread matmul loop."""

@@ -18,6 +18,9 @@ from registry.profiling.timing import profile
 from registry.store import evidence
 from registry.store.records import ProfileEntry
 
+# Timings (thread CPU time, its share of wall time): alone, after make test's parallel part.
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(autouse=True)
 def _restore_evidence():

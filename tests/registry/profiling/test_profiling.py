@@ -22,6 +22,9 @@ from registry.store import evidence
 from registry.store.db import Store
 from registry.store.records import ProfileEntry
 
+# Timings (thread CPU time, its share of wall time): alone, after make test's parallel part.
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
