@@ -9,10 +9,9 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Column, Float, Integer, String, Table, delete, select, update
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Row
 
 from registry.core.status import STATUSES
@@ -21,39 +20,19 @@ from registry.store.processes import process_alive
 from registry.store.records import (
     MATRIX_KEY,
     PROFILE_KEY,
+    BenchRun,
     MatrixEntry,
     ProfileEntry,
     matrix_entry_from_mapping,
     of_current_sources,
     profile_from_mapping,
 )
-from registry.store.tables import GENERATION, METADATA, encode_stack, mapped_record, meta_table, upsert
+from registry.store.tables import GENERATION, encode_stack, mapped_record, meta_table, upsert
 
 MatrixRow = mapped_record(MatrixEntry, "matrix_entries", MATRIX_KEY, "uq_matrix_key")
 ProfileRow = mapped_record(ProfileEntry, "profiles", PROFILE_KEY, "uq_profile_key")
+BenchRunRow = mapped_record(BenchRun, "bench_runs")
 _MATRIX_ORDER = tuple(getattr(MatrixRow, name) for name in ("op", "composite", "stack", "pattern", "dtype", "id"))
-
-# Benchmarking runs (profile, verify), so that a profile can tell whether another process ran while it timed.
-runs_table = Table(
-    "bench_runs",
-    METADATA,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("kind", String(50), nullable=False),
-    Column("host", String(300), nullable=False),
-    Column("pid", Integer, nullable=False),
-    Column("started_at", Float, nullable=False),
-    Column("finished_at", Float, nullable=True),
-)
-
-
-@dataclass(frozen=True)
-class BenchRun:
-    id: int
-    kind: str
-    host: str
-    pid: int
-    started_at: float
-    finished_at: float | None
 
 
 def _to_row(entry: MatrixEntry) -> dict[str, Any]:
@@ -190,24 +169,24 @@ class EvidenceStore(Database):
 
     def begin_run(self, kind: str) -> int:
         with self.writing() as conn:
-            result = conn.execute(runs_table.insert(), [{"kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
+            result = conn.execute(insert(BenchRunRow), [{"kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
                                                         "started_at": time.time(), "finished_at": None}])
             return int(result.inserted_primary_key[0])
 
     def end_run(self, run_id: int) -> None:
         with self.writing() as conn:
-            conn.execute(update(runs_table).where(runs_table.c.id == run_id).values(finished_at=time.time()))
+            conn.execute(update(BenchRunRow).where(BenchRunRow.id == run_id).values(finished_at=time.time()))
 
     def overlapping_runs(self, run_id: int) -> list[BenchRun]:
         """Other runs whose time overlapped run ``run_id`` (an unfinished one counts while its process lives)."""
         with self.reading() as conn:
-            mine = conn.execute(select(runs_table).where(runs_table.c.id == run_id)).one()
+            mine = conn.execute(select(BenchRunRow).where(BenchRunRow.id == run_id)).one()
             end = mine.finished_at if mine.finished_at is not None else time.time()
-            others = select(runs_table).where(runs_table.c.id != run_id, runs_table.c.started_at < end)
+            others = select(BenchRunRow).where(BenchRunRow.id != run_id, BenchRunRow.started_at < end)
             rows = conn.execute(others).all()
         overlapping = []
         for row in rows:
-            run = BenchRun(**dict(row._mapping))
+            run = BenchRun(**row._mapping)
             if run.finished_at is None and not process_alive(f"{run.host}:{run.pid}"):
                 continue  # killed before it finished: it is not running now, and when it ran is unknown
             if run.finished_at is None or run.finished_at > mine.started_at:

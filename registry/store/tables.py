@@ -87,9 +87,11 @@ def mapped_record(record: type, table: str, key: tuple[str, ...] = (), constrain
             raise TypeError(f"{record.__name__}.{spec.name}: the name is taken on a declarative class (or the table's "
                             "own id); rename the field or make it the primary key")
         stored, hint = spec.metadata, hints[spec.name]
+        column_type = _column_type(record, spec.name, hint, stored)
+        numbered = stored["primary"] and column_type in (Integer, BigInteger)  # the database numbers the rows
         namespace[spec.name] = mapped_column(
-            _column_type(record, spec.name, hint, stored), nullable=type(None) in typing.get_args(hint),
-            index=stored["index"] or None, primary_key=stored["primary"])
+            column_type, nullable=type(None) in typing.get_args(hint), index=stored["index"] or None,
+            primary_key=stored["primary"], autoincrement=True if numbered else "auto")
     return type(f"{record.__name__}Row", (Base,), namespace)
 
 

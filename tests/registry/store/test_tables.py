@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from sqlalchemy import BigInteger, Float, Integer, String, Text, create_engine, insert, select
 
-from registry.store.evidence_store import MatrixRow, ProfileRow
+from registry.store.evidence_store import BenchRunRow, MatrixRow, ProfileRow
 from registry.store.job_store import JobRow
-from registry.store.records import JobRecord, MatrixEntry, ProfileEntry, stored
+from registry.store.records import BenchRun, JobRecord, MatrixEntry, ProfileEntry, stored
 from registry.store.tables import JSONText, mapped_record
 
 
@@ -19,8 +19,11 @@ def test_a_mapped_class_has_one_column_per_field_after_its_own_id() -> None:
     for row, record in ((MatrixRow, MatrixEntry), (ProfileRow, ProfileEntry)):
         names = [column.name for column in row.__table__.columns]
         assert names == ["id", *(spec.name for spec in dataclasses.fields(record))]
-    assert [column.name for column in JobRow.__table__.primary_key] == ["id"]  # the record's own key, no extra id
-    assert [column.name for column in JobRow.__table__.columns] == [spec.name for spec in dataclasses.fields(JobRecord)]
+    for row, record in ((JobRow, JobRecord), (BenchRunRow, BenchRun)):  # the record's own key, no extra id
+        assert [column.name for column in row.__table__.primary_key] == ["id"]
+        assert [column.name for column in row.__table__.columns] == [spec.name for spec in dataclasses.fields(record)]
+    assert BenchRunRow.__table__.c.id.autoincrement is True  # numbered by the database
+    assert JobRow.__table__.c.id.autoincrement == "auto"  # a string key: the job's own id
 
 
 def test_column_types_follow_the_declaration() -> None:
