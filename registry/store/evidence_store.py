@@ -9,10 +9,9 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Column, Float, Integer, String, Table, select, update
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Row
 
 from registry.core.status import STATUSES
@@ -21,39 +20,19 @@ from registry.store.processes import process_alive
 from registry.store.records import (
     MATRIX_KEY,
     PROFILE_KEY,
+    BenchRun,
     MatrixEntry,
     ProfileEntry,
     matrix_entry_from_mapping,
     of_current_sources,
     profile_from_mapping,
 )
-from registry.store.tables import GENERATION, METADATA, encode_stack, meta_table, record_table, upsert
+from registry.store.tables import GENERATION, encode_stack, mapped_record, meta_table, upsert
 
-matrix_table = record_table("matrix_entries", MatrixEntry, METADATA, MATRIX_KEY, "uq_matrix_key")
-profiles_table = record_table("profiles", ProfileEntry, METADATA, PROFILE_KEY, "uq_profile_key")
-_MATRIX_ORDER = tuple(matrix_table.c[name] for name in ("op", "composite", "stack", "pattern", "dtype", "id"))
-
-# Benchmarking runs (profile, verify), so that a profile can tell whether another process ran while it timed.
-runs_table = Table(
-    "bench_runs",
-    METADATA,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("kind", String(50), nullable=False),
-    Column("host", String(300), nullable=False),
-    Column("pid", Integer, nullable=False),
-    Column("started_at", Float, nullable=False),
-    Column("finished_at", Float, nullable=True),
-)
-
-
-@dataclass(frozen=True)
-class BenchRun:
-    id: int
-    kind: str
-    host: str
-    pid: int
-    started_at: float
-    finished_at: float | None
+MatrixRow = mapped_record(MatrixEntry, "matrix_entries", MATRIX_KEY, "uq_matrix_key")
+ProfileRow = mapped_record(ProfileEntry, "profiles", PROFILE_KEY, "uq_profile_key")
+BenchRunRow = mapped_record(BenchRun, "bench_runs")
+_MATRIX_ORDER = tuple(getattr(MatrixRow, name) for name in ("op", "composite", "stack", "pattern", "dtype", "id"))
 
 
 def _to_row(entry: MatrixEntry) -> dict[str, Any]:
@@ -114,20 +93,20 @@ class EvidenceStore(Database):
         rows = list({tuple(row[name] for name in MATRIX_KEY): row for row in given}.values())
         with self.writing() as conn:
             self._bump(conn)
-            upsert(conn, matrix_table, rows, MATRIX_KEY)
+            upsert(conn, MatrixRow.__table__, rows, MATRIX_KEY)
         return len(given)
 
     def entries(
         self, *, op: str | None = None, stack: tuple[str, ...] | None = None, composite: str | None = None
     ) -> list[MatrixEntry]:
         """All stored rows matching the filters, ordered by op, composite, stack, pattern, dtype."""
-        query = select(matrix_table)
+        query = select(MatrixRow)
         if op is not None:
-            query = query.where(matrix_table.c.op == op)
+            query = query.where(MatrixRow.op == op)
         if stack is not None:
-            query = query.where(matrix_table.c.stack == encode_stack(tuple(stack)))
+            query = query.where(MatrixRow.stack == encode_stack(tuple(stack)))
         if composite is not None:
-            query = query.where(matrix_table.c.composite == composite)
+            query = query.where(MatrixRow.composite == composite)
         query = query.order_by(*_MATRIX_ORDER)
         with self.reading() as conn:
             return [_from_row(row) for row in conn.execute(query)]
@@ -136,9 +115,9 @@ class EvidenceStore(Database):
         self, *, source_hashes: Mapping[tuple[str, str], str], torch_version: str, op: str | None = None
     ) -> list[MatrixEntry]:
         """Rows still valid: their (op, composite) source hash and torch version match. Stale rows stay stored."""
-        query = select(matrix_table).where(matrix_table.c.torch_version == torch_version)
+        query = select(MatrixRow).where(MatrixRow.torch_version == torch_version)
         if op is not None:
-            query = query.where(matrix_table.c.op == op)
+            query = query.where(MatrixRow.op == op)
         query = query.order_by(*_MATRIX_ORDER)
         with self.reading() as conn:
             rows = [_from_row(row) for row in conn.execute(query)]
@@ -152,27 +131,27 @@ class EvidenceStore(Database):
         unique = list({tuple(row[name] for name in PROFILE_KEY): row for row in rows}.values())
         with self.writing() as conn:
             self._bump(conn)
-            upsert(conn, profiles_table, unique, PROFILE_KEY)
+            upsert(conn, ProfileRow.__table__, unique, PROFILE_KEY)
         return len(rows)
 
     def profiles(self, *, op: str | None = None, stack: tuple[str, ...] | None = None, dtype: str | None = None,
                  device: str | None = None) -> list[ProfileEntry]:
         """Stored timings matching the filters."""
-        query = select(profiles_table)
+        query = select(ProfileRow)
         for column, value in (("op", op), ("dtype", dtype), ("device", device)):
             if value is not None:
-                query = query.where(profiles_table.c[column] == value)
+                query = query.where(getattr(ProfileRow, column) == value)
         if stack is not None:
-            query = query.where(profiles_table.c.stack == encode_stack(tuple(stack)))
-        query = query.order_by(profiles_table.c.op, profiles_table.c.workload, profiles_table.c.numel_bucket,
-                               profiles_table.c.batch_size, profiles_table.c.composite)
+            query = query.where(ProfileRow.stack == encode_stack(tuple(stack)))
+        query = query.order_by(ProfileRow.op, ProfileRow.workload, ProfileRow.numel_bucket,
+                               ProfileRow.batch_size, ProfileRow.composite)
         with self.reading() as conn:
             return [_profile_from_row(row) for row in conn.execute(query)]
 
     def profile_devices(self) -> list[str]:
         """The device types stored timings name (one indexed scan, no rows built)."""
         with self.reading() as conn:
-            return sorted(row[0] for row in conn.execute(select(profiles_table.c.device).distinct()))
+            return sorted(row[0] for row in conn.execute(select(ProfileRow.device).distinct()))
 
     def fresh_profiles(self, *, source_hashes: Mapping[tuple[str, str], str], torch_version: str,
                        op: str | None = None) -> list[ProfileEntry]:
@@ -183,31 +162,31 @@ class EvidenceStore(Database):
         """Delete every row."""
         with self.writing() as conn:
             self._bump(conn)
-            conn.execute(matrix_table.delete())
-            conn.execute(profiles_table.delete())
+            conn.execute(delete(MatrixRow))
+            conn.execute(delete(ProfileRow))
 
     # Benchmarking runs -----------------------------------------------------------------------------------------
 
     def begin_run(self, kind: str) -> int:
         with self.writing() as conn:
-            result = conn.execute(runs_table.insert(), [{"kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
+            result = conn.execute(insert(BenchRunRow), [{"kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
                                                         "started_at": time.time(), "finished_at": None}])
             return int(result.inserted_primary_key[0])
 
     def end_run(self, run_id: int) -> None:
         with self.writing() as conn:
-            conn.execute(update(runs_table).where(runs_table.c.id == run_id).values(finished_at=time.time()))
+            conn.execute(update(BenchRunRow).where(BenchRunRow.id == run_id).values(finished_at=time.time()))
 
     def overlapping_runs(self, run_id: int) -> list[BenchRun]:
         """Other runs whose time overlapped run ``run_id`` (an unfinished one counts while its process lives)."""
         with self.reading() as conn:
-            mine = conn.execute(select(runs_table).where(runs_table.c.id == run_id)).one()
+            mine = conn.execute(select(BenchRunRow).where(BenchRunRow.id == run_id)).one()
             end = mine.finished_at if mine.finished_at is not None else time.time()
-            others = select(runs_table).where(runs_table.c.id != run_id, runs_table.c.started_at < end)
+            others = select(BenchRunRow).where(BenchRunRow.id != run_id, BenchRunRow.started_at < end)
             rows = conn.execute(others).all()
         overlapping = []
         for row in rows:
-            run = BenchRun(**dict(row._mapping))
+            run = BenchRun(**row._mapping)
             if run.finished_at is None and not process_alive(f"{run.host}:{run.pid}"):
                 continue  # killed before it finished: it is not running now, and when it ran is unknown
             if run.finished_at is None or run.finished_at > mine.started_at:

@@ -5,12 +5,11 @@ rows (``workers``) live beside them; the job queue itself (PostgreSQL) is procra
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import and_, delete, func, insert, select, update
 from sqlalchemy.engine import Row
 
 from registry.store.database import Database
@@ -21,24 +20,13 @@ from registry.store.job_states import FINISHED_JOB_STATES as FINISHED_JOB_STATES
 from registry.store.job_states import JOB_STATES as JOB_STATES
 from registry.store.processes import process_alive
 from registry.store.records import JobRecord
-from registry.store.tables import METADATA, json_fields, record_table
+from registry.store.tables import mapped_record
 
-jobs_table = record_table("jobs", JobRecord, METADATA)
-_JOB_JSON = json_fields(JobRecord)  # params, result
-
-
-def _job_row(job: JobRecord) -> dict[str, Any]:
-    values = vars(job).copy()
-    for name in _JOB_JSON:
-        values[name] = json.dumps(values[name]) if values[name] is not None else None
-    return values
+JobRow = mapped_record(JobRecord, "jobs")  # params and result are JSON text: the column type converts them
 
 
 def job_from_row(row: Row[Any]) -> JobRecord:
-    values = dict(row._mapping)
-    for name in _JOB_JSON:
-        values[name] = json.loads(values[name]) if values[name] is not None else None
-    return JobRecord(**values)
+    return JobRecord(**row._mapping)
 
 
 class JobStore(Database):
@@ -46,21 +34,18 @@ class JobStore(Database):
 
     def add_job(self, job: JobRecord) -> None:
         with self.writing() as conn:
-            conn.execute(jobs_table.insert(), [_job_row(job)])
+            conn.execute(insert(JobRow), [vars(job)])
 
     def update_job(self, job_id: str, *, if_state: Iterable[str] | None = None, if_owner: str | None = None,
                    **values: Any) -> bool:
         """Write ``values`` into job ``job_id``'s row, only while its state is one of ``if_state`` and its owner is
         ``if_owner`` when given (a worker writes only the jobs it still runs); whether a row was written."""
-        for name in _JOB_JSON:
-            if values.get(name) is not None:
-                values[name] = json.dumps(values[name])
         values["updated_at"] = time.time()
-        query = update(jobs_table).where(jobs_table.c.id == job_id)
+        query = update(JobRow).where(JobRow.id == job_id)
         if if_state is not None:
-            query = query.where(jobs_table.c.state.in_(list(if_state)))
+            query = query.where(JobRow.state.in_(list(if_state)))
         if if_owner is not None:
-            query = query.where(jobs_table.c.owner == if_owner)
+            query = query.where(JobRow.owner == if_owner)
         with self.writing() as conn:
             return bool(conn.execute(query.values(**values)).rowcount)
 
@@ -70,9 +55,9 @@ class JobStore(Database):
         finished, or taken)."""
         now = time.time()
         with self.writing() as conn:
-            row = conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "queued")
+            row = conn.execute(update(JobRow).where(JobRow.id == job_id, JobRow.state == "queued")
                                .values(state="running", owner=owner, started_at=now, updated_at=now, done=0, total=0)
-                               .returning(*jobs_table.c)).first()
+                               .returning(JobRow)).first()
         return job_from_row(row) if row is not None else None
 
     def start_job(self, job_id: str, owner: str) -> JobRecord | None:
@@ -81,10 +66,10 @@ class JobStore(Database):
         runs already counts as started: a retry after a commit whose outcome was unknown."""
         now = time.time()
         with self.writing() as conn:
-            mine = and_(jobs_table.c.state == "running", jobs_table.c.owner == owner)
-            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "queued")
+            mine = and_(JobRow.state == "running", JobRow.owner == owner)
+            conn.execute(update(JobRow).where(JobRow.id == job_id, JobRow.state == "queued")
                          .values(state="running", owner=owner, started_at=now, updated_at=now))
-            row = conn.execute(select(jobs_table).where(jobs_table.c.id == job_id, mine)).first()
+            row = conn.execute(select(JobRow).where(JobRow.id == job_id, mine)).first()
         return job_from_row(row) if row is not None else None
 
     def cancel_job(self, job_id: str) -> JobRecord | None:
@@ -93,30 +78,30 @@ class JobStore(Database):
         now (None if there is none); a finished one is unchanged."""
         now = time.time()
         with self.writing() as conn:
-            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "queued")
+            conn.execute(update(JobRow).where(JobRow.id == job_id, JobRow.state == "queued")
                          .values(state="cancelled", error="cancelled before it started", finished_at=now,
                                  updated_at=now))
-            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.state == "running")
+            conn.execute(update(JobRow).where(JobRow.id == job_id, JobRow.state == "running")
                          .values(state="cancelling", updated_at=now))
         return self.job(job_id)
 
     def job(self, job_id: str) -> JobRecord | None:
         with self.reading() as conn:
-            row = conn.execute(select(jobs_table).where(jobs_table.c.id == job_id)).first()
+            row = conn.execute(select(JobRow).where(JobRow.id == job_id)).first()
         return job_from_row(row) if row is not None else None
 
     def jobs(self, *, states: Iterable[str] | None = None) -> list[JobRecord]:
         """Jobs, oldest first, optionally only in ``states``."""
-        query = select(jobs_table).order_by(jobs_table.c.created_at, jobs_table.c.id)
+        query = select(JobRow).order_by(JobRow.created_at, JobRow.id)
         if states is not None:
-            query = query.where(jobs_table.c.state.in_(list(states)))
+            query = query.where(JobRow.state.in_(list(states)))
         with self.reading() as conn:
             return [job_from_row(row) for row in conn.execute(query)]
 
     def job_counts(self) -> dict[str, int]:
         with self.reading() as conn:
             return {state: count for state, count in
-                    conn.execute(select(jobs_table.c.state, func.count()).group_by(jobs_table.c.state))}
+                    conn.execute(select(JobRow.state, func.count()).group_by(JobRow.state))}
 
     def recover_jobs(self, owner: str) -> tuple[list[str], list[JobRecord]]:
         """After a restart: jobs left ``running`` by a process that is gone become ``interrupted`` (with the reason),
@@ -126,23 +111,23 @@ class JobStore(Database):
         interrupted, adopted = [], []
         with self.writing() as conn:
             # FOR UPDATE (PostgreSQL): two servers recovering at once do not both adopt a job.
-            pending = select(jobs_table).where(jobs_table.c.state.in_(("queued", *ACTIVE_JOB_STATES))).with_for_update()
+            pending = select(JobRow).where(JobRow.state.in_(("queued", *ACTIVE_JOB_STATES))).with_for_update()
             for row in conn.execute(pending).all():
                 job = job_from_row(row)
                 if job.owner == owner or process_alive(job.owner):
                     continue
                 if job.state == "cancelling":  # asked to stop, and it did: with its process
-                    conn.execute(update(jobs_table).where(jobs_table.c.id == job.id).values(
+                    conn.execute(update(JobRow).where(JobRow.id == job.id).values(
                         state="cancelled", error=f"cancelled while running, at {job.done}/{job.total}",
                         finished_at=now, updated_at=now))
                 elif job.state == "running":
                     reason = (f"interrupted: the server running it ({job.owner}) stopped before it finished, at "
                               f"{job.done}/{job.total}; submit it again")
-                    conn.execute(update(jobs_table).where(jobs_table.c.id == job.id).values(
+                    conn.execute(update(JobRow).where(JobRow.id == job.id).values(
                         state="interrupted", error=reason, finished_at=now, updated_at=now))
                     interrupted.append(job.id)
                 else:
-                    conn.execute(update(jobs_table).where(jobs_table.c.id == job.id)
+                    conn.execute(update(JobRow).where(JobRow.id == job.id)
                                  .values(owner=owner, updated_at=now))
                     job.owner = owner
                     adopted.append(job)
@@ -151,8 +136,8 @@ class JobStore(Database):
     def prune_jobs(self, finished_before: float) -> int:
         """Delete finished jobs (done, failed, cancelled, interrupted) that finished before ``finished_before``."""
         with self.writing() as conn:
-            result = conn.execute(jobs_table.delete().where(jobs_table.c.state.in_(FINISHED_JOB_STATES),
-                                                       jobs_table.c.finished_at < finished_before))
+            result = conn.execute(delete(JobRow).where(JobRow.state.in_(FINISHED_JOB_STATES),
+                                                       JobRow.finished_at < finished_before))
         return result.rowcount or 0
 
     # Benchmarking runs -----------------------------------------------------------------------------------------

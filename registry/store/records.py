@@ -1,6 +1,6 @@
-"""The stored records, declared once: a verified matrix cell, a timing, a job, a check and a worker, and how a row
-of the evidence tables becomes one. No database library here, so the hot path's reader (``sqlite_reader``) and the
-SQLAlchemy store (``db``) share them.
+"""The stored records, declared once: a verified matrix cell, a timing, a job, a check, a worker and a benchmarking
+run, and how a row of the evidence tables becomes one. No database library here, so the hot path's reader
+(``sqlite_reader``) and the SQLAlchemy store (its declarative classes, ``tables.mapped_record``) share them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ def stored(limit: int | None = None, *, index: bool = False, wide: bool = False,
     """A record field and how it is stored and shown, declared once: ``limit`` characters (text without one),
     ``index``ed, ``wide`` (a 64-bit integer), the ``primary`` key (else the table has an ``id`` of its own),
     ``public`` (in the HTTP API's models) and what it means (``doc``). A ``dict`` field is stored as JSON text. The
-    store's tables (``db``, ``workers``) and the service's models are built from these."""
+    store's mapped classes (``tables.mapped_record``: SQLAlchemy's declarative layer) and the service's models are
+    built from these."""
     metadata = {"limit": limit, "index": index, "wide": wide, "primary": primary, "public": public, "doc": doc}
     return field(default=default, default_factory=default_factory, metadata=metadata)
 
@@ -137,6 +138,19 @@ class WorkerRecord:
     current_job: str | None = stored()  # the store job ids it runs now, space separated; NULL when idle
     started_at: float = stored()
     heartbeat: float = stored()
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """A benchmarking run (profile, verify) as stored, so that a profile can tell whether another process ran while
+    it timed (``evidence_store.EvidenceStore.overlapping_runs``)."""
+
+    id: int = stored(primary=True)  # numbered by the database
+    kind: str = stored(50)
+    host: str = stored(300)
+    pid: int = stored()
+    started_at: float = stored()
+    finished_at: float | None = stored()  # None while it runs, or when it was killed before it finished
 
 
 def of_current_sources(records: Iterable[Any], source_hashes: Mapping[tuple[str, str], str]) -> list[Any]:

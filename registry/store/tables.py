@@ -1,10 +1,11 @@
-"""The store's table layer: the one ``METADATA`` every table is defined on (the migrations compare it with the
-database), a record's table built from its declaration (``records.stored``), the store-wide ``store_meta`` table,
-and the upsert the evidence tables are written with."""
+"""The store's table layer: the declarative base whose one ``METADATA`` every table is defined on (the migrations
+compare it with the database), a record's mapped class made from its declaration (``records.stored``), the
+store-wide ``store_meta`` table, and the upsert the evidence tables are written with."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from typing import Any
 
@@ -12,59 +13,86 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Connection,
+    Dialect,
     Float,
     Integer,
     MetaData,
     String,
     Table,
     Text,
+    TypeDecorator,
     UniqueConstraint,
     and_,
     bindparam,
 )
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import DeclarativeBase, mapped_column
 
 from registry.core.stacks import format_stack
 
 METADATA = MetaData()
 
 
-def record_table(name: str, record: type, metadata: MetaData, key: tuple[str, ...] = (), constraint: str = ""
-                 ) -> Table:
-    """The table of a record (``records.stored`` says how each field is stored): one column per field, an ``id``
-    primary key unless a field is the primary key, and a unique constraint on ``key`` when given."""
+class Base(DeclarativeBase):
+    """The store's declarative base: every record's mapped class, on the one ``METADATA``."""
+
+    metadata = METADATA
+
+
+class JSONText(TypeDecorator[Any]):
+    """A ``dict`` field: stored as JSON text (TEXT in the schema, as it always was), read back as the dict."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> str | None:
+        return None if value is None else json.dumps(value)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        return None if value is None else json.loads(value)
+
+
+def _column_type(record: type, name: str, hint: Any, stored: typing.Mapping[str, Any]) -> Any:
+    """The column type of field ``name`` (type hint ``hint``, with or without ``| None``)."""
+    base = next((arg for arg in typing.get_args(hint) if arg is not type(None)), hint) \
+        if type(None) in typing.get_args(hint) else hint
+    base = typing.get_origin(base) or base
+    if base in (str, tuple):  # a stack is stored as its spelling
+        return String(stored["limit"]) if stored["limit"] else Text
+    if base is dict:
+        return JSONText
+    if base is float:
+        return Float
+    if base in (int, bool):  # a bool as 0 or 1
+        return BigInteger if stored["wide"] else Integer
+    raise TypeError(f"{record.__name__}.{name}: no column type for {hint}; use str, a tuple of str, int, float, bool "
+                    "or dict")
+
+
+def mapped_record(record: type, table: str, key: tuple[str, ...] = (), constraint: str = "") -> type[Base]:
+    """The declarative class of a record, ``<Record>Row`` on ``table``, made from its dataclass fields (``records.
+    stored`` says how each is stored): one ``mapped_column`` per field in field order, an ``id`` primary key first
+    unless a field is the primary key, and a unique constraint ``constraint`` on ``key`` when given. The record's
+    fields are its only declaration; the stores query through the class (``select(Row).where(Row.op == op)``)."""
     hints = typing.get_type_hints(record)
     specs = dataclasses.fields(record)
-    columns = [] if any(spec.metadata["primary"] for spec in specs) else [
-        Column("id", Integer, primary_key=True, autoincrement=True)]
+    namespace: dict[str, Any] = {"__tablename__": table,
+                                 "__doc__": f"The ``{table}`` table: one ``{record.__name__}`` per row."}
+    if key:
+        namespace["__table_args__"] = (UniqueConstraint(*key, name=constraint),)
+    if not any(spec.metadata["primary"] for spec in specs):
+        namespace["id"] = mapped_column(Integer, primary_key=True, autoincrement=True)
     for spec in specs:
+        if spec.name in namespace or hasattr(Base, spec.name):  # id, metadata, registry, ...
+            raise TypeError(f"{record.__name__}.{spec.name}: the name is taken on a declarative class (or the table's "
+                            "own id); rename the field or make it the primary key")
         stored, hint = spec.metadata, hints[spec.name]
-        nullable = type(None) in typing.get_args(hint)
-        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) if nullable else hint
-        base = typing.get_origin(base) or base
-        if base in (str, tuple):  # a stack is stored as its spelling
-            column_type: Any = String(stored["limit"]) if stored["limit"] else Text
-        elif base is dict:  # JSON
-            column_type = Text
-        elif base is float:
-            column_type = Float
-        elif base in (int, bool):  # a bool as 0 or 1
-            column_type = BigInteger if stored["wide"] else Integer
-        else:
-            raise TypeError(f"{record.__name__}.{spec.name}: no column type for {hint}; use str, a tuple of str, "
-                            "int, float, bool or dict")
-        columns.append(Column(spec.name, column_type, nullable=nullable, index=stored["index"] or None,
-                              primary_key=stored["primary"]))
-    return Table(name, metadata, *columns, *([UniqueConstraint(*key, name=constraint)] if key else []))
-
-
-def json_fields(record: type) -> tuple[str, ...]:
-    """The record's ``dict`` fields (optional or not): stored as JSON text."""
-    def is_dict(hint: Any) -> bool:
-        return (typing.get_origin(hint) or hint) is dict
-
-    return tuple(name for name, hint in typing.get_type_hints(record).items()
-                 if is_dict(hint) or any(is_dict(arg) for arg in typing.get_args(hint)))
+        column_type = _column_type(record, spec.name, hint, stored)
+        numbered = stored["primary"] and column_type in (Integer, BigInteger)  # the database numbers the rows
+        namespace[spec.name] = mapped_column(
+            column_type, nullable=type(None) in typing.get_args(hint), index=stored["index"] or None,
+            primary_key=stored["primary"], autoincrement=True if numbered else "auto")
+    return type(f"{record.__name__}Row", (Base,), namespace)
 
 
 # One row per key. ``generation`` counts the writes of evidence (matrix, profiles): a reader compares it with the

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import create_engine, func, insert, select, text
 
 from registry.store import workers as worker_rows
 from registry.store.db import Store
 from registry.store.records import JobRecord
-from registry.store.workers import workers_table
+from registry.store.workers import WorkerRow
 from service.cli import main
 from service.jobs import running
 from service.jobs.kinds import detect_device_kinds, queue_for, resolve_kind
@@ -231,7 +231,7 @@ def test_a_stale_workers_job_is_requeued_with_the_reason_then_failed_after_max_a
     _running(store, "mine", worker_here.id)
     assert worker_here.reaper.requeue_or_fail("mine", attempts=0) == "alive"
     with store.engine.begin() as conn:
-        conn.execute(workers_table.insert().values(id="busy:5:abcdef", host="busy", pid=5, kinds="cpu",
+        conn.execute(insert(WorkerRow).values(id="busy:5:abcdef", host="busy", pid=5, kinds="cpu",
                                                    started_at=func.extract("epoch", func.now()),
                                                    heartbeat=func.extract("epoch", func.now())))
     _running(store, "busy", "busy:5:abcdef")
@@ -242,7 +242,7 @@ def test_a_stale_workers_job_is_requeued_with_the_reason_then_failed_after_max_a
 def test_the_reason_names_the_last_heartbeat_when_the_dead_workers_row_is_still_there(worker_here: Worker) -> None:
     store = worker_here.store
     with store.engine.begin() as conn:
-        conn.execute(workers_table.insert().values(id="gone:3:abcdef", host="gone", pid=3, kinds="cpu",
+        conn.execute(insert(WorkerRow).values(id="gone:3:abcdef", host="gone", pid=3, kinds="cpu",
                                                    started_at=1_000_000_000.0, heartbeat=1_000_000_000.0))
     _running(store, "stale", "gone:3:abcdef")
     # Its row stays while its job is still running: the reaper has not taken the job yet.
@@ -251,7 +251,7 @@ def test_the_reason_names_the_last_heartbeat_when_the_dead_workers_row_is_still_
     assert store.job("stale").error.endswith("none for over 2 s (last at 2001-09-09 01:46:40 UTC)")
     assert worker_here.reaper.prune_stale_workers() == ["gone:3:abcdef"]
     with store.engine.connect() as conn:
-        assert conn.execute(select(func.count()).select_from(workers_table)).scalar() == 1  # this worker
+        assert conn.execute(select(func.count()).select_from(WorkerRow)).scalar() == 1  # this worker
 
 
 def test_a_cancelled_job_is_skipped_and_a_job_taken_away_is_not_written(worker_here: Worker) -> None:
@@ -279,7 +279,7 @@ def test_a_cancelled_job_is_skipped_and_a_job_taken_away_is_not_written(worker_h
     assert worker_here.run_job("taken") == "lost: reaped while running"
     assert store.job("taken").state == "queued"
     with store.engine.connect() as conn:
-        current = conn.execute(select(workers_table.c.current_job).where(workers_table.c.id == worker_here.id))
+        current = conn.execute(select(WorkerRow.current_job).where(WorkerRow.id == worker_here.id))
         assert current.scalar() is None
 
 
