@@ -13,9 +13,11 @@ import torch
 from torch import func
 
 import registry
-from registry.core import kernels
+from registry.core import kernels, routing
 from registry.core.context import Context
+from registry.core.kernels.background import BUILD
 from registry.core.kinds import KIND, KINDS
+from registry.core.selector import SELECTOR, Selector, Verdict
 from registry.harness.checks import PATTERNS, STACKS, check, skip_reason
 from registry.harness.samples import SAMPLES
 
@@ -49,6 +51,44 @@ def test_the_rule_refuses_where_the_build_is_missing(monkeypatch: pytest.MonkeyP
     problem = rule(Context(stack=("vmap", "grad")))
     assert problem is not None and problem.status == "error" and "not built" in problem.evidence
     assert rule(Context(stack=("compile", "vmap"))) is not None
+
+
+def _cpp_verdict(selector: Selector) -> Verdict:
+    decision = selector.select("masked_fill", stack="vmap(grad)", policy="rules")
+    return next(v for v in decision.alternatives if v.composite == "cpp_op")
+
+
+def test_a_build_that_lands_makes_cached_decisions_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decisions cached while the C++ ops were not there (the first use() started their build in the background)
+    judged cpp_op invalid; once the build lands and use() switches to the C++ kernels, every selector's cache is
+    cleared and the kind is valid again, with no clear_cache() by hand."""
+    own = Selector(SELECTOR.table)  # another registry's selector is told too
+    x, mask = torch.randn(3, 5), torch.rand(3, 5) > 0.5
+
+    def pinned_call() -> torch.Tensor:
+        with registry.use(pins={"masked_fill": "cpp_op"}):
+            return func.vmap(lambda r, m: r.masked_fill(m, 1.5))(x, mask)
+
+    routing.set_routing_backend("python")  # what use() runs on while the build is under way
+    try:
+        built = kernels.built
+        monkeypatch.setattr(kernels, "_module", None)  # the extension not loaded yet in this process ...
+        monkeypatch.setattr(kernels, "built", lambda: False)  # ... nor in the cache: the background build runs
+        for selector in (SELECTOR, own):
+            before = _cpp_verdict(selector)
+            assert not before.ok and "not built" in before.reason
+        with pytest.raises(registry.SelectionError, match="cpp_op"):
+            pinned_call()
+        monkeypatch.setattr(kernels, "built", built)  # the build lands in the cache
+        monkeypatch.setattr(BUILD, "landed", True)
+        monkeypatch.setattr(BUILD, "error", None)
+        got = pinned_call()  # this use() entry switches to the C++ kernels, which load
+        assert routing.routing_backend() == "cpp" and not BUILD.landed
+        for selector in (SELECTOR, own):
+            assert _cpp_verdict(selector).ok
+        assert torch.equal(got, x.masked_fill(mask, 1.5))
+    finally:
+        routing.set_routing_backend("cpp")
 
 
 CPP_STACKS = [s for s in STACKS if s != "compile"]  # the rule marks compile invalid
