@@ -2,8 +2,9 @@
 ``torch.ops.multicomposite.fill``, ``masked_scatter``, ``masked_gather`` and ``index_fill``, compiled with the routing
 kernels (``registry/core/kernels/fused_ops.cpp``).
 
-Each op has its forward (one pass on the bits, as ``composites.fused``), its autograd (a backward node whose backward
-calls the ops again, so it is differentiable), its forward-AD tangent and its batching rule in C++: under vmap(grad) a
+Each op has its forward (one pass on the bits, as ``composites.fused``), its autograd (a backward node that reads the
+output gradient once, ``fill_backward`` and ``masked_scatter_backward``, whose own backward calls the ops again, so it
+is differentiable), its forward-AD tangent and its batching rule in C++: under vmap(grad) a
 call runs no Python between the composite's entry and its result, where the ``primitive`` kind's
 ``torch.autograd.Function`` runs its Python ``setup_context``, ``backward`` and ``vmap`` at every level. The
 composites below make the same checks and the same argument adaptations as the primitives (composites/masked.py,
@@ -18,7 +19,7 @@ import torch
 
 from composites import fused
 from composites.checks import check_index_fill, check_masked_fill, check_masked_scatter
-from composites.index import index_mask, rank1_view
+from composites.index import rank1_view
 from composites.masked import laid_out_like, scalar_or_tensor
 from registry.core.registration import register
 
@@ -62,11 +63,10 @@ def masked_scatter_cpp_op(self, mask, source):
 
 @register("index_fill", "cpp_op")
 def index_fill_cpp_op(self, dim, index, value):
-    """multicomposite::index_fill (one index_copy over the batch): forward, backward, tangent and batching rule in
-    C++."""
+    """multicomposite::index_fill: fill at the index's mask (multicomposite::index_mask checks the bounds native
+    checks, [-size, size), and folds negative indices, in C++ under vmap too); forward, backward, tangent and
+    batching rule in C++."""
     check_index_fill(self, dim, index, value)
-    index_mask(self, dim, index)  # the bounds check native makes ([-size, size)), which works under vmap too
     flat, dim_, index_, _ = rank1_view(self, dim, index, None)
-    size = flat.shape[dim_]
-    filled = OPS.get().index_fill.default(flat, dim_, index_ % max(size, 1), scalar_or_tensor(value, self))
+    filled = OPS.get().index_fill.default(flat, dim_, index_, scalar_or_tensor(value, self))
     return laid_out_like(filled.reshape(self.shape), self)

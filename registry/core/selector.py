@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from registry.core import cost, evidence, reference, rules
+from registry.core import cost, evidence, kernels, reference, rules
 from registry.core.context import Context
 from registry.core.kinds import KINDS, NATIVE
 from registry.core.model import Composite
@@ -260,8 +260,9 @@ class Selector:
     It holds what the decisions read and keep: the op table (its composites, rules, preferences and size
     signatures), the evidence slot (``registry.core.evidence``), and a bounded cache of decisions (at most
     ``capacity``, the oldest goes first) with its generation, bumped by ``clear()`` on every change of composites or
-    evidence, when the listeners (the router's tables of either backend) are told too. A decision made while the
-    generation moved is returned but not kept.
+    evidence and when the C++ kernels load (a decision made before judged the cpp_op kind without its ops), when the
+    listeners (the router's tables of either backend) are told too. A decision made while the generation moved is
+    returned but not kept.
     """
 
     def __init__(self, table: OpTable, evidence_slot: evidence.EvidenceSlot | None = None,
@@ -275,6 +276,7 @@ class Selector:
         self.listeners: list[Callable[[], None]] = []  # told after every clear(): the router's decision tables
         table.listeners.append(self.clear)
         self.evidence.listeners.append(self.clear)
+        kernels.LOADED.add(self.clear)
 
     def clear(self) -> None:
         """Forget every cached decision (after composites are added or removed, or the evidence changed)."""

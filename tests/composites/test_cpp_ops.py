@@ -13,9 +13,11 @@ import torch
 from torch import func
 
 import registry
-from registry.core import kernels
+from registry.core import kernels, routing
 from registry.core.context import Context
+from registry.core.kernels.background import BUILD
 from registry.core.kinds import KIND, KINDS
+from registry.core.selector import SELECTOR, Selector, Verdict
 from registry.harness.checks import PATTERNS, STACKS, check, skip_reason
 from registry.harness.samples import SAMPLES
 
@@ -49,6 +51,44 @@ def test_the_rule_refuses_where_the_build_is_missing(monkeypatch: pytest.MonkeyP
     problem = rule(Context(stack=("vmap", "grad")))
     assert problem is not None and problem.status == "error" and "not built" in problem.evidence
     assert rule(Context(stack=("compile", "vmap"))) is not None
+
+
+def _cpp_verdict(selector: Selector) -> Verdict:
+    decision = selector.select("masked_fill", stack="vmap(grad)", policy="rules")
+    return next(v for v in decision.alternatives if v.composite == "cpp_op")
+
+
+def test_a_build_that_lands_makes_cached_decisions_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decisions cached while the C++ ops were not there (the first use() started their build in the background)
+    judged cpp_op invalid; once the build lands and use() switches to the C++ kernels, every selector's cache is
+    cleared and the kind is valid again, with no clear_cache() by hand."""
+    own = Selector(SELECTOR.table)  # another registry's selector is told too
+    x, mask = torch.randn(3, 5), torch.rand(3, 5) > 0.5
+
+    def pinned_call() -> torch.Tensor:
+        with registry.use(pins={"masked_fill": "cpp_op"}):
+            return func.vmap(lambda r, m: r.masked_fill(m, 1.5))(x, mask)
+
+    routing.set_routing_backend("python")  # what use() runs on while the build is under way
+    try:
+        built = kernels.built
+        monkeypatch.setattr(kernels, "_module", None)  # the extension not loaded yet in this process ...
+        monkeypatch.setattr(kernels, "built", lambda: False)  # ... nor in the cache: the background build runs
+        for selector in (SELECTOR, own):
+            before = _cpp_verdict(selector)
+            assert not before.ok and "not built" in before.reason
+        with pytest.raises(registry.SelectionError, match="cpp_op"):
+            pinned_call()
+        monkeypatch.setattr(kernels, "built", built)  # the build lands in the cache
+        monkeypatch.setattr(BUILD, "landed", True)
+        monkeypatch.setattr(BUILD, "error", None)
+        got = pinned_call()  # this use() entry switches to the C++ kernels, which load
+        assert routing.routing_backend() == "cpp" and not BUILD.landed
+        for selector in (SELECTOR, own):
+            assert _cpp_verdict(selector).ok
+        assert torch.equal(got, x.masked_fill(mask, 1.5))
+    finally:
+        routing.set_routing_backend("cpp")
 
 
 CPP_STACKS = [s for s in STACKS if s != "compile"]  # the rule marks compile invalid
@@ -130,3 +170,31 @@ def test_too_short_a_source_raises_as_the_primitive_does() -> None:
     with registry.use(pins={"masked_scatter": "cpp_op"}), \
             pytest.raises(RuntimeError, match="masked_scatter: .*more Trues than source has elements"):
         func.vmap(torch.Tensor.masked_scatter)(self, mask, torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.float16])
+@pytest.mark.parametrize("cols", [3, 8, 37, 1000])
+def test_scatter_and_its_gradients_at_every_row_length(dtype: torch.dtype, cols: int) -> None:
+    """The row walks (8 or 4 elements a step where the CPU has AVX2, then one at a time) against native per sample,
+    values and both gradients: rows shorter than a step, a source used up exactly, 1- to 8-byte elements."""
+    g = torch.Generator().manual_seed(cols)
+    mask = torch.rand(5, cols, generator=g) > 0.4
+    x = (torch.randn(5, cols, generator=g) * 100).to(dtype)
+    # As long as the densest row's Trues: that row's source is used up exactly, the others' are longer.
+    source = (torch.randn(5, int(mask.sum(1).max()), generator=g) * 100).to(dtype)
+    want = torch.stack([xs.masked_scatter(m, s) for xs, m, s in zip(x, mask, source, strict=True)])
+    with registry.use(pins={"masked_scatter": "cpp_op"}):
+        got = func.vmap(torch.Tensor.masked_scatter)(x, mask, source)
+    assert torch.equal(got, want)
+    if not dtype.is_floating_point:
+        return
+
+    def loss(xs, m, s):
+        return (xs.masked_scatter(m, s) * torch.arange(cols, dtype=dtype)).sum()
+
+    grads = [func.grad(loss, argnums=(0, 2))(xs, m, s) for xs, m, s in zip(x, mask, source, strict=True)]
+    want_grads = [torch.stack(parts) for parts in zip(*grads, strict=True)]
+    with registry.use(pins={"masked_scatter": "cpp_op"}):
+        got_grads = func.vmap(func.grad(loss, argnums=(0, 2)))(x, mask, source)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert torch.equal(a, b)

@@ -25,6 +25,8 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -34,7 +36,8 @@ import torch
 # TORCH_LIBRARY registrations run when the extension loads).
 SOURCES = (Path(__file__).with_name("routing.cpp"), Path(__file__).with_name("fused_ops.cpp"))
 CACHE_ENV = "MULTICOMPOSITE_KERNELS_DIR"
-FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-w")
+# -O3: gcc vectorizes the fused ops' loops only there (its -O2 cost model refuses loops of unknown length).
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-w")
 HOW_TO = ("install a C++ compiler and nlohmann-json (Debian: apt-get install g++ nlohmann-json3-dev), then run "
           "`multicomposite build-kernels`")
 
@@ -84,6 +87,30 @@ def extension_path() -> Path:
     return cache_root() / identity / f"multicomposite_routing_{identity}{suffix}"
 
 
+class LoadListeners:
+    """Who is told once the extension loads in this process (its C++ ops registered): the selectors, whose cached
+    decisions judged the cpp_op kind invalid while the kernels were not there (a background build that lands, a
+    build another process made). Held weakly: a registry's selector goes with its registry."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._methods: list[weakref.WeakMethod[Callable[[], None]]] = []
+
+    def add(self, method: Callable[[], None]) -> None:
+        """Call the bound method ``method`` (weakly held) each time the extension loads."""
+        with self._lock:
+            self._methods = [m for m in self._methods if m() is not None]
+            self._methods.append(weakref.WeakMethod(method))
+
+    def notify(self) -> None:
+        with self._lock:
+            methods = [m() for m in self._methods]
+        for method in methods:
+            if method is not None:
+                method()
+
+
+LOADED = LoadListeners()
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
@@ -195,6 +222,7 @@ def load(*, wait: bool = True) -> ModuleType | None:
         raise KernelBuildError(f"loading {path} failed: {error}; delete {path.parent} and run "
                                "`multicomposite build-kernels`") from error
     _module = module
+    LOADED.notify()  # decisions cached before judged the cpp_op kind without its ops: made again from now on
     return module
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import registry
-from registry.core import selector
+from registry.core import kernels, selector
 from registry.core.selector import SelectionError
 
 
@@ -15,7 +15,9 @@ def test_decision_shape_and_reason() -> None:
     assert decision.reason.startswith("native fails under vmap(grad) with self batched (slow: aten::masked_scatter "
                                       "has no batching rule, so vmap runs a per-sample loop); functional is the next")
     by_name = {v.composite: v for v in decision.alternatives}
-    assert set(by_name) == {"native", "mutating", "primitive"}
+    # cpp_op is judged where the C++ ops are built (its rule refuses it elsewhere: tests/composites/test_cpp_ops.py)
+    cpp_op = {"cpp_op"} if kernels.fused_ops_available() else set()
+    assert set(by_name) == {"native", "mutating", "primitive"} | cpp_op
     assert by_name["primitive"].ok and not by_name["native"].ok and not by_name["mutating"].ok
     assert by_name["primitive"].reason == "valid; ranked below the choice"
     assert by_name["native"].reason.startswith("slow:")
@@ -71,7 +73,8 @@ def test_invalid_pin_names_op_stack_and_valid_choices() -> None:
     assert str(error.value).startswith(
         "select(index_fill): pinned composite mutating (mutating) is not valid under vmap(jvp) with value batched: "
     )
-    assert str(error.value).endswith("valid choices: functional, primitive")
+    cpp_op = ", cpp_op" if kernels.fused_ops_available() else ""  # valid where the C++ ops are built
+    assert str(error.value).endswith(f"valid choices: functional, primitive{cpp_op}")
 
 
 def test_unknown_pin_op_policy_dtype_and_batched_name() -> None:
@@ -93,14 +96,15 @@ def test_no_valid_composite_lists_every_verdict(monkeypatch: pytest.MonkeyPatch)
     from registry.core import rules
     from registry.core.rules import Problem
 
-    monkeypatch.setattr(rules, "KIND_RULES", {**rules.KIND_RULES, "functional": lambda ctx: Problem("error", "test")})
+    refused = {kind: lambda ctx: Problem("error", "test") for kind in ("functional", "cpp_op")}
+    monkeypatch.setattr(rules, "KIND_RULES", {**rules.KIND_RULES, **refused})
     selector.clear_cache()
     try:
         with pytest.raises(SelectionError) as error:
             registry.select("index_fill", stack="functionalize,vmap,jvp", batched=["value"])
         assert str(error.value).startswith(
             "select(index_fill): no composite is valid under functionalize(vmap(jvp)) with value batched; "
-            "registered: native [mismatch], mutating [error], functional [error], primitive [error]."
+            "registered: native [mismatch], mutating [error], functional [error], primitive [error], cpp_op [error]."
         )
     finally:
         selector.clear_cache()
