@@ -6,10 +6,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 import registry
+from registry.core import kernels
 from service.cli import main
 
 # Each test that uses a store runs on SQLite and on PostgreSQL (tests/service/conftest.py).
 STORE_BACKENDS = ("sqlite", "postgres")
+# The cpp_op composites are valid where the C++ ops are built (make test builds them; without a compiler they are not).
+CPP_OPS = kernels.fused_ops_available()
+CPP_OP_VALID = {"cpp_op": CPP_OPS}
 
 
 @pytest.fixture
@@ -29,7 +33,8 @@ def test_ops(client: TestClient) -> None:
     assert {"index_add", "index_copy", "index_fill", "masked_fill", "masked_scatter", "contiguous", "to",
             "take"} <= set(ops)
     assert [c["kind"] for c in ops["take"]["composites"]] == ["native", "functional"]
-    assert [c["kind"] for c in ops["index_fill"]["composites"]] == ["native", "mutating", "functional", "primitive"]
+    assert [c["kind"] for c in ops["index_fill"]["composites"]] == ["native", "mutating", "functional", "primitive",
+                                                                    "cpp_op"]
     detail = client.get("/ops/masked_scatter").json()
     assert "torch.Tensor.masked_scatter" in detail["entry_points"]
     assert "class" not in detail["composites"][2]["source"] and "def masked_scatter_functional" in \
@@ -40,7 +45,7 @@ def test_ops_show_package_relative_paths(client: TestClient) -> None:
     # Defect 11: absolute install paths (/home/..., site-packages) were shown.
     wheres = [c["where"] for c in client.get("/ops/masked_scatter").json()["composites"]]
     # The generated native composite is "where" its define_op entry is.
-    assert all(re.fullmatch(r"composites/masked\.py:\d+", where) for where in wheres), wheres
+    assert all(re.fullmatch(r"composites/(masked|cpp_ops)\.py:\d+", where) for where in wheres), wheres
 
 
 def test_select(client: TestClient) -> None:
@@ -49,7 +54,7 @@ def test_select(client: TestClient) -> None:
     assert body["stack"] == "vmap(grad)"
     assert (body["speedup"], body["runner_up_speedup"]) == (None, None)
     assert {a["composite"]: a["ok"] for a in body["alternatives"]} == {
-        "native": False, "mutating": False, "primitive": True}
+        "native": False, "mutating": False, "primitive": True, **CPP_OP_VALID}
 
 
 def test_select_schema_has_the_speedups(client: TestClient) -> None:
@@ -71,7 +76,7 @@ def test_errors_say_what_to_fix(client: TestClient) -> None:
     )
     response = client.get("/select", params={"op": "index_fill", "stack": "vmap", "pin": "mutating"})
     assert response.status_code == 422
-    assert response.json()["detail"].endswith("valid choices: functional, primitive")
+    assert response.json()["detail"].endswith("valid choices: functional, primitive" + (", cpp_op" if CPP_OPS else ""))
 
 
 def test_docs_are_served_without_a_cdn(client: TestClient) -> None:
@@ -115,7 +120,7 @@ def test_matrix_and_profiles_read_the_store(client: TestClient, db_url: str) -> 
     assert {(e["composite"], e["pattern"]) for e in matrix} >= {("functional", "all"), ("native", "others")}
     assert all(e["status"] == "ok" for e in matrix if e["composite"] == "functional")
     profiles = client.get("/profiles", params={"op": "masked_fill", "dtype": "float32"}).json()["items"]
-    assert {p["composite"] for p in profiles} == {"native", "mutating", "functional", "primitive"}
+    assert {p["composite"] for p in profiles} == {"native", "mutating", "functional", "primitive", "cpp_op"}
     assert all(p["median_us"] > 0 for p in profiles if p["valid"])
     assert client.get("/matrix", params={"op": "mask"}).status_code == 404
     response = client.get("/profiles", params={"stack": "vmap,bad"})
