@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -208,7 +209,7 @@ def test_matrix_failing_lists_natives_failures_and_the_choice_in_each(
 
 def test_native_failures_without_a_valid_composite_say_why() -> None:
     everything_fails = [_cell("masked_fill", name, ("vmap",), "all", "error", "x")
-                        for name in ("native", "mutating", "functional", "primitive")]
+                        for name in ("native", "mutating", "functional", "primitive", "cpp_op")]
     rows = native_failures(everything_fails)
     assert [(r["composite"], r["kind"], r["status"]) for r in rows] == [(None, None, None)]
     assert rows[0]["reason"].startswith("select(masked_fill): no composite is valid under vmap with self, mask, "
@@ -263,7 +264,7 @@ def test_select_plain_and_json(seeded: str, capsys: pytest.CaptureFixture[str]) 
         "op": "masked_fill", "stack": "vmap", "batched": ["self", "mask", "value"], "dtype": "float32",
         "device": None, "policy": "auto", "composite": "functional", "kind": "functional",
         "speedup": pytest.approx(2.0)}
-    assert [a["composite"] for a in answer["alternatives"]] == ["native", "mutating", "primitive"]
+    assert [a["composite"] for a in answer["alternatives"]] == ["native", "mutating", "primitive", "cpp_op"]
 
 
 def test_ops_jobs_and_survey_results(seeded: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -335,7 +336,8 @@ def _covered() -> str:
      "multicomposite select: dtype int64 has no derivative under grad: grad needs a floating point or complex dtype"),
     ("select index_fill --pin nope",
      "multicomposite select: pins['index_fill'] = 'nope' names no composite or kind of index_fill; registered: "
-     "native, mutating, functional, primitive; kinds: native, mutating, functional, primitive, custom_op"),
+     "native, mutating, functional, primitive, cpp_op; kinds: native, mutating, functional, primitive, custom_op, "
+     "cpp_op"),
     ("jobs nope", "multicomposite jobs: no job 'nope' in the store at {url}; `multicomposite jobs` lists them"),
     ("matrix --failing --png {tmp}/m.png",
      "multicomposite matrix: --failing lists cells; it has no PNG: drop --png, or --failing to render the matrix"),
@@ -350,8 +352,9 @@ def test_bad_input_is_one_line_and_exit_2(argv: str, line: str, seeded: str, tmp
     assert (code, stdout, stderr) == (2, "", line.format(ops=_covered(), url=seeded) + "\n")
 
 
-def test_png_into_a_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    folder = tmp_path / "plots.png"
+def test_png_into_a_folder_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # A short path: the message shortens a long one (pytest-xdist's tmp_path is longer than 100 characters).
+    folder = Path(tempfile.mkdtemp(prefix="mc-")) / "plots.png"
     folder.mkdir()
     code, _, stderr = _run(["report", "--png", str(folder)], capsys)
     assert (code, stderr) == (2, f"multicomposite report: argument --png: {folder} is a folder; name a PNG file "
@@ -435,21 +438,21 @@ def test_verify_prints_choices_and_progress_goes_to_stderr(empty_store: str,
                          "worst status there]",
                          "op           entries  ok  slow  mismatch  error  unsupported  vmap",
                          # both ok; the shipped reference profiles rank the primitive first under vmap
-                         "masked_fill  16       8   7     0         1      0            primitive [ok]"]
-    assert lines[3].startswith("16 entries in ") and lines[3].endswith(f" s, written to {empty_store}")
+                         "masked_fill  20       12  7     0         1      0            primitive [ok]"]
+    assert lines[3].startswith("20 entries in ") and lines[3].endswith(f" s, written to {empty_store}")
     progress = stderr.splitlines()
     # Entries finish in worker processes, in no fixed order: the counts are exact, the labels any entry's.
-    assert progress[0].startswith("multicomposite verify: entries 1/16 (6%) masked_fill/")
-    assert progress[-1].startswith("multicomposite verify: entries 16/16 (100%) masked_fill/")
+    assert progress[0].startswith("multicomposite verify: entries 1/20 (5%) masked_fill/")
+    assert progress[-1].startswith("multicomposite verify: entries 20/20 (100%) masked_fill/")
     assert all(line.startswith("multicomposite verify: entries ") for line in progress)
 
     code, stdout, stderr = _run(["verify", "--op", "masked_fill", "--stack", "vmap", "--dtype", "float32", "--json"],
                                 capsys)
     entries = json.loads(stdout)
-    assert code == 0 and len(entries) == 16
+    assert code == 0 and len(entries) == 20  # 5 composites x 4 batching patterns
     assert {(e["composite"], e["pattern"], e["status"]) for e in entries if e["composite"] == "functional"} == {
         ("functional", pattern, "ok") for pattern in ("all", "self", "others", "in_dims1")}
-    assert stderr.splitlines()[-1].startswith("multicomposite verify: entries 16/16 (100%) masked_fill/")
+    assert stderr.splitlines()[-1].startswith("multicomposite verify: entries 20/20 (100%) masked_fill/")
 
 
 def test_profile_json_holds_the_profiles_and_the_refused(empty_store: str,
@@ -464,7 +467,7 @@ def test_profile_json_holds_the_profiles_and_the_refused(empty_store: str,
     assert timed == set(registry.composites("index_fill")) or (
         len(answer["refused"]) == 1 and answer["refused"][0].startswith("index_fill vmap n=1024 b=4 float32: not "
                                                                         "stored"))
-    assert stderr.splitlines()[-1] == "multicomposite profile: timings 4/4 (100%) index_fill/primitive vmap n=1024 b=4"
+    assert stderr.splitlines()[-1] == "multicomposite profile: timings 5/5 (100%) index_fill/cpp_op vmap n=1024 b=4"
 
 
 def test_a_subcommand_plugs_in_as_one_row(monkeypatch: pytest.MonkeyPatch,

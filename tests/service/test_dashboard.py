@@ -33,8 +33,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from registry.core import kernels
 from service.dashboard import ASSETS, SECURITY_HEADERS
 from service.main import create_app
+
+# The cpp_op composites are valid where the C++ ops are built (make test builds them; without a compiler they are not).
+CPP_OP_VERDICT = {"cpp_op": "valid" if kernels.fused_ops_available() else "invalid"}
 
 try:
     from selenium import webdriver
@@ -348,7 +352,7 @@ def test_matrix_heatmap_shows_each_cell_and_its_evidence(browser: WebDriver, ser
     assert grid[("masked_fill/functional", "vmap(grad)")] == "ok"
     assert grid[("masked_fill/mutating", "vmap")] == "error"
     assert grid[("masked_fill/native", "vmap")] == "slow"
-    assert text(browser, "matrix-summary") == f"4 of 4 rows, 2 stacks, 8 measured cells ({len(entries)} entries)."
+    assert text(browser, "matrix-summary") == f"5 of 5 rows, 2 stacks, 10 measured cells ({len(entries)} entries)."
 
     cell_button(browser, "masked_fill/mutating", "vmap").click()
     assert text(browser, "evidence-title") == "masked_fill/mutating under vmap: error"
@@ -395,7 +399,7 @@ def test_matrix_heatmap_shows_each_cell_and_its_evidence(browser: WebDriver, ser
     assert visible_rows(browser) == []
     Select(browser.find_element(By.ID, "matrix-op")).select_by_value("masked_fill")
     assert visible_rows(browser) == ["masked_fill/native", "masked_fill/mutating", "masked_fill/functional",
-                                     "masked_fill/primitive"]
+                                     "masked_fill/primitive", "masked_fill/cpp_op"]
     assert console_errors(browser) == []
 
 
@@ -437,7 +441,7 @@ def test_decision_explorer_takes_both_stack_spellings(browser: WebDriver, server
     assert_decision_matches(page, expected)
     assert expected["composite"] == "functional"
     assert {a[0]: a[2] for a in page["alternatives"]} == {"native": "invalid", "mutating": "invalid",
-                                                         "primitive": "valid"}
+                                                         "primitive": "valid", **CPP_OP_VERDICT}
     assert (page["facts"]["stack"], page["facts"]["batched"], page["facts"]["dtype"]) == (
         "vmap(grad)", "value", "float32")
     shoot(browser, "decision-1280x800")
@@ -527,8 +531,8 @@ def test_jobs_run_to_completion_and_cancel_from_the_page(browser: WebDriver, ser
                       [dd.text for dd in card.find_elements(By.CSS_SELECTOR, ".result dd")], strict=True))
     assert result == {"entries": str(job["result"]["entries"]),
                       "statuses": ", ".join(f"{k} {v}" for k, v in job["result"]["statuses"].items())}
-    # 4 composites x (grad: one unbatched pattern + vmap(grad): 4 batching patterns), every one of them served.
-    assert job["result"]["entries"] == 20 == len(api(server, "/matrix", op="index_fill"))
+    # 5 composites x (grad: one unbatched pattern + vmap(grad): 4 batching patterns), every one of them served.
+    assert job["result"]["entries"] == 25 == len(api(server, "/matrix", op="index_fill"))
     assert not card.find_elements(By.CSS_SELECTOR, "button.cancel")
     shoot(browser, "jobs-1280x800")
 
