@@ -71,21 +71,26 @@ kernel-deps:
 kernels: $(STAMP) kernel-deps
 	@$(VENV)/bin/multicomposite build-kernels || [ "$(AS_ROOT)" = 0 ]
 
-# The suite in two parts: every test file on a worker of its own, as many workers as cores (pytest-xdist; a file's
-# module fixtures are made once), then the tests marked serial alone (they time code, or load the cores on purpose).
-# test-all: every case of the sampled tests too (MULTICOMPOSITE_TEST_ALL=1, tests/cases.py; e.g. conformance on every
-# sample of every covered op), which the docs' conformance figures are measured with; longer than CI allows.
-TEST_WORKERS ?= auto
+# The suite, in one process by default: on two cores the tests are CPU-bound (torch uses both), and workers side by
+# side made them slower. With more cores, TEST_WORKERS=N (or auto) runs every test file on one of N workers
+# (pytest-xdist; a file's module fixtures are made once), then the tests marked serial alone (they time code, or
+# load the cores on purpose). test-all: every case of the sampled tests too (MULTICOMPOSITE_TEST_ALL=1,
+# tests/cases.py: the conformance tests on every sample of every covered op), which the docs' conformance figures
+# are measured with; longer than CI allows.
+TEST_WORKERS ?= 0
 TEST_ENV = DASHBOARD_TEST_REQUIRE_BROWSER=$(AS_ROOT) POSTGRES_TEST_REQUIRE_SERVER=$(AS_ROOT) \
 	ROUTING_TEST_REQUIRE_CPP=$(AS_ROOT)
+ifeq ($(TEST_WORKERS),0)
+PYTEST_RUN = $(PY) -m pytest
+else
+PYTEST_RUN = $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" && $(PY) -m pytest -m serial
+endif
 
 test: $(STAMP) lint browser-deps postgres-deps kernels
-	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial"
-	$(TEST_ENV) $(PY) -m pytest -m serial
+	$(TEST_ENV) sh -c '$(PYTEST_RUN)'
 
 test-all: $(STAMP) lint browser-deps postgres-deps kernels
-	$(TEST_ENV) MULTICOMPOSITE_TEST_ALL=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial"
-	$(TEST_ENV) MULTICOMPOSITE_TEST_ALL=1 $(PY) -m pytest -m serial
+	$(TEST_ENV) MULTICOMPOSITE_TEST_ALL=1 sh -c '$(PYTEST_RUN)'
 
 serve: $(STAMP)
 	$(VENV)/bin/multicomposite serve
