@@ -36,7 +36,7 @@ from torch.utils._pytree import (  # noqa: PLC2701 - PyTorch's pytree
 
 from registry.core import dynamic, mask_writes
 from registry.core.context import vmap_levels
-from registry.core.disagree import SamplesDisagreeError, level_values
+from registry.core.disagree import SamplesDisagreeError
 from registry.core.frames import calling_user_frame
 
 DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
@@ -123,6 +123,12 @@ _MASK_INDEX = dynamic.DynamicShape(
     "masked sum, or torch.nonzero_static(mask, size=N) to gather a fixed number N of elements", "boolean-mask indexing")
 
 
+def _read_refusal(site: str) -> str:
+    return (f"vmap: boolean-mask indexing{f' at {site}' if site else ''} returns a shape that depends on the values of "
+            "a batched mask, so it cannot be batched (each sample would select a different number of elements). Keep "
+            f"the shape fixed: {_MASK_INDEX.alternative.removeprefix('keep the shape fixed: ')}")
+
+
 def _make_mask_index(native: Any, routing_on: Callable[[], bool]) -> Callable[..., Any]:
     call_native = native.call_boxed
 
@@ -130,21 +136,7 @@ def _make_mask_index(native: Any, routing_on: Callable[[], bool]) -> Callable[..
         if not routing_on() or not any(index is not None and index.dtype in (torch.bool, torch.uint8)
                                        and vmap_levels(index) for index in indices):
             return call_native(keyset, self, indices)
-        frame = calling_user_frame()
-        site = frame.describe() if frame is not None else ""
-        text = (f"vmap: boolean-mask indexing{f' at {site}' if site else ''} returns a shape that depends on the "
-                "values of a batched mask, so it cannot be batched (each sample would select a different number of "
-                f"elements). Keep the shape fixed: {_MASK_INDEX.alternative.removeprefix('keep the shape fixed: ')}")
-        expanded: list[torch.Tensor | None] = []
-        for index in indices:
-            found = level_values(index) if index is not None and index.dtype in (torch.bool, torch.uint8) else None
-            if found is None:
-                expanded.append(index)
-                continue
-            # A k-dimensional mask stands for k adjacent integer indices, its True entries' positions.
-            positions = dynamic.per_sample(_MASK_INDEX, found, lambda mask: torch.nonzero(mask), site, text)
-            expanded.extend(positions.unbind(-1))
-        return torch.ops.aten.index.Tensor(self, expanded)
+        return torch.ops.aten.index.Tensor(self, mask_writes.positions_form(indices, _MASK_INDEX, _read_refusal))
 
     kernel.__name__ = "multicomposite_mask_index"
     return kernel

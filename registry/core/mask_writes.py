@@ -70,22 +70,28 @@ def where_form(self: torch.Tensor, indices: list[torch.Tensor | None], values: t
     return torch.where(selected, values, self)
 
 
-def positions_form(indices: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """``indices`` with each batched boolean mask replaced by the integer positions of its ``True`` entries, per
-    sample (a ``k``-dimensional mask stands for ``k`` adjacent integer indices); where the samples' counts differ,
-    ``SamplesDisagreeError`` splits the batch."""
-    frame = calling_user_frame()
-    site = frame.describe() if frame is not None else ""
-    text = (f"vmap: a write through a boolean mask{f' at {site}' if site else ''} with one value per selected element "
+def _write_refusal(site: str) -> str:
+    return (f"vmap: a write through a boolean mask{f' at {site}' if site else ''} with one value per selected element "
             "has a shape that depends on the values of a batched mask (each sample selects a different number of "
             f"elements). Keep the shape fixed: {MASK_WRITE.alternative.removeprefix('keep the shape fixed: ')}")
+
+
+def positions_form(indices: list[torch.Tensor | None], spec: dynamic.DynamicShape = MASK_WRITE,
+                   refusal: Callable[[str], str] = _write_refusal) -> list[torch.Tensor | None]:
+    """``indices`` with each batched boolean mask replaced by the integer positions of its ``True`` entries, per
+    sample (a ``k``-dimensional mask stands for ``k`` adjacent integer indices); where the samples' counts differ,
+    ``SamplesDisagreeError`` (its message ``refusal(the user's line)``, keyed as ``spec``) splits the batch. The
+    boolean-index read kernel (registry.core.batch_split) turns its masks into positions the same way."""
+    frame = calling_user_frame()
+    site = frame.describe() if frame is not None else ""
+    text = refusal(site)
     expanded: list[torch.Tensor | None] = []
     for index in indices:
         found = level_values(index) if _is_batched_mask(index) else None
         if found is None:
             expanded.append(index)
             continue
-        positions = dynamic.per_sample(MASK_WRITE, found, lambda mask: torch.nonzero(mask), site, text)
+        positions = dynamic.per_sample(spec, found, lambda mask: torch.nonzero(mask), site, text)
         expanded.extend(positions.unbind(-1))
     return expanded
 

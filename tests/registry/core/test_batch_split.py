@@ -12,6 +12,9 @@ from torch import func
 
 import registry
 from registry.core.batch_split import SPLITTER, BatchSplitWarning, SplitShapeError
+from tests.per_sample import autograd_grad as _autograd_grad
+from tests.per_sample import jacobian as _jacobian
+from tests.per_sample import loop as _loop
 
 pytestmark = pytest.mark.usefixtures("routing_backend")
 
@@ -64,19 +67,6 @@ PATTERNS = [branch_bool, branch_item, branch_equal, branch_mask_all, mask_indexe
 
 def _loss(f: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: (f(x) * WEIGHTS).sum()
-
-
-def _loop(f: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
-    return torch.stack([f(sample) for sample in batch])
-
-
-def _autograd_grad(loss: Callable[[torch.Tensor], torch.Tensor], value: torch.Tensor) -> torch.Tensor:
-    leaf = value.detach().clone().requires_grad_()
-    return torch.autograd.grad(loss(leaf), leaf)[0]
-
-
-def _jacobian(f: Callable[[torch.Tensor], torch.Tensor], value: torch.Tensor) -> torch.Tensor:
-    return torch.autograd.functional.jacobian(f, value)
 
 
 # Each stack: (what runs inside use(), the reference outside any transform).

@@ -15,6 +15,10 @@ import registry
 from registry.core.batch_split import SPLITTER, BatchSplitWarning
 from registry.core.control_flow import BooleanMaskError
 from registry.core.mask_writes import where_form
+from tests.per_sample import autograd_grad as _autograd_grad
+from tests.per_sample import hessian as _hessian
+from tests.per_sample import jacobian as _jacobian
+from tests.per_sample import loop as _loop
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 # Six samples of four features; their signs differ, so every mask below differs across the samples.
@@ -88,23 +92,6 @@ PER_ELEMENT = [one_value_per_element, increment_through_the_mask]
 
 def _loss(f: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: (f(x) * WEIGHTS).sum()
-
-
-def _loop(f: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
-    return torch.stack([f(sample) for sample in batch])
-
-
-def _autograd_grad(loss: Callable[[torch.Tensor], torch.Tensor], value: torch.Tensor) -> torch.Tensor:
-    leaf = value.detach().clone().requires_grad_()
-    return torch.autograd.grad(loss(leaf), leaf)[0]
-
-
-def _jacobian(f: Callable[[torch.Tensor], torch.Tensor], value: torch.Tensor) -> torch.Tensor:
-    return torch.autograd.functional.jacobian(f, value)
-
-
-def _hessian(loss: Callable[[torch.Tensor], torch.Tensor], value: torch.Tensor) -> torch.Tensor:
-    return torch.autograd.functional.hessian(loss, value)
 
 
 # Each stack: (what runs inside use(), the reference outside any transform).
