@@ -168,7 +168,7 @@ def _compile(compiler: str, path: Path, quiet: bool) -> Path:
     if path.parent.exists():  # a folder without the extension: an older layout's partial build
         shutil.rmtree(path.parent)
     if not quiet:
-        print(f"multicomposite: compiling the routing kernels into {path.parent} (once; 20 s to a minute)",
+        print(f"multicomposite: compiling the routing kernels into {path.parent} (once; one to three minutes)",
               file=sys.stderr, flush=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{identity}.", dir=root))
     try:
