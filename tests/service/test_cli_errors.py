@@ -186,6 +186,9 @@ def test_ctrl_c_during_verify_stops_the_workers_in_one_line(tmp_path: Path) -> N
     process = subprocess.Popen([sys.executable, "-m", "service.cli", "verify", "--op", "index_fill", "--dtype",
                                 "float32"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True,  # its own process group, as a terminal's foreground job
+                               # Ctrl-C's default, as in a terminal: an ignored SIGINT is inherited through exec, and
+                               # Python keeps ignoring it (the suite's process may have come to ignore it).
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                                env={**os.environ, "PYTHONPATH": str(ROOT),
                                     "MULTICOMPOSITE_DB": f"sqlite:///{tmp_path / 's.db'}"})
     assert process.stderr is not None

@@ -54,7 +54,9 @@ def test_a_profile_under_a_two_thread_matmul_load_is_refused_or_ranks_as_the_qui
     finally:
         load.terminate()
         load.join(10)
-    timed = {e.composite: e.median_us for e in entries if e.valid and e.median_us is not None}
+    # Among the composites the quiet reference ranks (cpp_op, newer than the shipped reference, is not one of them).
+    timed = {e.composite: e.median_us for e in entries
+             if e.valid and e.median_us is not None and e.composite in quiet.times_us}
     if timed:
         assert min(timed, key=timed.__getitem__) == quiet_fastest
     else:
