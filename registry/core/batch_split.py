@@ -13,10 +13,8 @@ raised.
 
 When every sample agrees nothing is re-run: the first run's result is returned as it is.
 
-Boolean-mask indexing (``x[mask]``, ``edge_index[:, mask]``) under vmap is refused by PyTorch's batching rule for
-``aten::index.Tensor``. A kernel there would add a Python call to every tensor index under every transform, so it is
-registered only when that refusal is first seen inside ``use()``: it turns a batched boolean index into the integer
-indices of its ``True`` entries (``nonzero``, per sample, which agrees or splits as above) and indexes with them.
+Boolean-mask indexing under vmap (``x[mask]``, ``x[mask] = v``) is registry.core.mask_indexing's: it turns a batched
+mask into the integer positions of its ``True`` entries, which agree or split as above.
 """
 
 from __future__ import annotations
@@ -34,12 +32,8 @@ from torch.utils._pytree import (  # noqa: PLC2701 - PyTorch's pytree
     tree_unflatten,
 )
 
-from registry.core import dynamic, mask_writes
-from registry.core.context import vmap_levels
 from registry.core.disagree import SamplesDisagreeError
 from registry.core.frames import calling_user_frame
-
-DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 
 # What vmap's implementation is called with after the function (``_flat_vmap``'s arguments).
 VmapRunner = Callable[..., Any]
@@ -54,14 +48,11 @@ class SplitShapeError(RuntimeError):
 
 
 class Splitter:
-    """Where a split was said already (once per call site), and the boolean-index kernel once it is needed."""
+    """Where a split was said already (once per call site)."""
 
     def __init__(self) -> None:
         self.warned: set[str] = set()
         self.lock = threading.Lock()
-        self.libraries: list[torch.library.Library] = []  # kept alive: dropping one unregisters its kernel
-        self.routing_on: Callable[[], bool] | None = None
-        self.setitem: Callable[..., None] | None = None  # PyTorch's Tensor.__setitem__ while the write patch is in
 
     def warn(self, error: SamplesDisagreeError, batch_size: int, sizes: list[int]) -> None:
         site = error.site or "an unknown line"
@@ -84,63 +75,8 @@ class Splitter:
         with self.lock:
             self.warned.clear()
 
-    def mask_indexing_installed(self) -> bool:
-        return bool(self.libraries)
-
-    def install_mask_indexing(self, routing_on: Callable[[], bool]) -> None:
-        """Register the boolean-index kernel on ``aten::index.Tensor`` and patch ``Tensor.__setitem__`` for writes
-        through a mask (once, until ``uninstall``)."""
-        with self.lock:
-            if self.libraries:
-                return
-            library = torch.library.Library("aten", "IMPL")
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Warning only once for all operators")
-                native = torch.library.get_kernel("aten::index.Tensor", DISPATCH_KEY)
-                library.impl("index.Tensor", _make_mask_index(native, routing_on), DISPATCH_KEY, with_keyset=True)
-            self.libraries.append(library)
-            # Writes through the mask (x[mask] = v): torch.where where v has no per-element dimension, else the
-            # mask's positions per sample (registry.core.mask_writes).
-            self.setitem = torch.Tensor.__setitem__
-            torch.Tensor.__setitem__ = mask_writes.make_setitem(self.setitem, routing_on)  # type: ignore[method-assign]
-
-    def uninstall(self) -> None:
-        """Remove the boolean-index kernel and restore ``Tensor.__setitem__`` (installed again when needed)."""
-        with self.lock:
-            for library in self.libraries:
-                library._destroy()
-            self.libraries.clear()
-            if self.setitem is not None:
-                torch.Tensor.__setitem__ = self.setitem  # type: ignore[method-assign]
-                self.setitem = None
-
 
 SPLITTER = Splitter()
-
-_MASK_INDEX = dynamic.DynamicShape(
-    "index.Tensor", ("indices",),
-    "keep the shape fixed: torch.where(mask, x, fill) or x.masked_fill(~mask, fill) to read, (x * mask).sum() for a "
-    "masked sum, or torch.nonzero_static(mask, size=N) to gather a fixed number N of elements", "boolean-mask indexing")
-
-
-def _read_refusal(site: str) -> str:
-    return (f"vmap: boolean-mask indexing{f' at {site}' if site else ''} returns a shape that depends on the values of "
-            "a batched mask, so it cannot be batched (each sample would select a different number of elements). Keep "
-            f"the shape fixed: {_MASK_INDEX.alternative.removeprefix('keep the shape fixed: ')}")
-
-
-def _make_mask_index(native: Any, routing_on: Callable[[], bool]) -> Callable[..., Any]:
-    call_native = native.call_boxed
-
-    def kernel(keyset: Any, self: torch.Tensor, indices: list[torch.Tensor | None]) -> Any:
-        if not routing_on() or not any(index is not None and index.dtype in (torch.bool, torch.uint8)
-                                       and vmap_levels(index) for index in indices):
-            return call_native(keyset, self, indices)
-        return torch.ops.aten.index.Tensor(self, mask_writes.positions_form(indices, _MASK_INDEX, _read_refusal))
-
-    kernel.__name__ = "multicomposite_mask_index"
-    return kernel
-
 
 def _groups(keys: torch.Tensor) -> list[list[int]]:
     """Indices of dim 0 of ``keys`` grouped by equal rows, groups in order of first appearance (NaN equals NaN: the

@@ -37,7 +37,7 @@ import torch
 import torch._functorch.vmap as functorch_vmap  # noqa: PLC2701 - functorch's internals have no public API
 from torch._functorch.eager_transforms import functionalize  # noqa: PLC2701 - functorch's internals have no public API
 
-from registry.core import batch_split, control_flow, fresh_buffers, out_arguments, write_target
+from registry.core import batch_split, control_flow, fresh_buffers, mask_indexing, out_arguments, write_target
 from registry.core.context import functorch_stack
 from registry.core.disagree import SamplesDisagreeError
 from registry.core.frames import raising_user_frame
@@ -170,11 +170,14 @@ class Functionalization:
     """Automatic functionalization inside ``use()`` (``registry.core.patches.Patch``): ``install`` puts
     ``flat_vmap`` in place of functorch's ``_flat_vmap``, ``uninstall`` puts PyTorch's back and forgets what was
     remembered. It holds the predicate (whether this thread routes), the functions remembered as needing
-    functionalization, and the patches its retries use: the fresh-buffer regions and the ``out=`` kernels."""
+    functionalization, and the patches its retries use: the fresh-buffer regions, the ``out=`` kernels and the
+    boolean-mask kernel."""
 
-    def __init__(self, fresh: fresh_buffers.FreshBuffers, outs: out_arguments.OutArguments) -> None:
+    def __init__(self, fresh: fresh_buffers.FreshBuffers, outs: out_arguments.OutArguments,
+                 masks: mask_indexing.MaskIndexing) -> None:
         self.fresh_buffers = fresh
         self.out_arguments = outs
+        self.mask_indexing = masks
         self.lock = threading.Lock()
         self.active: Callable[[], bool] | None = None  # whether this thread routes, while installed
         # Code of the functions (with the code of what they wrap) whose vmapped body needed functionalizing.
@@ -249,9 +252,9 @@ class Functionalization:
         if isinstance(failure, control_flow.BooleanMaskError):  # an inner level's, already saying where
             raise failure
         if control_flow.MASK_REFUSAL in str(failure):
-            if not batch_split.SPLITTER.mask_indexing_installed():
+            if not self.mask_indexing.registered():
                 # The first boolean-mask index of a batched mask inside use(): from now on it is computed per sample.
-                batch_split.SPLITTER.install_mask_indexing(active)
+                self.mask_indexing.register()
                 _set_rng_state(state)
                 return self.flat_vmap(func, *args, **kwargs)
             raise control_flow.BooleanMaskError(control_flow.boolean_mask_message(failure)) from failure
@@ -294,7 +297,7 @@ class Functionalization:
 
 
 # The default registry's (``Router.patches``), with the default fresh-buffer and out= patches.
-PATCH = Functionalization(fresh_buffers.PATCH, out_arguments.PATCH)
+PATCH = Functionalization(fresh_buffers.PATCH, out_arguments.PATCH, mask_indexing.PATCH)
 FUNCTIONALIZED = PATCH.functionalized  # the default patch's remembered functions (the harness and tests read it)
 
 

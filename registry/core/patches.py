@@ -8,6 +8,7 @@ order below and uninstalls them in reverse (``inplace_under_jvp`` wraps what ``o
 - ``out_arguments``: grad's, vjp's and jvp's implementations retry an ``out=`` refusal with the ``out=`` kernels.
 - ``inplace_under_jvp``: jvp's implementation registers the kernels of the overloads routed only under jvp.
 - ``fresh_buffers``: the kernels of an automatically functionalized region (registered at the first one).
+- ``mask_indexing``: boolean-mask reads and writes under vmap (registered at the first refusal).
 - ``functionalization``: functorch's ``_flat_vmap``, which functionalizes a level where a write needs it.
 - ``legacy_functions``: ``torch.autograd.Function.apply`` for pre-2.0 Functions under a transform.
 - ``checkpointing``: ``torch.utils.checkpoint`` in both forms (the reentrant one is a pre-2.0 Function).
@@ -29,6 +30,7 @@ from registry.core import (
     functionalization,
     inplace_under_jvp,
     legacy_functions,
+    mask_indexing,
     out_arguments,
 )
 
@@ -46,5 +48,5 @@ class Patch(Protocol):
 
 
 PATCHES: tuple[Patch, ...] = (out_arguments.PATCH, inplace_under_jvp.PATCH, fresh_buffers.PATCH,
-                              functionalization.PATCH, legacy_functions.PATCH, checkpointing.PATCH,
+                              mask_indexing.PATCH, functionalization.PATCH, legacy_functions.PATCH, checkpointing.PATCH,
                               flex_attention.PATCH)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch._C._functorch import maybe_current_level  # noqa: PLC2701 - functorch's bindings have no public API
 
-from registry.core import batch_split, control_flow, cost, dynamic, patches
+from registry.core import control_flow, cost, dynamic, patches
 from registry.core.collector import collection_paused
 from registry.core.context import context_of, functorch_stack, given_arguments, size_key, vmap_active, vmap_levels
 from registry.core.kernels.background import BUILD as _BUILD
@@ -436,7 +436,6 @@ class Router:
             self.patches.clear()
             for patch in reversed(self.patch_set):  # each wraps what those before it wrapped: unwrapped first
                 patch.uninstall()
-            batch_split.SPLITTER.uninstall()  # the boolean-mask kernel and __setitem__, where a refusal put them
             self.routed_ops.clear()
             self.installed = False
             self.removed = True

@@ -16,8 +16,11 @@ from registry.core.routing import DISPATCH_KEY, ROUTER
 
 pytestmark = pytest.mark.usefixtures("routing_backend")
 
-# A covered overload (and its Autograd-key kernel), a dynamic-shape refusal, control flow's, a fresh-buffer region's.
-OVERLOADS = ("aten::index_fill.int_Tensor", "aten::nonzero", "aten::is_nonzero", "aten::item", "aten::empty_like")
+# A covered overload (and its Autograd-key kernel), a dynamic-shape refusal, control flow's, a fresh-buffer region's,
+# the boolean-mask index's.
+OVERLOADS = ("aten::index_fill.int_Tensor", "aten::nonzero", "aten::is_nonzero", "aten::item", "aten::empty_like",
+             "aten::index.Tensor")
+PYTORCH_SETITEM = torch.Tensor.__setitem__  # collected before any use() in this process patches it
 
 
 def _native_front_kernel(name: str) -> bool:
@@ -41,7 +44,9 @@ def uninstalled() -> Iterator[None]:
     with registry.use():  # something routed first, and a write functionalized (the fresh-buffer regions' kernels)
         _index_fill_value_grads()
         func.vmap(lambda v: torch.zeros(5).index_fill_(0, torch.tensor([1]), v))(torch.randn(3))
+        func.vmap(lambda row: row[row > 0].sum())(torch.tensor([[1.0, -1.0], [2.0, 3.0]]))  # the mask kernel
     assert not _native_front_kernel("aten::empty_like")
+    assert not _native_front_kernel("aten::index.Tensor") and torch.Tensor.__setitem__ is not PYTORCH_SETITEM
     registry.uninstall()
     try:
         yield
@@ -51,6 +56,7 @@ def uninstalled() -> Iterator[None]:
 
 def test_uninstall_gives_pytorch_back(uninstalled: None) -> None:
     assert torch.Tensor.contiguous is ORIGINAL.Tensor.contiguous
+    assert torch.Tensor.__setitem__ is PYTORCH_SETITEM
     assert functorch_vmap._flat_vmap is functionalization.PYTORCH_FLAT_VMAP
     assert all(_native_front_kernel(name) for name in OVERLOADS)
     assert "registry" not in torch._C._dispatch_dump("aten::index_fill.int_Tensor")  # the Autograd key's too
