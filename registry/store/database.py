@@ -21,7 +21,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from registry.core.messages import first_line
-from registry.store.connection import BUSY_TIMEOUT_MS, StoreUnavailableError, default_url, sqlite_pragmas
+from registry.store import connection
+from registry.store.connection import StoreUnavailableError, default_url, sqlite_pragmas
 from registry.store.tables import GENERATION, meta_table
 
 CHECK_TIMEOUT_S = 5.0  # a readiness check waits this long for a lock, not a writer's 30 s
@@ -84,7 +85,8 @@ class Database:
         self.engine: Engine = create_engine(self.url, **options)
         self._sqlite = self.engine.dialect.name == "sqlite"
         if self._sqlite:
-            busy_ms = BUSY_TIMEOUT_MS if timeout_s is None else max(1, int(timeout_s * 1000))
+            # Read at each open (not bound at import): a test, or a deployment, may set it for the process.
+            busy_ms = connection.BUSY_TIMEOUT_MS if timeout_s is None else max(1, int(timeout_s * 1000))
             event.listen(self.engine, "connect", functools.partial(sqlite_pragmas, busy_timeout_ms=busy_ms))
         if create:
             from registry.store.migrate import ensure_current

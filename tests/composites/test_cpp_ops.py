@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -198,3 +199,42 @@ def test_scatter_and_its_gradients_at_every_row_length(dtype: torch.dtype, cols:
         got_grads = func.vmap(func.grad(loss, argnums=(0, 2)))(x, mask, source)
     for a, b in zip(got_grads, want_grads, strict=True):
         assert torch.equal(a, b)
+
+
+def _empty_cases() -> list[tuple[str, Any, tuple[torch.Tensor, ...]]]:
+    """Zero-size inputs: empty rows, rows of zero length, a mask with no True (an empty source), an empty index."""
+    return [
+        ("masked_fill", lambda x, m: x.masked_fill(m, 2.0), (torch.randn(3, 0), torch.zeros(3, 0, dtype=torch.bool))),
+        ("masked_fill", lambda x, m: x.masked_fill(m, 2.0),
+         (torch.randn(2, 0, 4), torch.ones(2, 0, 4, dtype=torch.bool))),
+        ("masked_scatter", lambda x, m, s: x.masked_scatter(m, s),
+         (torch.randn(3, 5), torch.zeros(3, 5, dtype=torch.bool), torch.randn(3, 0))),
+        ("masked_scatter", lambda x, m, s: x.masked_scatter(m, s),
+         (torch.randn(3, 0), torch.zeros(3, 0, dtype=torch.bool), torch.randn(3, 0))),
+        ("index_fill", lambda x: x.index_fill(1, torch.tensor([], dtype=torch.long), 2.0), (torch.randn(3, 4, 2),)),
+        ("index_fill", lambda x: x.index_fill(0, torch.tensor([1]), 2.0), (torch.randn(3, 2, 0),)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_empty_cases())))
+def test_zero_size_inputs_equal_native(case: int) -> None:
+    """Empty tensors straight into the C++ ops (no transform, vmap, and vmap(grad) of a sum through them): the
+    values, shapes and gradients of native PyTorch in a loop over the batch."""
+    op, f, args = _empty_cases()[case]
+    float_args = tuple(a for a in args if a.is_floating_point())
+    with registry.use(pins={op: "cpp_op"}, record=True) as run:
+        plain = f(*args)
+        batched = func.vmap(f)(*args)
+        grads = func.vmap(func.grad(lambda *a: f(*a).sum()))(*args)
+    assert torch.equal(plain, f(*args).clone()) and plain.shape == args[0].shape
+    want = [f(*sample) for sample in zip(*args, strict=True)]  # every case has a batch of 3 or 2
+    assert batched.shape == args[0].shape
+    assert torch.equal(batched, torch.stack(want))
+
+    def loop_grad(*sample: torch.Tensor) -> torch.Tensor:
+        first = sample[0].clone().requires_grad_()
+        return torch.autograd.grad(f(first, *sample[1:]).sum(), first, allow_unused=True)[0]
+
+    assert grads.shape == float_args[0].shape
+    assert torch.equal(grads, torch.stack([loop_grad(*sample) for sample in zip(*args, strict=True)]))
+    assert {d.composite for d in run.decisions if d.op == op} == {"cpp_op"}

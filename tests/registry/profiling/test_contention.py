@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from typing import Any
 
 import pytest
 
@@ -16,12 +17,15 @@ from registry.profiling.timing import profile
 pytestmark = pytest.mark.serial
 
 
-def _matmul_loop(seconds: float) -> None:
-    """What keeps both cores busy: a 2-thread matmul loop."""
+def _matmul_loop(seconds: float, running: Any) -> None:
+    """What keeps both cores busy: a 2-thread matmul loop. ``running`` is set once it multiplies (a spawned process
+    imports torch first, which takes seconds on a loaded machine)."""
     import torch
 
     torch.set_num_threads(2)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a @ b
+    running.set()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         a @ b
@@ -37,10 +41,6 @@ def test_contended_says_why_below_the_share_and_nothing_above() -> None:
     assert noise.contended({"a": noise.Timed("a", [1.0])}) == []  # no CPU clock: nothing to tell
 
 
-# Known failure on this main (issue 26): under the 2-thread load native now comes first among the reference's
-# composites and the detector does not refuse the profile; the quiet reference ranks primitive first.
-@pytest.mark.xfail(reason="issue 26: a profile under a 2-thread load ranks native first, the quiet reference primitive",
-                   strict=False)
 def test_a_profile_under_a_two_thread_matmul_load_is_refused_or_ranks_as_the_quiet_one() -> None:
     """masked_scatter under vmap(grad) at batch 256 x 1,000 while another process runs a 2-thread matmul loop: the
     load is seen, and the context is re-measured, then refused; whatever is stored ranks first what the quiet
@@ -48,11 +48,14 @@ def test_a_profile_under_a_two_thread_matmul_load_is_refused_or_ranks_as_the_qui
     quiet = reference.reference_times("masked_scatter", ("vmap", "grad"), "float32")
     assert quiet is not None
     quiet_fastest = min(quiet.times_us, key=quiet.times_us.__getitem__)
-    load = multiprocessing.get_context("spawn").Process(target=_matmul_loop, args=(60.0,), daemon=True)
+    spawn = multiprocessing.get_context("spawn")
+    running = spawn.Event()
+    load = spawn.Process(target=_matmul_loop, args=(60.0, running), daemon=True)
     load.start()
     refused: list[str] = []
     try:
-        time.sleep(1.5)  # the load is running before the first block is timed
+        assert running.wait(60), "the load process did not start its matmul loop within 60 s"
+        time.sleep(0.5)  # both of its threads are up
         entries = profile(ops=["masked_scatter"], workloads=["vmap(grad)"], numels=(1000,), batch_sizes=(256,),
                           min_run_time=0.03, rounds=3, retries=1, earlier=[], refused=refused)
     finally:
