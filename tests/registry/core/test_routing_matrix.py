@@ -3,7 +3,7 @@
 The matrix (registry.harness.verify) judges each composite called directly; this runs the same generated stacks
 (depth 1 to 3 over vmap, grad, jvp, and functionalize / compile around depth 1 and 2) and batching patterns on the
 op as a user calls it, routed at the dispatcher, against the per-sample loop of native PyTorch. One float64 sample
-per op and pattern keeps it to about a minute; tests/composites/test_stacks.py covers every sample and float32.
+per op and pattern; tests/composites/test_stacks.py covers every sample and float32.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from registry.harness.verify import (
     check_stack,
     default_stacks,
 )
+from tests import cases
 
 pytestmark = pytest.mark.usefixtures("routing_backend")
-STACKS = default_stacks()
+STACKS = cases.matrix_stacks(default_stacks())  # compile around two transforms: make test-all (tests/cases.py)
 
 
 def _first_sample(op: str):

@@ -20,6 +20,7 @@ from registry.harness.samples import SAMPLES
 from registry.harness.verify import default_stacks, verify
 from registry.store import evidence
 from registry.store.db import Store
+from tests import cases
 
 
 def test_stacks_are_generated() -> None:
@@ -135,8 +136,9 @@ def test_source_hash_follows_the_module_source() -> None:
 @pytest.fixture(scope="session")
 def full_matrix():
     start = time.perf_counter()
-    # The seed ops' matrix; ops with OpInfo samples are checked cell by cell in tests/composites/test_coverage.py.
-    entries = verify(ops=list(SAMPLES))
+    # The seed ops' matrix (compile around two transforms under make test-all only: tests/cases.py); ops with OpInfo
+    # samples are checked cell by cell in tests/composites/test_coverage.py.
+    entries = verify(ops=list(SAMPLES), stacks=cases.matrix_stacks(default_stacks()))
     return entries, time.perf_counter() - start
 
 
