@@ -73,17 +73,20 @@ kernels: $(STAMP) kernel-deps
 
 # The suite on TEST_WORKERS workers, one per core by default: every test file on one worker (pytest-xdist; a file's
 # module fixtures are made once), then the tests marked serial alone (they time code, or load the cores on purpose).
-# On two cores that took 16 min 24 s for the parallel part against 23 min 1 s in one process. TEST_WORKERS=0: one
+# On two cores that took 6 min 54 s for the parallel part and 44 s for the serial one. TEST_WORKERS=0: one
 # process. test-all: every case of the sampled tests too (MULTICOMPOSITE_TEST_ALL=1,
-# tests/cases.py: the conformance tests on every sample of every covered op), which the docs' conformance figures
+# tests/cases.py: the conformance tests on every sample of every covered op, compile around two transforms in the
+# verify and routing matrices), which the docs' conformance figures
 # are measured with; longer than CI allows.
 TEST_WORKERS ?= auto
+# Every test marked serial lives here (tests/conftest.py refuses one elsewhere).
+SERIAL_TESTS = tests/registry/profiling
 TEST_ENV = DASHBOARD_TEST_REQUIRE_BROWSER=$(AS_ROOT) POSTGRES_TEST_REQUIRE_SERVER=$(AS_ROOT) \
 	ROUTING_TEST_REQUIRE_CPP=$(AS_ROOT)
 ifeq ($(TEST_WORKERS),0)
 PYTEST_RUN = $(PY) -m pytest
 else
-PYTEST_RUN = $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" && $(PY) -m pytest -m serial
+PYTEST_RUN = $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" && $(PY) -m pytest -m serial $(SERIAL_TESTS)
 endif
 
 test: $(STAMP) lint browser-deps postgres-deps kernels

@@ -107,3 +107,17 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'store.db'}"
     return request.getfixturevalue("postgres_url")
+
+
+# make test's second part collects this folder alone (the whole suite's collection costs it about 11 s): a test
+# marked serial anywhere else would run in neither part.
+SERIAL_FOLDER = Path(__file__).parent / "registry" / "profiling"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    stray = [item.nodeid for item in items
+             if item.get_closest_marker("serial") is not None and SERIAL_FOLDER not in item.path.parents]
+    if stray:
+        raise pytest.UsageError(f"tests marked serial outside {SERIAL_FOLDER}: {', '.join(stray)}; make test runs "
+                                "the serial ones from that folder only: move them there, or add the folder to "
+                                "SERIAL_TESTS in the Makefile and here")
