@@ -166,3 +166,35 @@ def test_the_composite_runs_only_where_both_factors_are_batched(monkeypatch: pyt
     with registry.use():
         vmap(grad(_per_sample_loss(model)), in_dims=(None, 0, 0))(params, x, y)
     assert sorted(entered) == [(3, 1, 1, 7), (7, 1, 1, 6)]  # the two weight gradients, (out, 1) x (1, in)
+
+
+def test_products_over_more_than_one_element_keep_pytorchs_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A per-sample step over sequences (each sample a (3, in) matrix, as attention's projections see it): both
+    factors of each weight gradient are batched, but the contraction is over the 3 positions, so the decision is
+    native and the Python composite is never entered; the gradients equal the loop's."""
+    from composites import weight_gradients
+
+    entered: list[tuple[int, ...]] = []
+    real = weight_gradients._contracts_one
+
+    def counting(a: torch.Tensor, b: torch.Tensor) -> bool:
+        entered.append((*a.shape, *b.shape))
+        return real(a, b)
+
+    monkeypatch.setattr(weight_gradients, "_contracts_one", counting)
+    model = _mlp()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(BATCH, 3, 6, generator=generator, dtype=torch.float64)
+    y = torch.randn(BATCH, 3, 3, generator=generator, dtype=torch.float64)
+
+    def loss(p: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        return ((functional_call(model, p, (xs,)) - ys) ** 2).sum()
+
+    with registry.use(record=True) as run, no_vmap_fallback():
+        got = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    assert entered == []
+    assert {d.composite for d in run.decisions if d.op == "mm"} == {"native"}
+    rows = [torch.autograd.grad(((model(x[b]) - y[b]) ** 2).sum(), list(model.parameters())) for b in range(BATCH)]
+    for (name, _), column in zip(model.named_parameters(), zip(*rows, strict=True), strict=True):
+        torch.testing.assert_close(got[name], torch.stack(column))
