@@ -105,6 +105,9 @@ class StoreState:
         self.listings = Listings()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # One check at a time: the watcher's check that began before the file was deleted must not end after a
+        # later one and put its older view (a disk I/O error half-way) over the newer ("does not exist").
+        self._polling = threading.Lock()
 
     def open(self) -> None:
         """Open the store, or raise StoreUnavailableError with one line saying why (the server then refuses to
@@ -151,6 +154,10 @@ class StoreState:
 
     def poll(self) -> None:
         """One check: the store readable and its generation; invalidate what depends on it when either changed."""
+        with self._polling:
+            self._poll()
+
+    def _poll(self) -> None:
         store = self.store
         if store is None:
             return
