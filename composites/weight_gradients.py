@@ -48,9 +48,9 @@ def _may_be_outer(ctx: Context) -> bool:
     a cached decision never crosses that line."""
     shapes = dict(zip(ctx.tensors, ctx.shapes, strict=False))
     first, second = shapes.get("self"), shapes.get("mat2")
-    if first is None or second is None or len(first) < 2 or len(second) < 2:
+    if first is None or second is None:
         return True
-    return first[-1] == 1 and second[-2] == 1
+    return _outer_shapes(first, second)
 
 
 define_op("mm", "", tensors=("self", "mat2"), doc="the matrix product of self (n x k) and mat2 (k x m)",
@@ -60,7 +60,12 @@ define_op("mm", "", tensors=("self", "mat2"), doc="the matrix product of self (n
 def _contracts_one(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a @ b`` (matrices, or batches of them) contracts over a single element and needs no type
     promotion: an outer product, which a broadcasting multiply computes exactly (one product per element)."""
-    return a.dim() == b.dim() and a.dim() >= 2 and a.shape[-1] == 1 and b.shape[-2] == 1 and a.dtype == b.dtype
+    return _outer_shapes(a.shape, b.shape) and a.dtype == b.dtype
+
+
+def _outer_shapes(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether matrices (or batches of them) of shapes ``a`` and ``b`` multiply as an outer product."""
+    return len(a) == len(b) and len(a) >= 2 and a[-1] == 1 and b[-2] == 1
 
 
 @register("mm", "functional")

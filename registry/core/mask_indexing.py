@@ -22,8 +22,6 @@ import torch
 from registry.core import dynamic, mask_writes
 from registry.core.context import vmap_levels
 
-DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
-
 _MASK_INDEX = dynamic.DynamicShape(
     "index.Tensor", ("indices",),
     "keep the shape fixed: torch.where(mask, x, fill) or x.masked_fill(~mask, fill) to read, (x * mask).sum() for a "
@@ -81,8 +79,9 @@ class MaskIndexing:
             library = torch.library.Library("aten", "IMPL")
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Warning only once for all operators")
-                native = torch.library.get_kernel("aten::index.Tensor", DISPATCH_KEY)
-                library.impl("index.Tensor", _make_mask_index(native, active), DISPATCH_KEY, with_keyset=True)
+                native = torch.library.get_kernel("aten::index.Tensor", dynamic.DISPATCH_KEY)
+                library.impl("index.Tensor", _make_mask_index(native, active), dynamic.DISPATCH_KEY,
+                             with_keyset=True)
             self.libraries.append(library)
             # Writes through the mask (x[mask] = v): torch.where where v has no per-element dimension, else the
             # mask's positions per sample (registry.core.mask_writes).
