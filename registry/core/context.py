@@ -17,6 +17,10 @@ from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have n
 )
 
 TRANSFORMS = ("vmap", "grad", "jvp", "functionalize", "autograd", "compile")
+# NOTE: every kernel the routing registers sits at functorch's front key. The dispatcher reaches it before any
+# transform's rule (vmap's batching, grad's and jvp's wrappers), so a kernel there sees the whole stack and can send a
+# call elsewhere before a transform refuses or loops over it (docs/routing.md).
+DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 _NAMES_BY_KEY: dict[int, str] = {}  # int(TransformType) -> name: hashing the pybind enum itself costs a microsecond
 _TRANSFORM_NAMES = {
     TransformType.Vmap: "vmap",

@@ -27,10 +27,9 @@ from typing import Any
 import torch
 from torch._C import _DisableFuncTorch  # noqa: PLC2701 - functorch's bindings have no public API
 
+from registry.core.context import DISPATCH_KEY
 from registry.core.disagree import SamplesDisagreeError, aligned, level_values
 from registry.core.frames import calling_user_frame, raising_user_frame
-
-DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 
 # vmap's refusal of boolean-mask indexing (index.Tensor, index_put_ with a batched bool mask).
 MASK_REFUSAL = "Attempting to batch over indexing with a boolean mask"

@@ -20,12 +20,10 @@ from typing import Any
 import torch
 from torch._C import _DisableFuncTorch  # noqa: PLC2701 - functorch's bindings have no public API
 
-from registry.core.context import functorch_stack, vmap_levels
+from registry.core.context import DISPATCH_KEY, functorch_stack, vmap_levels
 from registry.core.disagree import LevelValues, SamplesDisagreeError, level_values, wrap
 from registry.core.frames import calling_user_frame
 from registry.core.ops import aten_schema
-
-DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 
 
 @dataclass(frozen=True)

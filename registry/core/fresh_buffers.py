@@ -31,7 +31,7 @@ from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have n
     maybe_get_level,
 )
 
-DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
+from registry.core.context import DISPATCH_KEY
 
 # Ops that make a new tensor from one input's shape, dtype or values (the input is ``self``, the first argument).
 BUFFER_MAKERS = ("empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",

@@ -26,9 +26,8 @@ from typing import Any
 import torch
 import torch._functorch.eager_transforms as eager_transforms  # noqa: PLC2701 - functorch's internals have no public API
 
-from registry.core.context import functorch_stack
+from registry.core.context import DISPATCH_KEY, functorch_stack
 
-DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 
 def _overload(name: str) -> torch._ops.OpOverload:
     packet, _, overload = name.partition(".")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from registry.core import dynamic, mask_writes
-from registry.core.context import vmap_levels
+from registry.core.context import DISPATCH_KEY, vmap_levels
 
 _MASK_INDEX = dynamic.DynamicShape(
     "index.Tensor", ("indices",),
@@ -79,8 +79,8 @@ class MaskIndexing:
             library = torch.library.Library("aten", "IMPL")
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Warning only once for all operators")
-                native = torch.library.get_kernel("aten::index.Tensor", dynamic.DISPATCH_KEY)
-                library.impl("index.Tensor", _make_mask_index(native, active), dynamic.DISPATCH_KEY,
+                native = torch.library.get_kernel("aten::index.Tensor", DISPATCH_KEY)
+                library.impl("index.Tensor", _make_mask_index(native, active), DISPATCH_KEY,
                              with_keyset=True)
             self.libraries.append(library)
             # Writes through the mask (x[mask] = v): torch.where where v has no per-element dimension, else the

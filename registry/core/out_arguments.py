@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch._functorch.eager_transforms as eager_transforms  # noqa: PLC2701 - functorch's internals have no public API
 
-DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
+from registry.core.context import DISPATCH_KEY
 
 # c10::ScalarType names, as PyTorch's cast check prints them.
 _SCALAR_TYPE_NAMES: dict[torch.dtype, str] = {

@@ -39,7 +39,15 @@ from torch._C._functorch import maybe_current_level  # noqa: PLC2701 - functorch
 
 from registry.core import control_flow, cost, dynamic, patches
 from registry.core.collector import collection_paused
-from registry.core.context import context_of, functorch_stack, given_arguments, size_key, vmap_active, vmap_levels
+from registry.core.context import (
+    DISPATCH_KEY,
+    context_of,
+    functorch_stack,
+    given_arguments,
+    size_key,
+    vmap_active,
+    vmap_levels,
+)
 from registry.core.kernels.background import BUILD as _BUILD
 from registry.core.kinds import FUNCTIONAL, KIND, KINDS
 from registry.core.model import Op, Overload
@@ -49,7 +57,6 @@ from registry.core.registration import TABLE, OpTable
 from registry.core.runners import InplaceRefusalError, inplace_message, records_autograd, rewrapped, tensor_positions
 from registry.core.selector import POLICIES, SELECTOR, SelectionError, Selector, unknown_op_message
 
-DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 BACKEND_ENV = "MULTICOMPOSITE_ROUTING"  # "python" forces the Python kernels; "cpp" makes a failed build an error
 # Decisions a router keeps (either backend's table): the oldest goes when a new one would pass it. A key holds
 # caller-supplied values (sizes, dtypes, the functorch levels), so an unbounded table would grow with every program.

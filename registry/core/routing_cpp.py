@@ -18,11 +18,10 @@ from typing import Any, Protocol
 import torch
 
 from registry.core import cost
-from registry.core.context import vmap_active
+from registry.core.context import DISPATCH_KEY, vmap_active
 from registry.core.model import Op, Overload
 from registry.core.runners import InplaceRefusalError, inplace_message, records_autograd, runner
 
-DISPATCH_KEY = "FuncTorchDynamicLayerFrontMode"
 PASS, NATIVE = 0, 1  # the codes kernels/routing.cpp knows; anything else a decider returns is what to call
 
 

@@ -11,8 +11,9 @@ from torch import func
 
 import registry
 from registry.core import functionalization
+from registry.core.context import DISPATCH_KEY
 from registry.core.ops import ORIGINAL
-from registry.core.routing import DISPATCH_KEY, ROUTER
+from registry.core.routing import ROUTER
 
 pytestmark = pytest.mark.usefixtures("routing_backend")
 
