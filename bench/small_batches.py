@@ -91,7 +91,8 @@ def workloads() -> list[Workload]:
             Workload("transformers-bert", "transformers library", _library("bert"))]
 
 
-def _equal(got: Any, want: Any, setup: Setup) -> bool:
+def equal_results(got: Any, want: Any, setup: Setup) -> bool:
+    """Whether two results of a workload's step agree leaf by leaf, to the workload's tolerances."""
     got_leaves, _ = tree_flatten(got)
     want_leaves, _ = tree_flatten(want)
     return len(got_leaves) == len(want_leaves) and all(
@@ -110,7 +111,7 @@ def run(workload: Workload, batch: int, rounds: int, min_run_time: float) -> dic
             return row
         with registry.use():
             routed = setup.step()
-        if not _equal(routed, native, setup):
+        if not equal_results(routed, native, setup):
             row["status"] = "use() differs from native"
             return row
 

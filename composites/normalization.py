@@ -87,6 +87,32 @@ define_op(
     rules={"native": _running_statistics_unbatched},
 )
 
+# native_layer_norm (what F.layer_norm and nn.LayerNorm call) with a bias and no weight: PyTorch 2.13's backward
+# returns a bias gradient that autograd cannot differentiate again, so every second derivative through it is silently
+# zero with respect to the bias (eager create_graph, grad(grad), grad(vmap(grad)), hessian), and eager autograd says
+# the bias "appears to not have been used in the graph". With a weight, and without a bias, it is right. The Autograd
+# key gets a kernel too, so that eager double backward inside use() is right as well.
+_LAYER_NORM_EVIDENCE = ("native_layer_norm with a bias and no weight: PyTorch 2.13's backward returns a bias gradient "
+                        "that is not differentiable again, so second derivatives with respect to the bias are zero "
+                        "(measured: tests/composites/test_silent_native_bugs.py)")
+
+
+def _bias_without_weight_differentiated(ctx: Context) -> bool:
+    """A bias, no weight, and two levels of differentiation (or eager autograd, which may differentiate again): one
+    functorch grad alone (vmap(grad), per-sample gradients) only needs the first derivative, which is right; forward
+    over reverse (hessian) is right too."""
+    return ("bias" in ctx.tensors and "weight" not in ctx.tensors
+            and (ctx.stack.count("grad") >= 2 or "autograd" in ctx.stack))
+
+
+define_op(
+    "native_layer_norm", "", tensors=("input", "weight", "bias"),
+    doc="input normalized over its last dimensions (normalized_shape), scaled by weight and shifted by bias; returns "
+        "the mean and the inverse standard deviation too",
+    opinfo=("native_layer_norm", "nn.functional.layer_norm"), inplace=False,
+    eager_autograd=("native_layer_norm",),
+    rules={"native": rules.fails_when(_bias_without_weight_differentiated, "mismatch", _LAYER_NORM_EVIDENCE)},
+)
 
 # --- writing running statistics through functorch's wrappers -------------------------------------------------------
 
@@ -282,3 +308,13 @@ def native_batch_norm_backward(grad_out, input, weight, running_mean, running_va
     grad_input = scale.reshape(shape) * (grad_out - grad_bias.reshape(shape) / count
                                          - normalized * grad_weight.reshape(shape) / count)
     return (grad_input if output_mask[0] else None, grad_weight, grad_bias if output_mask[2] else None)
+
+
+@register("native_layer_norm", "functional", name="bias_added")
+def native_layer_norm_bias_added(input, normalized_shape, weight, bias, eps):
+    """PyTorch's own layer norm without the bias, and the bias added after it: the add's derivatives are right at every
+    order, where PyTorch's fused bias gradient is not differentiable again when there is no weight."""
+    if bias is None:
+        return aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
+    out, mean, rstd = aten.native_layer_norm(input, normalized_shape, weight, None, eps)
+    return out + bias.to(out.dtype), mean, rstd

@@ -200,3 +200,66 @@ def test_jacobian_of_vmapped_weight_gradients_through_batch_norm() -> None:
     with registry.use():
         got = func.jacrev(func.vmap(weight_grad))(x)
     assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+# --- layer norm with a bias and no weight: the bias gradient is not differentiable again ---------------------------
+
+LAYER_X = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+LAYER_BIAS = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+ONES = torch.ones(5, dtype=torch.float64)
+
+
+def _layer_loss(weight: torch.Tensor | None):
+    def loss(bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (torch.nn.functional.layer_norm(x, (5,), weight, bias) ** 3).sum()
+
+    return loss
+
+
+def _second_derivatives(weight: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The bias's second derivatives through layer norm, by grad(grad), grad(vmap(grad)), jacrev(jacrev) and eager
+    double backward (weight None: the bug; weight ones: PyTorch's own op with its correct formula, the reference)."""
+    loss = _layer_loss(weight)
+    inner = func.grad(loss)
+    leaf = LAYER_BIAS.clone().requires_grad_()
+    (first,) = torch.autograd.grad(loss(leaf, LAYER_X), leaf, create_graph=True)
+    (eager,) = torch.autograd.grad(first.pow(2).sum(), leaf, allow_unused=True, materialize_grads=True)
+    return {
+        "grad(grad)": func.grad(lambda b: inner(b, LAYER_X).pow(2).sum())(LAYER_BIAS),
+        "grad(vmap(grad))": func.grad(lambda b: func.vmap(inner, in_dims=(None, 0))(b, LAYER_X).pow(2).sum())(
+            LAYER_BIAS),
+        "jacrev(jacrev)": func.jacrev(func.jacrev(loss))(LAYER_BIAS, LAYER_X),
+        "eager": eager,
+    }
+
+
+def test_second_derivatives_of_layer_norm_with_a_bias_and_no_weight() -> None:
+    expected = _second_derivatives(ONES)
+    native = _second_derivatives(None)
+    _native_is_wrong(not torch.equal(native["grad(grad)"], expected["grad(grad)"]), "grad(grad) of layer norm's bias")
+    assert torch.count_nonzero(native["grad(grad)"]) == 0  # silently zero, not an error
+    assert torch.count_nonzero(native["eager"]) == 0
+    with registry.use():
+        got = _second_derivatives(None)
+    for stack, wanted in expected.items():
+        assert torch.count_nonzero(wanted) > 0, stack
+        torch.testing.assert_close(got[stack], wanted, rtol=1e-12, atol=1e-12, msg=stack)
+
+
+def _layer_norm_choices(run) -> set[str]:
+    return {decision.composite for decision in run.decisions if decision.op == "native_layer_norm"}
+
+
+def test_layer_norm_per_sample_gradients_keep_pytorchs_kernel() -> None:
+    """One level of differentiation (vmap(grad)) is right natively: PyTorch's kernel runs there; with a weight, too."""
+    with registry.use(record=True) as first_order:
+        got = func.vmap(func.grad(_layer_loss(None)), in_dims=(None, 0))(LAYER_BIAS, LAYER_X)
+    with registry.use(record=True) as with_weight:
+        func.grad(lambda b: func.grad(_layer_loss(ONES))(b, LAYER_X).pow(2).sum())(LAYER_BIAS)
+    with registry.use(record=True) as second_order:
+        func.grad(lambda b: func.grad(_layer_loss(None))(b, LAYER_X).pow(2).sum())(LAYER_BIAS)
+    torch.testing.assert_close(got, func.vmap(func.grad(_layer_loss(None)), in_dims=(None, 0))(LAYER_BIAS, LAYER_X),
+                               rtol=0, atol=0)
+    assert _layer_norm_choices(first_order) == {"native"}
+    assert _layer_norm_choices(with_weight) == {"native"}
+    assert _layer_norm_choices(second_order) == {"bias_added"}
