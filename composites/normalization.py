@@ -314,7 +314,8 @@ def native_batch_norm_backward(grad_out, input, weight, running_mean, running_va
 def native_layer_norm_bias_added(input, normalized_shape, weight, bias, eps):
     """PyTorch's own layer norm without the bias, and the bias added after it: the add's derivatives are right at every
     order, where PyTorch's fused bias gradient is not differentiable again when there is no weight."""
-    if bias is None:
+    if bias is None or tuple(bias.shape) != tuple(normalized_shape):
+        # No bias to add, or one PyTorch refuses (the add would broadcast it): PyTorch's kernel, and its error.
         return aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
     out, mean, rstd = aten.native_layer_norm(input, normalized_shape, weight, None, eps)
     return out + bias.to(out.dtype), mean, rstd

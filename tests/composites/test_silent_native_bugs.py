@@ -263,3 +263,16 @@ def test_layer_norm_per_sample_gradients_keep_pytorchs_kernel() -> None:
     assert _layer_norm_choices(first_order) == {"native"}
     assert _layer_norm_choices(with_weight) == {"native"}
     assert _layer_norm_choices(second_order) == {"bias_added"}
+
+
+def test_layer_norm_composite_refuses_the_bias_pytorch_refuses() -> None:
+    """A bias that the add would broadcast (one element) raises PyTorch's error inside use() too."""
+    def loss(bias: torch.Tensor) -> torch.Tensor:
+        return torch.native_layer_norm(LAYER_X, (5,), None, bias, 1e-5)[0].sum()
+
+    one = torch.ones(1, dtype=torch.float64)
+    message = "Expected bias to be of same shape as normalized_shape"
+    with pytest.raises(RuntimeError, match=message):
+        func.grad(loss)(one)
+    with registry.use(pins={"native_layer_norm": "bias_added"}), pytest.raises(RuntimeError, match=message):
+        func.grad(loss)(one)
