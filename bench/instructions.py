@@ -38,12 +38,20 @@ OUT = "callgrind.out"
 _TOTAL = re.compile(r"^(?:summary|totals):\s*(\d+)", re.MULTILINE)
 
 
-def _count(dump: Path) -> int:
+def instructions_in(dump: Path) -> int:
     """The instructions a callgrind dump counted."""
     match = _TOTAL.search(dump.read_text())
     if match is None:
         raise ValueError(f"{dump}: no 'summary:' or 'totals:' line; is it a callgrind output file?")
     return int(match.group(1))
+
+
+def find_valgrind(command: str) -> str | None:
+    """valgrind's path, or None after one line on stderr saying how to install it (``command`` names the caller)."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        print(f"{command}: valgrind not found; install it (Debian: apt-get install valgrind)", file=sys.stderr)
+    return valgrind
 
 
 def child(folder: Path, batches: list[int], only: list[str] | None, steps: int) -> None:
@@ -104,7 +112,7 @@ def report(folder: Path) -> float:
         if "way" not in label:
             print(f"{key[0]:34} {key[1]:>5} {label['status']}")
             continue
-        per_step.setdefault(key, {})[label["way"]] = _count(next(dump_of)) / label["steps"]
+        per_step.setdefault(key, {})[label["way"]] = instructions_in(next(dump_of)) / label["steps"]
         ways = per_step[key]
         if len(ways) == 2:
             ratio = ways["native"] / ways["use"]
@@ -125,10 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         child(Path(args.child), batches, args.only, args.steps)
         return 0
-    valgrind = shutil.which("valgrind")
+    valgrind = find_valgrind("python -m bench.instructions")
     if valgrind is None:
-        print("python -m bench.instructions: valgrind not found; install it (Debian: apt-get install valgrind)",
-              file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as name:
         folder = Path(name)

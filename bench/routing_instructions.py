@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,7 +31,6 @@ from pathlib import Path
 
 OUT = "callgrind.out"
 LABELS = "labels.json"
-_TOTAL = re.compile(r"^(?:summary|totals):\s*(\d+)", re.MULTILINE)
 
 
 def child(labels_path: Path, calls: int) -> None:
@@ -86,15 +83,10 @@ def child(labels_path: Path, calls: int) -> None:
                                        "registry": registry.__file__}))
 
 
-def _count(dump: Path) -> int:
-    match = _TOTAL.search(dump.read_text())
-    if match is None:
-        raise ValueError(f"{dump}: no 'summary:' or 'totals:' line; is it a callgrind output file?")
-    return int(match.group(1))
-
-
 def measure(valgrind: str, tree: Path, calls: int) -> dict[str, float]:
     """Instructions a call of every case, in ``tree``."""
+    from bench.instructions import instructions_in  # here, not at the top: the child runs in trees without it
+
     with tempfile.TemporaryDirectory() as name:
         folder = Path(name)
         # -P: the script's own folder (bench/) is not put first on sys.path, so ``registry`` is the tree's.
@@ -110,7 +102,7 @@ def measure(valgrind: str, tree: Path, calls: int) -> dict[str, float]:
         if labels["backend"] != "cpp" or not labels["registry"].startswith(str(tree.resolve())):
             raise RuntimeError(f"{tree}: measured {labels['registry']} on the {labels['backend']} backend; build "
                                "that tree's kernels (multicomposite build-kernels, run from it)")
-        return {case: _count(folder / f"{OUT}.{index}") / calls
+        return {case: instructions_in(folder / f"{OUT}.{index}") / calls
                 for index, case in enumerate(labels["cases"], start=1)}
 
 
@@ -125,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         child(args.child, args.calls)
         return 0
-    valgrind = shutil.which("valgrind")
+    from bench.instructions import find_valgrind
+
+    valgrind = find_valgrind("python -m bench.routing_instructions")
     if valgrind is None:
-        print("python -m bench.routing_instructions: valgrind not found; install it (Debian: apt-get install "
-              "valgrind)", file=sys.stderr)
         return 2
     trees = args.tree or [Path(__file__).resolve().parent.parent]
     results = {tree: measure(valgrind, tree, args.calls) for tree in trees}
