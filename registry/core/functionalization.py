@@ -37,7 +37,15 @@ import torch
 import torch._functorch.vmap as functorch_vmap  # noqa: PLC2701 - functorch's internals have no public API
 from torch._functorch.eager_transforms import functionalize  # noqa: PLC2701 - functorch's internals have no public API
 
-from registry.core import batch_split, control_flow, fresh_buffers, mask_indexing, out_arguments, write_target
+from registry.core import (
+    batch_split,
+    control_flow,
+    fresh_buffers,
+    mask_indexing,
+    out_arguments,
+    random_state,
+    write_target,
+)
 from registry.core.context import functorch_stack
 from registry.core.disagree import SamplesDisagreeError
 from registry.core.frames import raising_user_frame
@@ -113,18 +121,9 @@ def function_key(func: Callable[..., Any]) -> tuple[object, ...]:
     return tuple(found)
 
 
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None] | None) -> None:
-    if state is None:  # nothing random could run
-        return
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
+def _restore_random_state(saved: random_state.Saved | None) -> None:
+    if saved is not None:  # None: randomness="error", where nothing random could run
+        random_state.restore(saved)
 
 
 def _is_write_refusal(error: BaseException) -> bool:
@@ -233,10 +232,10 @@ class Functionalization:
             # Dynamo traces vmap's Python (it cannot trace a retry); outside use(): PyTorch's vmap.
             return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
         # The key is computed only where something is remembered or a run failed (about 5 us); the random state is saved
-        # only where a random op can run: in randomness="error" mode vmap refuses every one (about 3 us).
+        # only where a random op can run: in randomness="error" mode vmap refuses every one (random_state.py: its cost).
         functionalized = self.functionalized
         remembered = bool(functionalized) and function_key(func) in functionalized
-        state = None if randomness == "error" else _rng_state()
+        state = None if randomness == "error" else random_state.save()
         try:
             if remembered:
                 return PYTORCH_FLAT_VMAP(self.functionalizing(func), *args, **kwargs)
@@ -247,7 +246,7 @@ class Functionalization:
             failure = error
         if self.out_arguments.is_out_refusal(failure):  # the first out= call inside use(): its kernels, then again
             self.out_arguments.register_kernels()
-            _set_rng_state(state)
+            _restore_random_state(state)
             return self.flat_vmap(func, *args, **kwargs)
         if isinstance(failure, control_flow.BooleanMaskError):  # an inner level's, already saying where
             raise failure
@@ -255,7 +254,7 @@ class Functionalization:
             if not self.mask_indexing.registered():
                 # The first boolean-mask index of a batched mask inside use(): from now on it is computed per sample.
                 self.mask_indexing.register()
-                _set_rng_state(state)
+                _restore_random_state(state)
                 return self.flat_vmap(func, *args, **kwargs)
             raise control_flow.BooleanMaskError(control_flow.boolean_mask_message(failure)) from failure
         if remembered:
@@ -263,13 +262,13 @@ class Functionalization:
                 raise OutsideWriteError(_outside_write_message(failure, failure)) from failure
             # Functionalized, this call failed where it may run as written (a torch.autograd.Function, which
             # functionalize cannot run, on a path that writes nothing): run it as written, from the same random state.
-            _set_rng_state(state)
+            _restore_random_state(state)
             return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
         if CAPTURED_REFUSAL in str(failure):  # grad refuses a write into a captured tensor before vmap sees it
             raise OutsideWriteError(_outside_write_message(failure, failure)) from failure
         if not _may_be_write_refusal(failure):
             raise failure
-        _set_rng_state(state)
+        _restore_random_state(state)
         self.fresh_buffers.register()
         try:
             result = PYTORCH_FLAT_VMAP(self.functionalizing(func), *args, **kwargs)
@@ -284,13 +283,13 @@ class Functionalization:
         functionalized.add(function_key(func))
         return result
 
-    def split(self, error: SamplesDisagreeError, state: tuple[torch.Tensor, list[torch.Tensor] | None] | None,
+    def split(self, error: SamplesDisagreeError, state: random_state.Saved | None,
               func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The level run once per group of agreeing samples (registry.core.batch_split), or ``error`` again where this
         level does not batch the disagreement (an outer level splits)."""
         level = len(functorch_stack()) + 1  # the level this call's vmap made (popped again by now)
         result = batch_split.split_level(self.flat_vmap, error, level, func, *args,
-                                         reset_random=lambda: _set_rng_state(state), **kwargs)
+                                         reset_random=lambda: _restore_random_state(state), **kwargs)
         if result is NotImplemented:
             raise error
         return result

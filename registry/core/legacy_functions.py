@@ -55,6 +55,7 @@ from torch.autograd.function import (
     once_differentiable,
 )
 
+from registry.core import random_state
 from registry.core.context import functorch_stack
 from registry.core.stacks import format_stack
 
@@ -417,13 +418,13 @@ class LegacyFunctions:
         stack = decision.stack
         if cls in self._looped or "vmap" not in stack:
             return self._run(cls, looped if cls in self._looped else batched, args, kwargs, needs, stack)
-        state = torch.get_rng_state()
+        state = random_state.save()
         try:
             return self._run(cls, batched, args, kwargs, needs, stack)
         except RuntimeError as error:
             failure = error
         # Not batchable: its vmap rule becomes a loop over the samples, from the same random state.
-        torch.set_rng_state(state)
+        random_state.restore(state)
         try:
             result = self._run(cls, looped, args, kwargs, needs, stack)
         except LegacyFunctionError:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch._functorch.eager_transforms as eager_transforms  # noqa: PLC2701 - functorch's internals have no public API
 
+from registry.core import random_state
 from registry.core.context import DISPATCH_KEY
 
 # c10::ScalarType names, as PyTorch's cast check prints them.
@@ -125,16 +126,6 @@ def _make_kernel(op: str, overload: str, out_names: tuple[str, ...], native: Any
     return kernel
 
 
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-
-def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
-
-
 def _retrying(transform: Callable[..., Any], patch: OutArguments) -> Callable[..., Any]:
     """``transform`` (grad's, vjp's or jvp's implementation) that, inside ``use()`` and until the kernels are
     registered, registers them where PyTorch refuses an out= call in it, and runs again from the same random state."""
@@ -144,14 +135,14 @@ def _retrying(transform: Callable[..., Any], patch: OutArguments) -> Callable[..
         active = patch.active
         if patch.library is not None or torch.compiler.is_compiling() or active is None or not active():
             return transform(*args, **kwargs)
-        state = _rng_state()
+        state = random_state.save()
         try:
             return transform(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as error:
             if not patch.is_out_refusal(error):
                 raise
         patch.register_kernels()
-        _set_rng_state(state)
+        random_state.restore(state)
         return transform(*args, **kwargs)
 
     return retrying

@@ -640,9 +640,13 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
 
     def __enter__(self) -> use:
         local = self._local
-        if _BUILD.landed:  # the C++ kernels compiled in the background: switch to them here, outside any kernel call
-            router = self._router
+        router = self._router
+        set_frame = router.set_frame
+        # The Python backend, and the C++ kernels compiled in the background have landed: switch to them here, outside
+        # any kernel call (on the C++ backend, the common case, nothing more is read).
+        if set_frame is None and _BUILD.landed:
             _BUILD.adopt(lambda: router.set_routing_backend("cpp"), inside_use=bool(local.frames))
+            set_frame = router.set_frame
         frames = local.frames
         if frames.__class__ is tuple:
             frames = local.frames = []
@@ -650,9 +654,8 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
         if self._record or (frames and frames[-1].records):  # a recording block, or one nested inside
             frame = self._recording(frame, frames)
         frames.append(frame)
-        router = self._router
-        if router.set_frame is not None:
-            router.set_frame(frame.cpp_id)
+        if set_frame is not None:
+            set_frame(frame.cpp_id)
         if router.traced_signatures:
             router.drop_graphs_traced_elsewhere(frame.signature)
         return self
@@ -669,8 +672,9 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
         frames = self._local.frames
         frames.pop()
         router = self._router
-        if router.set_frame is not None:
-            router.set_frame(frames[-1].cpp_id if frames else 0)
+        set_frame = router.set_frame
+        if set_frame is not None:
+            set_frame(frames[-1].cpp_id if frames else 0)
         if router.traced_signatures:
             router.drop_graphs_traced_elsewhere(frames[-1].signature if frames else None)
 

@@ -34,7 +34,7 @@ import torch
 
 # One extension of two sources: the routing kernels, and the fused primitives as C++ ops (``fused_ops.cpp``: their
 # TORCH_LIBRARY registrations run when the extension loads).
-SOURCES = (Path(__file__).with_name("routing.cpp"), Path(__file__).with_name("fused_ops.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("routing.cpp", "fused_ops.cpp", "random_state.cpp"))
 CACHE_ENV = "MULTICOMPOSITE_KERNELS_DIR"
 # -O3: gcc vectorizes the fused ops' loops only there (its -O2 cost model refuses loops of unknown length).
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-w")
@@ -224,6 +224,11 @@ def load(*, wait: bool = True) -> ModuleType | None:
     _module = module
     LOADED.notify()  # decisions cached before judged the cpp_op kind without its ops: made again from now on
     return module
+
+
+def loaded() -> ModuleType | None:
+    """The kernels' module where this process has loaded it, else None (never builds or loads)."""
+    return _module
 
 
 def fused_ops_available() -> bool:

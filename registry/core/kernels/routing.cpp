@@ -461,8 +461,11 @@ struct QuietHandler : public c10::WarningHandler {
 
 }  // namespace
 
+void bind_random_state(py::module& m);  // random_state.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "multicomposite's routing kernels at FuncTorchDynamicLayerFrontMode";
+  bind_random_state(m);
   m.def(
       "register",
       [](const std::string& name, const std::string& key_name, const std::string& native_key_name,
