@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+from types import ModuleType
 
 import pytest
 import torch
@@ -23,12 +23,7 @@ def _equal(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
 @pytest.fixture(params=["compiled", "pytorch"])
 def saver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "compiled":
-        try:
-            kernels.load()
-        except kernels.KernelBuildError as error:
-            if os.environ.get("ROUTING_TEST_REQUIRE_CPP") == "1":
-                pytest.fail(f"the C++ routing kernels cannot be built: {error}", pytrace=False)
-            pytest.skip(f"C++ routing kernels unavailable: {error}")
+        request.getfixturevalue("compiled_kernels")
     else:
         monkeypatch.setattr(kernels, "loaded", lambda: None)
     return request.param
@@ -57,12 +52,9 @@ def test_saves_nest(saver: str) -> None:
     assert _equal(_draws(), before_inner)
 
 
+@pytest.mark.usefixtures("compiled_kernels")
 def test_the_compiled_save_matches_pytorchs_state() -> None:
     """What the compiled kernels put back is the state torch.get_rng_state() describes, byte for byte."""
-    try:
-        kernels.load()
-    except kernels.KernelBuildError as error:
-        pytest.skip(f"C++ routing kernels unavailable: {error}")
     torch.manual_seed(3)
     torch.randn(1)
     expected = torch.get_rng_state()
@@ -72,14 +64,10 @@ def test_the_compiled_save_matches_pytorchs_state() -> None:
     assert torch.equal(torch.get_rng_state(), expected)
 
 
-def test_a_foreign_object_is_refused_by_the_compiled_restore() -> None:
-    try:
-        compiled = kernels.load()
-    except kernels.KernelBuildError as error:
-        pytest.skip(f"C++ routing kernels unavailable: {error}")
+def test_a_foreign_object_is_refused_by_the_compiled_restore(compiled_kernels: ModuleType) -> None:
     before = torch.get_rng_state()
     with pytest.raises(ValueError, match="PyCapsule"):
-        compiled.restore_cpu_random_state(object())
+        compiled_kernels.restore_cpu_random_state(object())
     assert torch.equal(torch.get_rng_state(), before)
 
 
