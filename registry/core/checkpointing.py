@@ -120,10 +120,11 @@ def _requires_grad(patch: CheckpointingPatch) -> Callable[..., torch.Tensor]:
     def requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
         """``Tensor.requires_grad_``; inside ``use()`` under a transform, ``True`` on a tensor a transform wraps
         does nothing (PyTorch refuses the call there)."""
-        # functorch's own calls (grad marking its inputs) are allowed: only the user's, which it refuses, do nothing.
+        # functorch's own calls (grad marking its inputs, once per input of every grad call) are allowed, and asked
+        # first: only the user's, which it refuses, do nothing.
         active = patch.active
-        if (requires_grad and active is not None and torch._C._are_functorch_transforms_active()
-                and not get_inplace_requires_grad_allowed() and active() and not torch.compiler.is_compiling()
+        if (requires_grad and not get_inplace_requires_grad_allowed() and active is not None
+                and torch._C._are_functorch_transforms_active() and active() and not torch.compiler.is_compiling()
                 and maybe_get_level(self) != -1):
             return self
         return PYTORCH_REQUIRES_GRAD_(self, requires_grad)

@@ -5,7 +5,8 @@ originals), as ``install(active)`` and ``uninstall()``; ``active()`` says whethe
 a policy that routes. Elsewhere each patched entry point runs PyTorch's own code. The router installs them in the
 order below and uninstalls them in reverse (``inplace_under_jvp`` wraps what ``out_arguments`` wrapped).
 
-- ``out_arguments``: grad's, vjp's and jvp's implementations retry an ``out=`` refusal with the ``out=`` kernels.
+- ``out_arguments``: the ``out=`` kernels, registered with the C++ routing kernels; with the Python ones grad's,
+  vjp's and jvp's implementations retry an ``out=`` refusal with them.
 - ``inplace_under_jvp``: jvp's implementation registers the kernels of the overloads routed only under jvp.
 - ``fresh_buffers``: the kernels of an automatically functionalized region (registered at the first one).
 - ``mask_indexing``: boolean-mask reads and writes under vmap (registered at the first refusal).
@@ -21,7 +22,8 @@ PyTorch's attributes and dispatcher are one per process, so the patches are too:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from types import ModuleType
+from typing import Protocol, runtime_checkable
 
 from registry.core import (
     checkpointing,
@@ -44,6 +46,20 @@ class Patch(Protocol):
 
     def uninstall(self) -> None:
         """Take everything ``install`` (and what it registered since) put in place out again."""
+        ...
+
+
+@runtime_checkable
+class CompiledKernels(Protocol):
+    """A patch whose kernels the C++ backend registers with its routing kernels, into their Library (so they go
+    with them, on a switch to the Python backend or at uninstall): ``out_arguments``."""
+
+    def register_compiled(self, module: ModuleType) -> None:
+        """Register this patch's kernels through the compiled routing's ``module`` (after its routing kernels)."""
+        ...
+
+    def compiled_dropped(self) -> None:
+        """The compiled routing's Library, and this patch's kernels in it, are gone."""
         ...
 
 

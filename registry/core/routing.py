@@ -483,6 +483,9 @@ class Router:
             if self.cpp is None:
                 raise RuntimeError("routing: the C++ backend is active but its kernels are not loaded; report this bug")
             routing_cpp.register(self.cpp, ops, self)
+            for patch in self.patch_set:  # after the routing kernels, which keep the overloads they route
+                if isinstance(patch, patches.CompiledKernels):
+                    patch.register_compiled(self.cpp)
             self.set_frame = self.cpp.set_frame
             return
         if self.python_library is None:
@@ -514,7 +517,14 @@ class Router:
             self.python_library._destroy()
             self.python_library = None
         if self.cpp is not None and self.cpp.registered():
-            self.cpp.unregister_all()
+            self.unregister_cpp(self.cpp)
+
+    def unregister_cpp(self, module: ModuleType) -> None:
+        """Destroy the C++ routing's Library, and with it the kernels the patches registered into it."""
+        module.unregister_all()
+        for patch in self.patch_set:
+            if isinstance(patch, patches.CompiledKernels):
+                patch.compiled_dropped()
 
     def routing_registered(self) -> bool:
         if self.backend == "python":
@@ -562,7 +572,7 @@ class Router:
                 self.cpp = module
                 module.set_capacity(DECISION_CAPACITY)
             elif self.cpp is not None:
-                self.cpp.unregister_all()
+                self.unregister_cpp(self.cpp)
                 self.cpp.set_frame(0)
                 self.cpp.clear()
                 self.cpp = None

@@ -25,6 +25,7 @@
 #include <torch/csrc/utils/tensor_memoryformats.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -424,6 +425,46 @@ class RoutingKernel final : public c10::OperatorKernel {
   Overload* overload_;
 };
 
+// What makes the Python kernel of an out= overload from its name ("mul.out"), at its first call inside use():
+// registry.core.out_arguments. Never freed, like the overloads.
+py::object* out_factory = nullptr;
+bool out_kernels_registered = false;  // since the Library was made
+
+// The kernel of an out= overload (registry/core/out_arguments.py says why they exist): registered with the routing
+// kernels, so that no transform has to find out first, from PyTorch's refusal, that a program passes out=. Outside
+// use() or inside a decided call: PyTorch's own kernel, without the GIL. Otherwise the overload's Python kernel: its
+// result, or NotImplemented for PyTorch's own kernel (policy native, no functional twin). The busy flag stays as it
+// is while the Python kernel runs: the functional twin it calls is a call like any other, routed where covered.
+class OutKernel final : public c10::OperatorKernel {
+ public:
+  explicit OutKernel(Overload* overload) : overload_(overload) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+    Overload& o = *overload_;
+    if (tls_frame == 0 || tls_busy) {
+      return o.native->callBoxed(op, keyset, stack);
+    }
+    const size_t count = o.arguments.size();
+    {
+      py::gil_scoped_acquire gil;
+      if (!o.slow) {
+        o.slow = (*out_factory)(o.name);
+      }
+      PythonArguments arguments(o, &(*stack)[stack->size() - count], nullptr);
+      py::object out = arguments.call(o.slow);
+      if (out.ptr() != Py_NotImplemented) {
+        torch::jit::drop(*stack, count);
+        push_result(op, stack, out);
+        return;
+      }
+    }
+    o.native->callBoxed(op, keyset, stack);
+  }
+
+ private:
+  Overload* overload_;
+};
+
 Convert convert_of(const c10::TypePtr& type) {
   c10::TypePtr inner = type;
   if (auto optional = type->cast<c10::OptionalType>()) {
@@ -451,13 +492,72 @@ c10::DispatchKey parse_key(const std::string& name) {
   TORCH_CHECK(false, "multicomposite: routing kernels go at FuncTorchDynamicLayerFrontMode or Autograd, not ", name);
 }
 
-// The Library that holds every kernel: destroying it unregisters them (switching to the Python kernels).
-std::unique_ptr<torch::Library> library;
-
 // Drop a warning: "Overriding a previously registered kernel" is what registering here means.
 struct QuietHandler : public c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
+
+// The Library that holds every kernel: destroying it unregisters them (switching to the Python kernels).
+std::unique_ptr<torch::Library> library;
+
+torch::Library& routing_library() {
+  if (!library) {
+    library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", std::nullopt, __FILE__, __LINE__);
+  }
+  return *library;
+}
+
+Overload* new_overload(const std::string& name, const c10::OperatorHandle& handle, c10::DispatchKey key,
+                       c10::DispatchKey native_key) {
+  auto* o = new Overload();
+  o->id = static_cast<int64_t>(overloads.size()) + 1;
+  o->name = name;
+  o->key = key;
+  o->native = handle.getComputedKernelForDispatchKey(native_key);
+  for (const auto& argument : handle.schema().arguments()) {
+    o->arguments.push_back(Argument{py::str(argument.name()), argument.kwarg_only(),
+                                    convert_of(argument.real_type()), argument.default_value()});
+  }
+  overloads.push_back(o);
+  return o;
+}
+
+// Register the out= kernel of every aten overload with out arguments and no kernel at the front key (a routed
+// overload keeps its routing kernel); returns how many.
+size_t register_out_kernels(py::object factory) {
+  if (out_factory == nullptr) {
+    out_factory = new py::object();
+  }
+  *out_factory = std::move(factory);
+  constexpr auto key = c10::DispatchKey::FuncTorchDynamicLayerFrontMode;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  QuietHandler quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  size_t registered = 0;
+  for (const auto& op_name : dispatcher.getAllOpNames()) {
+    if (op_name.name.rfind("aten::", 0) != 0) {
+      continue;
+    }
+    auto handle = dispatcher.findSchema(op_name);
+    if (!handle.has_value() || !handle->hasSchema() || handle->hasKernelForDispatchKey(key)) {
+      continue;
+    }
+    const auto& arguments = handle->schema().arguments();
+    if (std::none_of(arguments.begin(), arguments.end(), [](const c10::Argument& a) { return a.is_out(); })) {
+      continue;
+    }
+    std::string name = op_name.name.substr(6);
+    if (!op_name.overload_name.empty()) {
+      name += "." + op_name.overload_name;
+    }
+    Overload* o = new_overload(name, *handle, key, key);
+    routing_library().impl(name.c_str(), torch::dispatch(key, torch::CppFunction::makeFromBoxedFunctor(
+                                                                  std::make_unique<OutKernel>(o))));
+    ++registered;
+  }
+  out_kernels_registered = true;
+  return registered;
+}
 
 }  // namespace
 
@@ -475,32 +575,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         const std::string overload_name = dot == std::string::npos ? "" : name.substr(dot + 1);
         auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(("aten::" + packet).c_str(),
                                                                      overload_name.c_str());
-        auto* o = new Overload();
-        o->id = static_cast<int64_t>(overloads.size()) + 1;
-        o->name = name;
-        o->key = parse_key(key_name);
-        o->native = handle.getComputedKernelForDispatchKey(c10::parseDispatchKey(native_key_name));
+        Overload* o = new_overload(name, handle, parse_key(key_name), c10::parseDispatchKey(native_key_name));
         o->decide = std::move(decide);
         o->slow = std::move(slow);
-        for (const auto& argument : handle.schema().arguments()) {
-          o->arguments.push_back(Argument{py::str(argument.name()), argument.kwarg_only(),
-                                          convert_of(argument.real_type()), argument.default_value()});
-        }
-        overloads.push_back(o);
-        if (!library) {
-          library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", std::nullopt, __FILE__,
-                                                     __LINE__);
-        }
         QuietHandler quiet;
         c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-        library->impl(name.c_str(), torch::dispatch(o->key, torch::CppFunction::makeFromBoxedFunctor(
-                                                               std::make_unique<RoutingKernel>(o))));
+        routing_library().impl(name.c_str(), torch::dispatch(o->key, torch::CppFunction::makeFromBoxedFunctor(
+                                                                         std::make_unique<RoutingKernel>(o))));
       },
       "Register the routing kernel of one aten overload (packet.overload) at a key, over PyTorch's kernel at "
       "native_key");
   m.def("registered", []() { return static_cast<bool>(library); }, "Whether the kernels are registered");
-  m.def("unregister_all", []() { library.reset(); },
-        "Unregister every kernel (the Python kernels can then be registered in their place)");
+  m.def("register_out", &register_out_kernels,
+        "Register the out= kernel of every aten out= overload without a kernel at the front key; factory(name) "
+        "makes an overload's Python kernel ((*args, **kwargs) -> result, or NotImplemented for PyTorch's own)");
+  m.def("out_registered", []() { return out_kernels_registered; }, "Whether the out= kernels are registered");
+  m.def(
+      "unregister_all",
+      []() {
+        library.reset();
+        out_kernels_registered = false;
+      },
+      "Unregister every kernel (the Python kernels can then be registered in their place)");
   m.def(
       "set_frame",
       [](int64_t frame) {

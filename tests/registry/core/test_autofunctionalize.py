@@ -20,7 +20,7 @@ import torch
 from torch import func
 
 import registry
-from registry.core import functionalization
+from registry.core import functionalization, routing
 from registry.core.functionalization import FUNCTIONALIZED, INPLACE_REFUSAL, OutsideWriteError, function_key
 
 FALLBACK = "There is a performance drop"
@@ -576,11 +576,14 @@ def test_repeated_writes_with_infinite_values_keep_their_value() -> None:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 FIRST_OUT_CALL = """
+import sys
 import torch
+import torch._functorch.eager_transforms as eager_transforms
 from torch import func
 import registry
 from registry.core import out_arguments
 
+PYTORCH_GRAD = eager_transforms.grad_and_value_impl
 weight = torch.tensor([0.5, -1.5, 2.0])
 
 def f(x):
@@ -588,21 +591,38 @@ def f(x):
     torch.mul(x, weight, out=buffer)
     return (buffer * torch.rand(3)).sum()
 
+transforms = {
+    "grad": func.grad(f),
+    "vmap": func.vmap(f, randomness="same"),
+    "jvp": lambda x: func.jvp(f, (x,), (torch.ones(3),))[1],
+}
 with registry.use():
     func.vmap(func.grad(lambda x: (x * weight).sum()))(torch.ones(2, 3))
-    print(out_arguments.registered())
+    print(out_arguments.registered(), eager_transforms.grad_and_value_impl is PYTORCH_GRAD)
     torch.manual_seed(0)
-    got = func.grad(f)(torch.ones(3))
+    got = transforms[sys.argv[1]](torch.ones(2, 3) if sys.argv[1] == "vmap" else torch.ones(3))
     print(out_arguments.registered())
 torch.manual_seed(0)
-print(torch.equal(got, weight * torch.rand(3)))
+draws = torch.rand(3)
+expected = {"grad": weight * draws, "vmap": (weight * draws).sum().expand(2), "jvp": (weight * draws).sum()}
+print(torch.equal(got, expected[sys.argv[1]]))
 """
 
 
-def test_out_kernels_are_registered_at_the_first_refused_out_call() -> None:
-    """A process whose transforms pass no out= never registers the out= kernels; the first refused out= call (here
-    under plain grad) registers them and runs again from the same random state."""
-    done = subprocess.run([sys.executable, "-c", FIRST_OUT_CALL], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+@pytest.mark.parametrize(("backend", "transform", "before_first_out_call"), [
+    ("cpp", "grad", ["True", "True"]),
+    ("python", "grad", ["False", "False"]),
+    ("python", "vmap", ["False", "False"]),  # vmap's retry is functionalization's; jvp's and vjp's are grad's
+])
+def test_out_kernels_are_registered_at_install_or_at_the_first_refused_out_call(
+        backend: str, transform: str, before_first_out_call: list[str], request: pytest.FixtureRequest) -> None:
+    """The C++ backend registers the out= kernels with its routing kernels, and grad's implementation is PyTorch's
+    own (no retry wrapper); with the Python ones a process whose transforms pass no out= never registers them, and
+    the first refused out= call (under grad or vmap) registers them and runs again from the same random state.
+    Either way the draws equal those made outside."""
+    if backend == "cpp":
+        request.getfixturevalue("compiled_kernels")  # built (or skipped, or failed) here, not in the subprocess
+    done = subprocess.run([sys.executable, "-c", FIRST_OUT_CALL, transform], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT, routing.BACKEND_ENV: backend})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["False", "True", "True"]
+    assert done.stdout.split() == [*before_first_out_call, "True", "True"]

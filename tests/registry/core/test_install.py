@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
-import torch._functorch.vmap as functorch_vmap  # noqa: PLC2701 - functorch's internals have no public API
+import torch._functorch.eager_transforms as eager_transforms  # noqa: PLC2701 - functorch's internals have no public API
+import torch._functorch.vmap as functorch_vmap  # noqa: PLC2701
 from torch import func
 
 import registry
@@ -22,6 +24,13 @@ pytestmark = pytest.mark.usefixtures("routing_backend")
 OVERLOADS = ("aten::index_fill.int_Tensor", "aten::nonzero", "aten::is_nonzero", "aten::item", "aten::empty_like",
              "aten::index.Tensor")
 PYTORCH_SETITEM = torch.Tensor.__setitem__  # collected before any use() in this process patches it
+TRANSFORM_IMPLEMENTATIONS = ("grad_and_value_impl", "_vjp_with_argnums", "_jvp_with_argnums")
+PACKAGE = Path(registry.__file__).parent
+
+
+def _wrapped_here(name: str) -> bool:
+    """Whether functorch's ``name`` is one of our wrappers (the out= retry's, jvp's kernel registration's)."""
+    return Path(getattr(eager_transforms, name).__code__.co_filename).is_relative_to(PACKAGE)
 
 
 def _native_front_kernel(name: str) -> bool:
@@ -59,7 +68,9 @@ def test_uninstall_gives_pytorch_back(uninstalled: None) -> None:
     assert torch.Tensor.contiguous is ORIGINAL.Tensor.contiguous
     assert torch.Tensor.__setitem__ is PYTORCH_SETITEM
     assert functorch_vmap._flat_vmap is functionalization.PYTORCH_FLAT_VMAP
+    assert not any(_wrapped_here(name) for name in TRANSFORM_IMPLEMENTATIONS)
     assert all(_native_front_kernel(name) for name in OVERLOADS)
+    assert _native_front_kernel("aten::mul.out")  # the out= kernels' (the C++ backend's, with its routing kernels)
     assert "registry" not in torch._C._dispatch_dump("aten::index_fill.int_Tensor")  # the Autograd key's too
     assert not ROUTER.decisions and (ROUTER.cpp is None or ROUTER.cpp.size() == 0)
     with pytest.raises(RuntimeError, match="out of bounds"):  # PyTorch's own failure, as without the registry
@@ -82,3 +93,14 @@ def test_install_again_routes_again(uninstalled: None) -> None:
         grads = _index_fill_value_grads()
     torch.testing.assert_close(grads, torch.full((3,), 12.0, dtype=torch.float64))  # 2 * value * 3 filled rows
     assert run.calls == {"index_fill.int_Tensor": 1}
+
+
+def test_transform_wrappers_by_backend(routing_backend: str) -> None:
+    """The C++ backend registers the out= kernels with its routing kernels, so grad's and vjp's implementations stay
+    PyTorch's own; on the Python backend they retry an out= refusal. jvp's is wrapped on both (its in-place kernels
+    are registered at the first jvp)."""
+    registry.install()
+    wrapped = {name for name in TRANSFORM_IMPLEMENTATIONS if _wrapped_here(name)}
+    assert wrapped == (set(TRANSFORM_IMPLEMENTATIONS) if routing_backend == "python" else {"_jvp_with_argnums"})
+    if routing_backend == "cpp":
+        assert not _native_front_kernel("aten::mul.out")

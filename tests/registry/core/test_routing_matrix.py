@@ -23,7 +23,7 @@ from registry.harness.verify import (
 from tests import cases
 
 pytestmark = pytest.mark.usefixtures("routing_backend")
-STACKS = cases.matrix_stacks(default_stacks())  # compile around two transforms: make test-all (tests/cases.py)
+STACKS = cases.matrix_stacks(default_stacks())  # compile around all but vmap: make test-all (tests/cases.py)
 
 
 def _first_sample(op: str):

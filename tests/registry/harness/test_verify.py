@@ -136,8 +136,8 @@ def test_source_hash_follows_the_module_source() -> None:
 @pytest.fixture(scope="session")
 def full_matrix():
     start = time.perf_counter()
-    # The seed ops' matrix (compile around two transforms under make test-all only: tests/cases.py); ops with OpInfo
-    # samples are checked cell by cell in tests/composites/test_coverage.py.
+    # The seed ops' matrix (compile around anything but vmap under make test-all only: tests/cases.py); ops with
+    # OpInfo samples are checked cell by cell in tests/composites/test_coverage.py.
     entries = verify(ops=list(SAMPLES), stacks=cases.matrix_stacks(default_stacks()))
     return entries, time.perf_counter() - start
 
