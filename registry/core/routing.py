@@ -211,6 +211,7 @@ class Router:
             raise ValueError("Router: the selector decides for another op table than the one given")
         self.local = _Local()
         self.frames: dict[Signature, Frame] = {}  # interned frames that do not record
+        self.plain_frames: dict[str, Frame] = {}  # policy -> its frame without pins (the same objects)
         self.frame_count = 0
         self.prefixes: dict[tuple, int] = {}
         self.decisions: dict[tuple, Chosen] = {}  # at most DECISION_CAPACITY, oldest first
@@ -230,6 +231,7 @@ class Router:
         self.patch_set = patch_set  # installed in order, uninstalled in reverse (registry.core.patches)
         self.patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) while installed
         self.installed = False
+        self.routed_size = -1  # len(routed_ops) once installed, -1 before: what use() compares with the table's size
         self.removed = False  # uninstall() was called: use() routes nothing until install()
         self.decide = _decider(self)
         self.selector.listeners.append(self.clear)
@@ -268,10 +270,16 @@ class Router:
         return checked
 
     def frame(self, policy: str, pins: Mapping[str, str] | None) -> Frame:
+        if not pins:  # use() and use(policy): looked up by the policy alone, building no key (every use() block)
+            frame = self.plain_frames.get(policy)
+            if frame is not None:
+                return frame
         key = (policy, tuple(sorted(pins.items())) if pins else ())
         frame = self.frames.get(key)
         if frame is None:
             frame = self.frames[key] = Frame(self, policy, self.validate(policy, pins))
+        if not pins:
+            self.plain_frames[policy] = frame
         return frame
 
     def recording_frame(self, frame: Frame, run: Run) -> Frame:
@@ -420,6 +428,7 @@ class Router:
                     patch.install(self.routing_on)
                 self.patch(torch.Tensor, "contiguous", _contiguous)
                 self.installed = True
+            self.routed_size = len(self.routed_ops)
 
     def patch(self, owner: Any, attribute: str, value: Any) -> None:
         self.patches.append((owner, attribute, getattr(owner, attribute)))
@@ -445,6 +454,7 @@ class Router:
                 patch.uninstall()
             self.routed_ops.clear()
             self.installed = False
+            self.routed_size = -1
             self.removed = True
             self.clear()
             if self.traced_signatures:
@@ -608,19 +618,15 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
     kernel runs.
     """
 
-    __slots__ = ("_frame", "_local", "_record", "_router", "_run")
+    __slots__ = ("_frame", "_record", "_router", "_run")  # _run: set by a recording block's enter
 
     def __init__(self, policy: str = "auto", pins: Mapping[str, str] | None = None, *, record: bool = False,
-                 router: Router | None = None) -> None:
-        router = ROUTER if router is None else router
-        if not router.installed or len(router.routed_ops) != len(router.table.ops):
-            if not router.removed:
-                router.install()
+                 router: Router = ROUTER) -> None:
+        if router.routed_size != len(router.table.ops) and not router.removed:  # not installed, or ops since
+            router.install()
         self._router = router
-        self._local = router.local
         self._frame = router.frame(policy, pins)
         self._record = record
-        self._run: Run | None = None
 
     @property
     def policy(self) -> str:
@@ -633,9 +639,10 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
     @property
     def run(self) -> Run:
         """What the block decided (``record=True``), once entered."""
-        if self._run is None:
+        run: Run | None = getattr(self, "_run", None)
+        if run is None:
             raise RuntimeError("use().run: only a use(record=True) block records; enter it first")
-        return self._run
+        return run
 
     @property
     def decisions(self) -> list[RecordedDecision]:
@@ -649,8 +656,8 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
         return self.run.summary()
 
     def __enter__(self) -> use:
-        local = self._local
         router = self._router
+        local = router.local
         set_frame = router.set_frame
         # The Python backend, and the C++ kernels compiled in the background have landed: switch to them here, outside
         # any kernel call (on the C++ backend, the common case, nothing more is read).
@@ -679,9 +686,9 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
         return self._router.recording_frame(frame, run)  # inside a recording block: record into its run
 
     def __exit__(self, *exc_info: object) -> None:
-        frames = self._local.frames
-        frames.pop()
         router = self._router
+        frames = router.local.frames
+        frames.pop()
         set_frame = router.set_frame
         if set_frame is not None:
             set_frame(frames[-1].cpp_id if frames else 0)
