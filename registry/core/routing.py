@@ -106,6 +106,10 @@ class _Prefixes(dict):
         return prefix
 
 
+def _no_frame(frame_id: int) -> None:
+    """``Router.set_frame`` on the Python backend, whose kernels read the frames themselves."""
+
+
 class _Local(threading.local):
     # Class defaults: a thread that never entered use() reads them without creating anything.
     frames: list[Frame] | tuple[()] = ()
@@ -227,7 +231,11 @@ class Router:
         self.routed_ops: set[str] = set()  # ops whose overloads have routing kernels (later ones get theirs at use())
         self.backend: str | None = None  # "cpp" or "python", once chosen
         self.cpp: ModuleType | None = None  # the compiled kernels' module while the C++ backend is active
-        self.set_frame: Callable[[int], None] | None = None  # cpp.set_frame while the C++ backend is active
+        # What use() tells the C++ kernels on entering a block and on leaving one (its frame's id, 0 outside use()):
+        # cpp.set_frame both while the C++ backend is active; on the Python one, entering looks for a background
+        # build that landed (kernels/background.py) and leaving does nothing.
+        self.enter_frame: Callable[[int], None] = self.enter_on_python
+        self.set_frame: Callable[[int], None] = _no_frame
         self.patch_set = patch_set  # installed in order, uninstalled in reverse (registry.core.patches)
         self.patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) while installed
         self.installed = False
@@ -294,6 +302,13 @@ class Router:
         if self.traced_signatures - {signature}:
             torch._dynamo.reset()
             self.traced_signatures.clear()
+
+    def enter_on_python(self, frame_id: int) -> None:
+        """``enter_frame`` on the Python backend: where the C++ kernels compiled in the background have landed,
+        switch to them here, outside any kernel call and before the block's frame is pushed."""
+        if _BUILD.landed:
+            _BUILD.adopt(lambda: self.set_routing_backend("cpp"), inside_use=bool(self.local.frames))
+            self.set_frame(frame_id)  # the C++ kernels' where the switch happened, else nothing
 
     def routing_on(self) -> bool:
         """Inside ``use()`` with a policy that routes, and not inside a composite or a decided native call."""
@@ -496,7 +511,7 @@ class Router:
             for patch in self.patch_set:  # after the routing kernels, which keep the overloads they route
                 if isinstance(patch, patches.CompiledKernels):
                     patch.register_compiled(self.cpp)
-            self.set_frame = self.cpp.set_frame
+            self.enter_frame = self.set_frame = self.cpp.set_frame
             return
         if self.python_library is None:
             self.python_library = torch.library.Library("aten", "IMPL")
@@ -586,7 +601,7 @@ class Router:
                 self.cpp.set_frame(0)
                 self.cpp.clear()
                 self.cpp = None
-                self.set_frame = None
+                self.enter_frame, self.set_frame = self.enter_on_python, _no_frame
             self.backend = backend
             self.register_routing([self.table.ops[name] for name in self.routed_ops])
             self.clear()
@@ -658,21 +673,14 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
     def __enter__(self) -> use:
         router = self._router
         local = router.local
-        set_frame = router.set_frame
-        # The Python backend, and the C++ kernels compiled in the background have landed: switch to them here, outside
-        # any kernel call (on the C++ backend, the common case, nothing more is read).
-        if set_frame is None and _BUILD.landed:
-            _BUILD.adopt(lambda: router.set_routing_backend("cpp"), inside_use=bool(local.frames))
-            set_frame = router.set_frame
         frames = local.frames
         if frames.__class__ is tuple:
             frames = local.frames = []
         frame = self._frame
         if self._record or (frames and frames[-1].records):  # a recording block, or one nested inside
             frame = self._recording(frame, frames)
+        router.enter_frame(frame.cpp_id)  # before the push: on the Python backend it may switch backends
         frames.append(frame)
-        if set_frame is not None:
-            set_frame(frame.cpp_id)
         if router.traced_signatures:
             router.drop_graphs_traced_elsewhere(frame.signature)
         return self
@@ -689,9 +697,7 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
         router = self._router
         frames = router.local.frames
         frames.pop()
-        set_frame = router.set_frame
-        if set_frame is not None:
-            set_frame(frames[-1].cpp_id if frames else 0)
+        router.set_frame(frames[-1].cpp_id if frames else 0)
         if router.traced_signatures:
             router.drop_graphs_traced_elsewhere(frames[-1].signature if frames else None)
 
