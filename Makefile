@@ -73,7 +73,7 @@ kernels: $(STAMP) kernel-deps
 
 # The suite on TEST_WORKERS workers, one per core by default: every test file on one worker (pytest-xdist; a file's
 # module fixtures are made once), then the tests marked serial alone (they time code, or load the cores on purpose).
-# On two cores that took 6 min 54 s for the parallel part and 44 s for the serial one. TEST_WORKERS=0: one
+# On two cores (from a fresh clone) that took 6 min 19 s for the parallel part and 43 s for the serial one. TEST_WORKERS=0: one
 # process. test-all: every case of the sampled tests too (MULTICOMPOSITE_TEST_ALL=1,
 # tests/cases.py: the conformance tests on every sample of every covered op, compile around grad, jvp and two
 # transforms in the verify and routing matrices), which the docs' conformance figures are measured with; longer than
