@@ -4,8 +4,9 @@ Registering the routing kernels makes a few thousand long-lived objects (decider
 and no garbage. Right after ``import torch`` and ``import registry`` the collector owes a full collection of that
 whole heap (about 40 ms on 2-core x86_64, torch 2.13.0 CPU); those allocations would trigger it inside the first
 ``use()``, although registration adds nothing for it to free. Pausing the collector while registering (and while
-the first decision loads the store's evidence, as many long-lived records), then collecting the young generation
-alone, leaves that collection where it would have come without routing: at the program's own later allocations.
+the composite families are imported and the first decision loads the store's evidence, as many long-lived objects),
+then collecting the young generation alone, leaves that collection where it would have come without routing: at the
+program's own later allocations.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from registry.core import cost, kinds
 from registry.core import rules as rule_tables
+from registry.core.collector import collection_paused
 from registry.core.kinds import KIND, KINDS
 from registry.core.model import Composite, Op, OpDef, Overload, RegistrationError, def_line
 from registry.core.ops import OPS, define, schema_params
@@ -254,9 +255,10 @@ class OpTable:
                 return
             self.loading = True
             try:
-                for package in self.builtins:
-                    importlib.import_module(package)
-                self.load_plugins()
+                with collection_paused():  # the families' definitions are long-lived objects, no garbage
+                    for package in self.builtins:
+                        importlib.import_module(package)
+                    self.load_plugins()
                 self.loaded = True
             finally:
                 self.loading = False

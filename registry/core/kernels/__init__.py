@@ -131,12 +131,13 @@ def _build(quiet: bool) -> Path:
     processes starting at once compile once: the first compiles, the others wait for it and load its build. The
     compiler writes into a temporary folder beside the build's, renamed to it when the compile succeeded: a compile
     killed halfway leaves only that temporary folder, which no process loads and the next build removes."""
-    from filelock import FileLock  # torch depends on it: a kept inter-process lock (fcntl.flock on POSIX)
-
     with _lock:
         path = extension_path()
         if path.exists():
             return path
+        # torch depends on it: a kept inter-process lock (fcntl.flock on POSIX). Imported only to build: the import
+        # alone costs a first use() about 15 ms where the build is there already.
+        from filelock import FileLock
         compiler = _compiler()
         if compiler is None:
             raise KernelBuildError(f"no C++ compiler found (c++ or g++ on PATH, or $CXX); {HOW_TO}")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import sys
 import textwrap
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import registry
-from registry.core.registration import RegistrationError, load_plugins, register, unregister
+from registry.core.registration import OpTable, RegistrationError, load_plugins, register, unregister
 from registry.harness.samples import SAMPLES
 
 
@@ -137,3 +138,20 @@ def test_entry_point_plugin_adds_a_composite(tmp_path: Path, monkeypatch: pytest
     finally:
         unregister("masked_fill", "mc_test_plugin.where")
         sys.modules.pop("mc_test_plugin", None)
+
+
+def test_families_are_imported_with_the_collector_paused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family's import makes long-lived definitions and no garbage: no cyclic collection runs inside it (the full
+    one ``import torch`` left owing would land there, registry/core/collector.py), and the collector is on after."""
+    (tmp_path / "paused_family_probe.py").write_text("import gc\nCOLLECTOR_ON = gc.isenabled()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    enabled = gc.isenabled()
+    gc.enable()
+    try:
+        OpTable(builtins=("paused_family_probe",)).load()
+        assert gc.isenabled()
+        assert sys.modules["paused_family_probe"].COLLECTOR_ON is False
+    finally:
+        if not enabled:
+            gc.disable()
+        sys.modules.pop("paused_family_probe", None)
