@@ -72,10 +72,14 @@ def out_overloads() -> list[tuple[str, str, tuple[str, ...]]]:
         if not qualified.startswith("aten::"):
             continue
         name, _, overload = qualified.partition(".")
-        outs = tuple(argument.name for argument in torch._C._get_schema(name, overload).arguments if argument.is_out)
+        outs = _out_names(torch._C._get_schema(name, overload))
         if outs:
             found.append((name.removeprefix("aten::"), overload, outs))
     return found
+
+
+def _out_names(schema: torch._C.FunctionSchema) -> tuple[str, ...]:
+    return tuple(argument.name for argument in schema.arguments if argument.is_out)
 
 
 def _signature(schema: torch._C.FunctionSchema) -> tuple[tuple[str, str], ...]:
@@ -161,8 +165,7 @@ def _retrying(transform: Callable[..., Any], patch: OutArguments) -> Callable[..
     @functools.wraps(transform)
     def retrying(*args: Any, **kwargs: Any) -> Any:
         active = patch.active
-        if (patch.compiled_registered or patch.library is not None or torch.compiler.is_compiling() or active is None
-                or not active()):
+        if patch.registered() or torch.compiler.is_compiling() or active is None or not active():
             return transform(*args, **kwargs)
         state = random_state.save()
         try:
@@ -213,9 +216,7 @@ class OutArguments:
         """The Python part of the C++ ``out=`` kernel of ``aten::<name>`` ("mul.out"), which the C++ kernel makes at
         the overload's first call inside ``use()``."""
         op, _, overload = name.partition(".")
-        schema = torch._C._get_schema(f"aten::{op}", overload)
-        return _out_kernel(op, overload, tuple(argument.name for argument in schema.arguments if argument.is_out),
-                           self.routes)
+        return _out_kernel(op, overload, _out_names(torch._C._get_schema(f"aten::{op}", overload)), self.routes)
 
     def register_compiled(self, module: ModuleType) -> None:
         """Register the C++ ``out=`` kernels into the C++ routing's Library (after its routing kernels, which keep

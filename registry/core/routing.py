@@ -237,6 +237,8 @@ class Router:
         self.enter_frame: Callable[[int], None] = self.enter_on_python
         self.set_frame: Callable[[int], None] = _no_frame
         self.patch_set = patch_set  # installed in order, uninstalled in reverse (registry.core.patches)
+        # Those whose kernels the C++ backend registers with its routing kernels, and drops with them.
+        self.compiled_patches = tuple(patch for patch in patch_set if isinstance(patch, patches.CompiledKernels))
         self.patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) while installed
         self.installed = False
         self.routed_size = -1  # len(routed_ops) once installed, -1 before: what use() compares with the table's size
@@ -278,16 +280,19 @@ class Router:
         return checked
 
     def frame(self, policy: str, pins: Mapping[str, str] | None) -> Frame:
-        if not pins:  # use() and use(policy): looked up by the policy alone, building no key (every use() block)
-            frame = self.plain_frames.get(policy)
-            if frame is not None:
-                return frame
+        if pins:
+            return self.interned_frame(policy, pins)
+        # use() and use(policy): looked up by the policy alone, building no key (every use() block)
+        frame = self.plain_frames.get(policy)
+        if frame is None:
+            frame = self.plain_frames[policy] = self.interned_frame(policy, None)
+        return frame
+
+    def interned_frame(self, policy: str, pins: Mapping[str, str] | None) -> Frame:
         key = (policy, tuple(sorted(pins.items())) if pins else ())
         frame = self.frames.get(key)
         if frame is None:
             frame = self.frames[key] = Frame(self, policy, self.validate(policy, pins))
-        if not pins:
-            self.plain_frames[policy] = frame
         return frame
 
     def recording_frame(self, frame: Frame, run: Run) -> Frame:
@@ -414,7 +419,7 @@ class Router:
     # --- registration at the dispatcher -------------------------------------------------------------------------
 
     def ready(self) -> bool:
-        return self.installed and len(self.routed_ops) == len(self.table.ops)
+        return self.routed_size == len(self.table.ops)
 
     def install(self) -> None:
         """Register everything at PyTorch's dispatcher and patch the two Python-level paths, once (``use()`` calls
@@ -508,9 +513,8 @@ class Router:
             if self.cpp is None:
                 raise RuntimeError("routing: the C++ backend is active but its kernels are not loaded; report this bug")
             routing_cpp.register(self.cpp, ops, self)
-            for patch in self.patch_set:  # after the routing kernels, which keep the overloads they route
-                if isinstance(patch, patches.CompiledKernels):
-                    patch.register_compiled(self.cpp)
+            for patch in self.compiled_patches:  # after the routing kernels, which keep the overloads they route
+                patch.register_compiled(self.cpp)
             self.enter_frame = self.set_frame = self.cpp.set_frame
             return
         if self.python_library is None:
@@ -547,9 +551,8 @@ class Router:
     def unregister_cpp(self, module: ModuleType) -> None:
         """Destroy the C++ routing's Library, and with it the kernels the patches registered into it."""
         module.unregister_all()
-        for patch in self.patch_set:
-            if isinstance(patch, patches.CompiledKernels):
-                patch.compiled_dropped()
+        for patch in self.compiled_patches:
+            patch.compiled_dropped()
 
     def routing_registered(self) -> bool:
         if self.backend == "python":
@@ -637,7 +640,8 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
 
     def __init__(self, policy: str = "auto", pins: Mapping[str, str] | None = None, *, record: bool = False,
                  router: Router = ROUTER) -> None:
-        if router.routed_size != len(router.table.ops) and not router.removed:  # not installed, or ops since
+        # router.ready(), inlined (every block): not installed, or ops defined since
+        if router.routed_size != len(router.table.ops) and not router.removed:
             router.install()
         self._router = router
         self._frame = router.frame(policy, pins)
