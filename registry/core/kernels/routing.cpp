@@ -559,6 +559,22 @@ size_t register_out_kernels(py::object factory) {
   return registered;
 }
 
+PyObject* set_frame(PyObject* /*self*/, PyObject* arg) {
+  const long long frame = PyLong_AsLongLong(arg);
+  if (frame == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  tls_record = frame < 0;
+  tls_frame = frame < 0 ? -frame : frame;
+  Py_RETURN_NONE;
+}
+
+PyObject* busy(PyObject* /*self*/, PyObject* /*unused*/) { return PyBool_FromLong(tls_busy); }
+
+PyMethodDef set_frame_method = {"set_frame", set_frame, METH_O,
+                                "The innermost use() frame of this thread (0: none; negative: its id, and it records)"};
+PyMethodDef busy_method = {"busy", busy, METH_NOARGS, "Whether this thread is inside a call a kernel decided"};
+
 }  // namespace
 
 void bind_random_state(py::module& m);  // random_state.cpp
@@ -597,15 +613,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         out_kernels_registered = false;
       },
       "Unregister every kernel (the Python kernels can then be registered in their place)");
-  m.def(
-      "set_frame",
-      [](int64_t frame) {
-        tls_record = frame < 0;
-        tls_frame = frame < 0 ? -frame : frame;
-      },
-      "The innermost use() frame of this thread (0: none; negative: its id, and it records)");
+  // NOTE: set_frame and busy are plain CPython functions, not m.def's: every use() block calls set_frame twice, and
+  // pybind11's dispatcher (argument casters, overload resolution) costs about 40 ns a call over a METH_O function,
+  // most of what a `with use(): pass` block would cost more than the module-global routing before the Registry object.
+  m.add_object("set_frame", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&set_frame_method, nullptr, nullptr)));
+  m.add_object("busy", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&busy_method, nullptr, nullptr)));
   m.def("frame", []() { return tls_frame; });
-  m.def("busy", []() { return tls_busy; }, "Whether this thread is inside a call a kernel decided");
   m.def(
       "clear",
       []() {
