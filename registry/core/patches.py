@@ -14,6 +14,7 @@ order below and uninstalls them in reverse (``inplace_under_jvp`` wraps what ``o
 - ``legacy_functions``: ``torch.autograd.Function.apply`` for pre-2.0 Functions under a transform.
 - ``checkpointing``: ``torch.utils.checkpoint`` in both forms (the reentrant one is a pre-2.0 Function).
 - ``flex_attention``: a vmap rule for the ``flex_attention`` higher-order operator.
+- ``batch_rules``: C++ batching rules over functorch's Python decompositions of the NLL loss (C++ backend only).
 
 PyTorch's attributes and dispatcher are one per process, so the patches are too: ``PATCHES`` holds each module's
 ``PATCH``, and every router installs those (one registry's routing is installed at a time).
@@ -26,6 +27,7 @@ from types import ModuleType
 from typing import Protocol, runtime_checkable
 
 from registry.core import (
+    batch_rules,
     checkpointing,
     flex_attention,
     fresh_buffers,
@@ -52,7 +54,7 @@ class Patch(Protocol):
 @runtime_checkable
 class CompiledKernels(Protocol):
     """A patch whose kernels the C++ backend registers with its routing kernels, into their Library (so they go
-    with them, on a switch to the Python backend or at uninstall): ``out_arguments``."""
+    with them, on a switch to the Python backend or at uninstall): ``out_arguments``, ``batch_rules``."""
 
     def register_compiled(self, module: ModuleType) -> None:
         """Register this patch's kernels through the compiled routing's ``module`` (after its routing kernels)."""
@@ -65,4 +67,4 @@ class CompiledKernels(Protocol):
 
 PATCHES: tuple[Patch, ...] = (out_arguments.PATCH, inplace_under_jvp.PATCH, fresh_buffers.PATCH,
                               mask_indexing.PATCH, functionalization.PATCH, legacy_functions.PATCH, checkpointing.PATCH,
-                              flex_attention.PATCH)
+                              flex_attention.PATCH, batch_rules.PATCH)

@@ -429,6 +429,7 @@ class RoutingKernel final : public c10::OperatorKernel {
 // registry.core.out_arguments. Never freed, like the overloads.
 py::object* out_factory = nullptr;
 bool out_kernels_registered = false;  // since the Library was made
+bool batch_rules_registered = false;  // since the Library was made
 
 // The kernel of an out= overload (registry/core/out_arguments.py says why they exist): registered with the routing
 // kernels, so that no transform has to find out first, from PyTorch's refusal, that a program passes out=. Outside
@@ -577,7 +578,10 @@ PyMethodDef busy_method = {"busy", busy, METH_NOARGS, "Whether this thread is in
 
 }  // namespace
 
+int64_t routing_frame() { return tls_frame; }  // batch_rules.cpp's rules apply inside use() only
+
 void bind_random_state(py::module& m);  // random_state.cpp
+size_t register_batch_rules(torch::Library& library);  // batch_rules.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "multicomposite's routing kernels at FuncTorchDynamicLayerFrontMode";
@@ -607,10 +611,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "makes an overload's Python kernel ((*args, **kwargs) -> result, or NotImplemented for PyTorch's own)");
   m.def("out_registered", []() { return out_kernels_registered; }, "Whether the out= kernels are registered");
   m.def(
+      "register_batch_rules",
+      []() {
+        QuietHandler quiet;
+        c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+        const size_t registered = register_batch_rules(routing_library());
+        batch_rules_registered = true;
+        return registered;
+      },
+      "Register the C++ batching rules of batch_rules.cpp (over functorch's Python decompositions, which must be "
+      "registered first); returns how many");
+  m.def("batch_rules_registered", []() { return batch_rules_registered; },
+        "Whether the C++ batching rules are registered");
+  m.def(
       "unregister_all",
       []() {
         library.reset();
         out_kernels_registered = false;
+        batch_rules_registered = false;
       },
       "Unregister every kernel (the Python kernels can then be registered in their place)");
   // NOTE: set_frame and busy are plain CPython functions, not m.def's: every use() block calls set_frame twice, and

@@ -1,0 +1,49 @@
+"""Batching rules in C++ for aten ops whose only vmap rule is a Python decomposition (``kernels/batch_rules.cpp``):
+``nll_loss_forward`` and ``nll_loss_backward``, which every classifier's ``cross_entropy`` reaches under vmap(grad).
+
+functorch registers ``torch._decomp``'s Python decompositions of these at FuncTorchBatched: under vmap each call runs
+about ten aten ops from Python, forward and backward. The C++ rules fold the batch into the loss's rows (B samples of
+N rows are one call of PyTorch's own kernel on B * N rows, reduced per sample after), inside ``use()`` only: outside
+it they run the decomposition they override, so PyTorch outside ``use()`` is unchanged. They go into the C++
+routing's Library, and with it at uninstall or a switch to the Python backend (whose kernels have no such rules:
+there the decompositions run as in PyTorch).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from types import ModuleType
+
+
+class BatchRules:
+    """The patch that registers the C++ batching rules with the compiled routing kernels."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.registered = False
+
+    def install(self, active: Callable[[], bool]) -> None:
+        """Nothing outside the dispatcher: the rules read the thread's ``use()`` frame themselves."""
+
+    def uninstall(self) -> None:
+        """The rules go with the compiled routing's Library, which the router destroys."""
+        self.registered = False
+
+    def register_compiled(self, module: ModuleType) -> None:
+        """Register the rules into the compiled routing's Library, once per Library, over functorch's decompositions
+        (loaded first: functorch loads them at the first vmap, and they would override rules registered before)."""
+        from torch._functorch import predispatch  # noqa: PLC2701 - functorch's internals have no public API
+
+        with self.lock:
+            predispatch.lazy_load_decompositions()
+            if not module.batch_rules_registered():
+                module.register_batch_rules()
+            self.registered = True
+
+    def compiled_dropped(self) -> None:
+        with self.lock:
+            self.registered = False
+
+
+PATCH = BatchRules()
