@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import func
 
 import registry
+from registry.core.recording import Run
 from registry.core.selector import SelectionError
 
 MOMENTUM = 0.1
@@ -157,3 +158,95 @@ def test_evaluation_mode_reads_shared_running_statistics_and_leaves_them() -> No
         out = func.vmap(lambda s: F.batch_norm(s, rm, rv, training=False, eps=EPS))(x)
     torch.testing.assert_close(out, expected)
     assert torch.equal(rm, before_mean) and torch.equal(rv, before_var)
+
+
+# --- group norm: the C++ op under one reverse level, PyTorch's op wherever the backward is differentiated again -----
+
+
+def _group_norm_model() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4)).double()
+    return model, torch.randn(5, 3, 8, 8, dtype=torch.float64)
+
+
+def _sample_loss(model: torch.nn.Module):
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return func.functional_call(model, params, (x.unsqueeze(0),)).square().sum()
+
+    return loss
+
+
+def _group_norm_decisions(run: Run) -> set[tuple[tuple[str, ...], str]]:
+    return {(d.stack, d.kind) for d in run.decisions if d.op == "native_group_norm"}
+
+
+def test_per_sample_gradients_through_group_norm_run_the_cpp_op_and_equal_the_loop() -> None:
+    model, x = _group_norm_model()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    loss = _sample_loss(model)
+    loop = [func.grad(loss)(params, x[b]) for b in range(x.shape[0])]
+    with registry.use(record=True) as run:
+        got = func.vmap(func.grad(loss), in_dims=(None, 0))(params, x)
+    assert _group_norm_decisions(run) == {(("vmap", "grad"), "cpp_op")}
+    for name in params:
+        torch.testing.assert_close(got[name], torch.stack([each[name] for each in loop]))
+
+
+def test_group_norm_differentiated_again_stays_pytorchs() -> None:
+    """grad(vmap(grad)) and vmap(hessian) differentiate the backward: the C++ op's backward has no derivative, so
+    PyTorch's op runs there, with PyTorch's values."""
+    model, x = _group_norm_model()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    loss = _sample_loss(model)
+
+    def meta(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum(g.square().sum() for g in func.vmap(func.grad(loss), in_dims=(None, 0))(p, x).values())
+
+    def input_loss(sample: torch.Tensor) -> torch.Tensor:
+        return loss(params, sample)
+
+    expected_meta, expected_hessian = func.grad(meta)(params), func.vmap(func.hessian(input_loss))(x[:2])
+    with registry.use(record=True) as run:
+        got_meta, got_hessian = func.grad(meta)(params), func.vmap(func.hessian(input_loss))(x[:2])
+    assert {kind for _, kind in _group_norm_decisions(run)} == {"native"}
+    for name in params:
+        torch.testing.assert_close(got_meta[name], expected_meta[name])
+    torch.testing.assert_close(got_hessian, expected_hessian)
+
+
+def test_eager_autograd_through_per_sample_gradients_of_group_norm() -> None:
+    """Parameters that require grad outside the transforms: eager autograd records the whole per-sample-gradient
+    computation and differentiates it again; the composite runs PyTorch's op there."""
+    model, x = _group_norm_model()
+    params = dict(model.named_parameters())
+    loss = _sample_loss(model)
+
+    def penalty() -> tuple[torch.Tensor, ...]:
+        grads = func.vmap(func.grad(loss), in_dims=(None, 0))(params, x)
+        return torch.autograd.grad(sum(g.square().sum() for g in grads.values()), list(params.values()))
+
+    expected = penalty()
+    with registry.use():
+        got = penalty()
+    for each, want in zip(got, expected, strict=True):
+        torch.testing.assert_close(each, want)
+
+
+def test_group_norm_statistics_are_differentiable() -> None:
+    """The mean and rstd outputs of native_group_norm carry gradients and tangents, as PyTorch's do."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 6, 5, dtype=torch.float64)
+    weight, bias = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+
+    def every_output(sample: torch.Tensor) -> torch.Tensor:
+        out, mean, rstd = torch.ops.aten.native_group_norm(sample, weight, bias, 2, 6, 5, 3, 1e-5)
+        return out.sum() + (mean * 3).sum() + (rstd ** 2).sum()
+
+    expected_grad = func.vmap(func.grad(every_output))(x)
+    expected_jvp = func.vmap(lambda s, t: func.jvp(every_output, (s,), (t,))[1])(x, x.flip(0))
+    with registry.use(pins={"native_group_norm": "cpp_op"}):
+        got_grad = func.vmap(func.grad(every_output))(x)
+        got_jvp = func.vmap(lambda s, t: func.jvp(every_output, (s,), (t,))[1])(x, x.flip(0))
+    torch.testing.assert_close(got_grad, expected_grad)
+    torch.testing.assert_close(got_jvp, expected_jvp)

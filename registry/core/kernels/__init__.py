@@ -32,10 +32,11 @@ from types import ModuleType
 
 import torch
 
-# One extension of two sources: the routing kernels, and the fused primitives as C++ ops (``fused_ops.cpp``: their
-# TORCH_LIBRARY registrations run when the extension loads).
+# One extension: the routing kernels, the fused primitives and group norm as C++ ops (``fused_ops.cpp``,
+# ``group_norm.cpp``: their TORCH_LIBRARY registrations run when the extension loads), the random state's copy, and
+# the batching rules that the routing registers (``batch_rules.cpp``).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("routing.cpp", "fused_ops.cpp", "random_state.cpp",
-                                                                "batch_rules.cpp"))
+                                                                "batch_rules.cpp", "group_norm.cpp"))
 CACHE_ENV = "MULTICOMPOSITE_KERNELS_DIR"
 # -O3: gcc vectorizes the fused ops' loops only there (its -O2 cost model refuses loops of unknown length).
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-w")

@@ -582,6 +582,7 @@ int64_t routing_frame() { return tls_frame; }  // batch_rules.cpp's rules apply 
 
 void bind_random_state(py::module& m);  // random_state.cpp
 size_t register_batch_rules(torch::Library& library);  // batch_rules.cpp
+void set_batch_rules_enabled(bool enabled);            // batch_rules.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "multicomposite's routing kernels at FuncTorchDynamicLayerFrontMode";
@@ -623,6 +624,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "registered first); returns how many");
   m.def("batch_rules_registered", []() { return batch_rules_registered; },
         "Whether the C++ batching rules are registered");
+  m.def("set_batch_rules_enabled", &set_batch_rules_enabled,
+        "Off: the C++ batching rules run the kernels they override, inside use() too (a benchmark's baseline)");
   m.def(
       "unregister_all",
       []() {

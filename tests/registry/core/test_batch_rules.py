@@ -1,7 +1,8 @@
-"""The C++ batching rules of the NLL loss (``registry/core/batch_rules.py``): inside ``use()`` on the C++ backend,
-vmap of ``nll_loss_forward`` / ``nll_loss_backward`` runs one call of PyTorch's kernel over the folded rows instead of
-functorch's Python decomposition, with the same values and gradients under every transform; outside ``use()``, on the
-Python backend and after ``uninstall()`` the decomposition runs as in PyTorch."""
+"""The C++ batching rules (``registry/core/batch_rules.py``): inside ``use()`` on the C++ backend, vmap of
+``nll_loss_forward`` / ``nll_loss_backward`` runs one call of PyTorch's kernel over the folded rows instead of
+functorch's Python decomposition, and vmap of ``native_group_norm`` / ``native_group_norm_backward`` one call over the
+folded samples, with the same values and gradients under every transform as PyTorch's own rules; outside ``use()``, on
+the Python backend and after ``uninstall()`` PyTorch's rules run."""
 
 from __future__ import annotations
 
@@ -161,3 +162,58 @@ def test_uninstall_takes_the_rules_out() -> None:
             assert _decompositions_run(lambda: run(scores, target)) == ["nll_loss_forward", "nll_loss_backward"]
     finally:
         registry.install()
+
+
+# --- group norm ------------------------------------------------------------------------------------------------------
+
+GROUPS, GROUP_CHANNELS, SPATIAL = 2, 6, 5
+
+
+def _group_norm_inputs() -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, 2, GROUP_CHANNELS, SPATIAL, dtype=torch.float64, generator=generator)
+    weight = torch.randn(GROUP_CHANNELS, dtype=torch.float64, generator=generator)
+    bias = torch.randn(GROUP_CHANNELS, dtype=torch.float64, generator=generator)
+    grad_out = torch.randn(BATCH, 2, GROUP_CHANNELS, SPATIAL, dtype=torch.float64, generator=generator)
+    return x, weight, bias, grad_out
+
+
+def _group_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """aten's backward itself, with its statistics from its forward: what the autograd nodes call."""
+    _, mean, rstd = torch.ops.aten.native_group_norm(x, weight, None, 2, GROUP_CHANNELS, SPATIAL, GROUPS, 1e-5)
+    return tuple(torch.ops.aten.native_group_norm_backward(grad_out, x, mean, rstd, weight, 2, GROUP_CHANNELS,
+                                                           SPATIAL, GROUPS, [True, True, True]))
+
+
+@pytest.mark.parametrize("in_dims", ((0, 0, None), (0, None, None), (None, 0, None), (0, 0, 0)),
+                         ids=("both", "grad-only", "input-only", "batched-weight"))
+def test_group_norm_backward_equals_the_loop(in_dims: tuple[int | None, ...]) -> None:
+    """Each batching of the backward's operands (an unbatched input's statistics folded as stride-0 views were the
+    case PyTorch's kernel reads wrongly unless made contiguous; a batched weight is left to functorch's rule)."""
+    x, weight, _, grad_out = _group_norm_inputs()
+    weights = weight.expand(BATCH, -1) * torch.linspace(0.5, 1.5, BATCH, dtype=torch.float64)[:, None]
+    operands = (grad_out, x, weights)
+    loop = [_group_norm_backward(*(o[b] if d == 0 else (o[0] if o is not weights else weight)
+                                   for o, d in zip(operands, in_dims, strict=True))) for b in range(BATCH)]
+    arguments = tuple(o if d == 0 else (o[0] if o is not weights else weight)
+                      for o, d in zip(operands, in_dims, strict=True))
+    with registry.use():
+        got = func.vmap(_group_norm_backward, in_dims=in_dims)(*arguments)
+    for index, each in enumerate(got):
+        torch.testing.assert_close(each, torch.stack([row[index] for row in loop]))
+
+
+@pytest.mark.parametrize("affine", ("weight-and-bias", "weight", "neither"))
+def test_group_norm_forward_and_per_sample_gradients(affine: str) -> None:
+    x, weight, bias, _ = _group_norm_inputs()
+    w = None if affine == "neither" else weight
+    b = bias if affine == "weight-and-bias" else None
+
+    def loss(sample: torch.Tensor) -> torch.Tensor:
+        return (functional.group_norm(sample, GROUPS, w, b) ** 2 * torch.arange(sample.numel()).view(
+            sample.shape)).sum()
+
+    expected = func.vmap(func.grad(loss))(x), func.vmap(loss)(x)
+    with registry.use():
+        got = func.vmap(func.grad(loss))(x), func.vmap(loss)(x)
+    torch.testing.assert_close(got, expected)
