@@ -203,8 +203,9 @@ def test_group_norm_backward_equals_the_loop(in_dims: tuple[int | None, ...]) ->
         torch.testing.assert_close(each, torch.stack([row[index] for row in loop]))
 
 
+@pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("affine", ("weight-and-bias", "weight", "neither"))
-def test_group_norm_forward_and_per_sample_gradients(affine: str) -> None:
+def test_group_norm_under_every_transform(affine: str, transform: str) -> None:
     x, weight, bias, _ = _group_norm_inputs()
     w = None if affine == "neither" else weight
     b = bias if affine == "weight-and-bias" else None
@@ -213,7 +214,8 @@ def test_group_norm_forward_and_per_sample_gradients(affine: str) -> None:
         return (functional.group_norm(sample, GROUPS, w, b) ** 2 * torch.arange(sample.numel()).view(
             sample.shape)).sum()
 
-    expected = func.vmap(func.grad(loss))(x), func.vmap(loss)(x)
+    run = TRANSFORMS[transform](loss)
+    expected = run(x)
     with registry.use():
-        got = func.vmap(func.grad(loss))(x), func.vmap(loss)(x)
+        got = run(x)
     torch.testing.assert_close(got, expected)
