@@ -1,12 +1,17 @@
-"""Batching rules in C++ for aten ops whose only vmap rule is a Python decomposition (``kernels/batch_rules.cpp``):
-``nll_loss_forward`` and ``nll_loss_backward``, which every classifier's ``cross_entropy`` reaches under vmap(grad).
+"""Batching rules in C++ over functorch's slower ones (``kernels/batch_rules.cpp``), inside ``use()`` only.
 
-functorch registers ``torch._decomp``'s Python decompositions of these at FuncTorchBatched: under vmap each call runs
-about ten aten ops from Python, forward and backward. The C++ rules fold the batch into the loss's rows (B samples of
-N rows are one call of PyTorch's own kernel on B * N rows, reduced per sample after), inside ``use()`` only: outside
-it they run the decomposition they override, so PyTorch outside ``use()`` is unchanged. They go into the C++
-routing's Library, and with it at uninstall or a switch to the Python backend (whose kernels have no such rules:
-there the decompositions run as in PyTorch).
+- ``nll_loss_forward`` and ``nll_loss_backward``, which every classifier's ``cross_entropy`` reaches under
+  vmap(grad): functorch registers ``torch._decomp``'s Python decompositions of these at FuncTorchBatched, about ten
+  aten ops from Python a call. The rules fold the batch into the loss's rows (B samples of N rows are one call of
+  PyTorch's own kernel on B * N rows, reduced per sample after).
+- ``native_group_norm`` and ``native_group_norm_backward``: functorch's C++ rules apply the affine parameters and
+  form the weight's gradient as separate whole-tensor batched ops; the rules fold the batch into the samples and run
+  PyTorch's kernel once, the per-sample weight and bias gradients from two per-channel sums.
+
+Outside ``use()`` each rule runs the kernel it overrides (one boxed call more), so PyTorch's results outside
+``use()`` are unchanged. They go into the C++ routing's Library, and with it at uninstall or a switch to the Python
+backend (whose kernels have no such rules: there PyTorch's rules run). ``set_batch_rules_enabled(False)`` on the
+compiled module turns them off inside ``use()`` too (``bench/batch_rules.py``'s baseline).
 """
 
 from __future__ import annotations

@@ -1,17 +1,21 @@
-// Batching rules in C++ for aten ops whose only vmap rule is a Python decomposition: nll_loss_forward and
-// nll_loss_backward, what every classifier's cross_entropy reaches under vmap(grad).
+// Batching rules in C++ over functorch's slower ones, inside use() only (registry/core/batch_rules.py registers them):
 //
-// functorch registers torch._decomp's Python decompositions of these at FuncTorchBatched
-// (torch/_functorch/predispatch.py, lazy_load_decompositions): under vmap(grad) each cross-entropy call runs about
-// ten aten ops from Python, each through vmap's batch rules, in its forward and again in its backward. The loss is a
-// function of each row (one sample's rows under vmap), so a batch of B samples of N rows is one call on B * N rows
-// with reduction "none", reduced per sample afterwards: the rule below makes that one call of PyTorch's own kernel.
-// Autograd, forward AD and the double backward stay aten's own (NllLossBackward0 and its derivatives call these ops
-// again, which reach the rule again at their vmap level).
+// - nll_loss_forward and nll_loss_backward, what every classifier's cross_entropy reaches under vmap(grad). functorch
+//   registers torch._decomp's Python decompositions of these at FuncTorchBatched
+//   (torch/_functorch/predispatch.py, lazy_load_decompositions): about ten aten ops from Python a call, forward and
+//   backward. The loss is a function of each row, so a batch of B samples of N rows is one call on B * N rows with
+//   reduction "none", reduced per sample afterwards. Autograd, forward AD and the double backward stay aten's own
+//   (NllLossBackward0 and its derivatives call these ops again, which reach the rule again at their vmap level).
+// - native_group_norm and native_group_norm_backward: functorch's rules normalize without the affine parameters and
+//   apply them as two more batched passes, and form the backward's weight gradient from whole batched temporaries.
+//   Group norm is per sample, so the batch folds into N: PyTorch's kernel once (the affine parameters inside it),
+//   each sample's weight and bias gradients from two per-channel sums.
 //
-// The kernels go into the C++ routing's Library (routing.cpp's register_batch_rules): they are destroyed with it
-// (uninstall, a switch to the Python backend), and the decomposition they override is then PyTorch's again. Outside
-// use() they run the kernel they override (captured when registered), so PyTorch outside use() is unchanged.
+// Each rule decides on the logical shapes before anything dispatches and runs the kernel it overrides where its fold
+// does not hold (nothing batched at this level, a batched weight, shapes the kernel refuses). The kernels go into the
+// C++ routing's Library (routing.cpp's register_batch_rules): they are destroyed with it (uninstall, a switch to the
+// Python backend), and what they override is then PyTorch's again. Outside use() they run the kernel they override
+// (captured when registered), so PyTorch's results outside use() are unchanged.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
