@@ -151,14 +151,19 @@ define_op(
 )
 
 
-def _recorded_below(*tensors: torch.Tensor | None) -> bool:
-    """Whether eager autograd records under the transforms (a tensor that requires grad below every functorch
-    wrapper): a backward of the whole transformed call may follow, which would differentiate this op's backward
-    again."""
+def _pytorchs_case(*tensors: torch.Tensor | None) -> bool:
+    """Whether PyTorch's own op must run: eager autograd records under the transforms (a tensor that requires grad
+    below every functorch wrapper: a backward of the whole transformed call may follow, which would differentiate the
+    C++ op's backward again), or there is no element at all below the wrappers (no sample, or empty samples:
+    functorch's rule of native_group_norm_backward, which the C++ op's node reaches there, returns the wrong shape
+    for a vmap over no samples)."""
     for tensor in tensors:
         while tensor is not None and maybe_get_level(tensor) != -1:
-            tensor = get_unwrapped(tensor)
-        if tensor is not None and tensor.requires_grad:
+            try:
+                tensor = get_unwrapped(tensor)
+            except RuntimeError:  # a wrapper functorch cannot peel (functionalization), as context.batch_size says
+                break
+        if tensor is not None and (tensor.requires_grad or tensor.numel() == 0):
             return True
     return False
 
@@ -168,8 +173,8 @@ def native_group_norm_cpp_op(input, weight, bias, N, C, HxW, group, eps):  # noq
     """multicomposite::group_norm (registry/core/kernels/group_norm.cpp): PyTorch's own native_group_norm forward,
     and a backward node that calls native_group_norm_backward once (folded over the batch by the C++ batching rule)
     where PyTorch's node runs its twice-differentiable formula. Where eager autograd records below the transforms,
-    PyTorch's own op runs: its backward may be differentiated again there."""
-    if _recorded_below(input, weight, bias):
+    and for empty inputs, PyTorch's own op runs (``_pytorchs_case``)."""
+    if _pytorchs_case(input, weight, bias):
         return aten.native_group_norm(input, weight, bias, N, C, HxW, group, eps)
     return CPP_OPS.get().group_norm.default(input, weight, bias, N, C, HxW, group, eps)
 

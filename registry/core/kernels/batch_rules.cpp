@@ -12,7 +12,8 @@
 //   each sample's weight and bias gradients from two per-channel sums.
 //
 // Each rule decides on the logical shapes before anything dispatches and runs the kernel it overrides where its fold
-// does not hold (nothing batched at this level, a batched weight, shapes the kernel refuses). The kernels go into the
+// does not hold (nothing batched at this level, a batched weight, shapes or dtypes the kernel refuses, an empty
+// input). The kernels go into the
 // C++ routing's Library (routing.cpp's register_batch_rules): they are destroyed with it (uninstall, a switch to the
 // Python backend), and what they override is then PyTorch's again. Outside use() they run the kernel they override
 // (captured when registered), so PyTorch's results outside use() are unchanged.
@@ -51,8 +52,14 @@ struct Physical {
   bool batched = false;
 };
 
+// `t`'s batched implementation at `level`, or null where `t` is not batched there.
+const at::functorch::BatchedTensorImpl* batched_impl_at(const Tensor& t, int64_t level) {
+  const auto* batched = at::functorch::maybeGetBatchedImpl(t);
+  return batched != nullptr && batched->level() == level ? batched : nullptr;
+}
+
 Physical unwrap(const Tensor& t, int64_t level) {
-  if (auto* batched = at::functorch::maybeGetBatchedImpl(t); batched != nullptr && batched->level() == level) {
+  if (const auto* batched = batched_impl_at(t, level)) {
     return {batched->value().movedim(batched->bdim(), 0), true};
   }
   return {t, false};
@@ -73,19 +80,34 @@ int64_t current_level() {
   return layer.has_value() ? layer->layerId() : -1;
 }
 
-bool batched_at(const Tensor& t, int64_t level) {
-  const auto* batched = at::functorch::maybeGetBatchedImpl(t);
-  return batched != nullptr && batched->level() == level;
-}
+bool batched_at(const Tensor& t, int64_t level) { return batched_impl_at(t, level) != nullptr; }
 
 bool batched_at(const std::optional<Tensor>& t, int64_t level) { return t.has_value() && batched_at(*t, level); }
+
+bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
+
+// Whether `t` holds no element, its batch dimension at `level` counted (vmap over 0 samples included): an empty
+// call runs the kernel a rule overrides, whatever it does with it.
+bool empty_at(const Tensor& t, int64_t level) {
+  const auto* batched = batched_impl_at(t, level);
+  return (batched != nullptr ? batched->value() : t).numel() == 0;
+}
 
 // The logical shapes the fold takes: self (N, C) with target (N,), or self (C,) with target (): nll_loss_forward's.
 bool foldable(int64_t self_rank, int64_t target_rank) {
   return (self_rank == 2 && target_rank == 1) || (self_rank == 1 && target_rank == 0);
 }
 
-int64_t ignore_index_of(const c10::IValue& value) {
+// What the fold hands PyTorch's kernel and the decomposition it overrides takes alike: a Long target (the
+// decomposition gathers with any integer index, the kernel takes Long or Byte only) and a weight of one entry per
+// class (the decomposition's check raises its own error). Anything else runs the decomposition, as outside use().
+bool as_kernel_takes(const Tensor& self, const Tensor& target, const std::optional<Tensor>& weight) {
+  return target.scalar_type() == at::kLong &&
+         (!present(weight) || weight->numel() == self.size(-1));
+}
+
+// An int or SymInt argument as an int (the schemas' SymInts are concrete here: no tracing reaches these rules).
+int64_t int_of(const c10::IValue& value) {
   return value.isInt() ? value.toInt() : value.toSymInt().guard_int(__FILE__, __LINE__);
 }
 
@@ -111,7 +133,7 @@ Rows fold(const Physical& self, const Physical& target) {
 Tensor total_weight(const Rows& r, const std::optional<Tensor>& weight, int64_t ignore_index, const Tensor& like) {
   const Tensor keep = r.target_rows.ne(ignore_index);
   Tensor per_row;
-  if (weight.has_value() && weight->defined()) {
+  if (present(weight)) {
     per_row = weight->index_select(0, at::where(keep, r.target_rows, 0)).mul(keep);
   } else {
     per_row = keep.to(like.scalar_type());
@@ -140,12 +162,13 @@ class NllLossForward final : public BatchRule {
     const Tensor self = (*stack)[n - 5].toTensor(), target = (*stack)[n - 4].toTensor();
     const auto weight = (*stack)[n - 3].toOptional<Tensor>();
     const int64_t reduction = (*stack)[n - 2].toInt();
-    const int64_t ignore_index = ignore_index_of((*stack)[n - 1]);
+    const int64_t ignore_index = int_of((*stack)[n - 1]);
     const int64_t level = current_level();
     // Decided on the logical shapes before anything dispatches: what this rule declines runs the kernel it
     // overrides, as a batching rule (FuncTorchBatched not yet excluded).
     if (level < 0 || !(batched_at(self, level) || batched_at(target, level)) || batched_at(weight, level) ||
-        reduction < kNone || reduction > kSum || !foldable(self.dim(), target.dim())) {
+        reduction < kNone || reduction > kSum || !foldable(self.dim(), target.dim()) ||
+        !as_kernel_takes(self, target, weight) || empty_at(self, level) || empty_at(target, level)) {
       return overridden_.callBoxed(op, keyset, stack);
     }
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
@@ -185,13 +208,14 @@ class NllLossBackward final : public BatchRule {
     const Tensor target = (*stack)[n - 5].toTensor();
     const auto weight = (*stack)[n - 4].toOptional<Tensor>();
     const int64_t reduction = (*stack)[n - 3].toInt();
-    const int64_t ignore_index = ignore_index_of((*stack)[n - 2]);
+    const int64_t ignore_index = int_of((*stack)[n - 2]);
     const Tensor total = (*stack)[n - 1].toTensor();
     const int64_t level = current_level();
     if (level < 0 ||
         !(batched_at(grad, level) || batched_at(self, level) || batched_at(target, level) ||
           batched_at(total, level)) ||
-        batched_at(weight, level) || reduction < kNone || reduction > kSum || !foldable(self.dim(), target.dim())) {
+        batched_at(weight, level) || reduction < kNone || reduction > kSum || !foldable(self.dim(), target.dim()) ||
+        !as_kernel_takes(self, target, weight) || empty_at(self, level) || empty_at(target, level)) {
       return overridden_.callBoxed(op, keyset, stack);
     }
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
@@ -221,10 +245,6 @@ class NllLossBackward final : public BatchRule {
 };
 
 // --- group norm: the batch folded into the samples' N, the affine parameters inside PyTorch's kernel ---------------
-
-int64_t int_of(const c10::IValue& value) {
-  return value.isInt() ? value.toInt() : value.toSymInt().guard_int(__FILE__, __LINE__);
-}
 
 // (B, N, C, *) -> (B * N, C, *)
 Tensor fold_samples(const Tensor& t) {
@@ -296,12 +316,12 @@ class GroupNorm final : public BatchRule {
     const Tensor input = (*stack)[n - 8].toTensor();
     const auto weight = (*stack)[n - 7].toOptional<Tensor>(), bias = (*stack)[n - 6].toOptional<Tensor>();
     const int64_t level = current_level();
-    const bool has_weight = weight.has_value() && weight->defined(), has_bias = bias.has_value() && bias->defined();
+    const bool has_weight = present(weight), has_bias = present(bias);
     // A bias without a weight stays functorch's: PyTorch's double-backward formula of native_group_norm fails on it
     // (infinitely_differentiable_native_group_norm_backward), a path functorch's rule, with the bias added apart,
     // never takes.
     if (level < 0 || !batched_at(input, level) || batched_at(weight, level) || batched_at(bias, level) ||
-        input.dim() < 2 || (has_bias && !has_weight)) {
+        input.dim() < 2 || (has_bias && !has_weight) || empty_at(input, level)) {
       return overridden_.callBoxed(op, keyset, stack);
     }
     const int64_t samples = int_of((*stack)[n - 5]), channels = int_of((*stack)[n - 4]);
@@ -339,13 +359,13 @@ class GroupNormBackward final : public BatchRule {
     const auto weight = (*stack)[n - 6].toOptional<Tensor>();
     const int64_t level = current_level();
     if (level < 0 || !(batched_at(grad, level) || batched_at(input, level)) || batched_at(weight, level) ||
-        input.dim() < 2) {
+        input.dim() < 2 || empty_at(input, level) || empty_at(grad, level)) {
       return overridden_.callBoxed(op, keyset, stack);
     }
     const int64_t samples = int_of((*stack)[n - 5]), channels = int_of((*stack)[n - 4]);
     const int64_t inner = int_of((*stack)[n - 3]), group = (*stack)[n - 2].toInt();
     const auto mask = (*stack)[n - 1].toBoolList();
-    const bool want_input = mask.get(0), want_weight = mask.get(1) && weight.has_value() && weight->defined();
+    const bool want_input = mask.get(0), want_weight = mask.get(1) && present(weight);
     const bool want_bias = mask.get(2);
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
     const Physical g = unwrap(grad, level), x = unwrap(input, level), m = unwrap(mean, level),
@@ -368,9 +388,8 @@ class GroupNormBackward final : public BatchRule {
       const Tensor dy3 = dy.reshape({rows, channels, inner});
       const Tensor db = dy3.sum(-1);  // (B*N, C)
       if (want_bias) {
-        grad_bias = db.view({batch, samples, channels}).sum(1).to(weight.has_value() && weight->defined()
-                                                                      ? weight->scalar_type()
-                                                                      : dy.scalar_type());
+        grad_bias = db.view({batch, samples, channels}).sum(1).to(present(weight) ? weight->scalar_type()
+                                                                                  : dy.scalar_type());
       }
       if (want_weight) {
         const Tensor ds = row_dots(dy3, xs.reshape({rows, channels, inner}));  // (B*N, C)
@@ -400,10 +419,10 @@ void override_batched(torch::Library& library, const char* name) {
 
 }  // namespace
 
-// Register the rules into `library` (the C++ routing's); returns how many. The decompositions they override must
-// be registered first (torch._functorch.predispatch.lazy_load_decompositions), or they would override these.
 void set_batch_rules_enabled(bool enabled) { rules_enabled.store(enabled); }
 
+// Register the rules into `library` (the C++ routing's); returns how many. The decompositions they override must
+// be registered first (torch._functorch.predispatch.lazy_load_decompositions), or they would override these.
 size_t register_batch_rules(torch::Library& library) {
   override_batched<NllLossForward>(library, "aten::nll_loss_forward");
   override_batched<NllLossBackward>(library, "aten::nll_loss_backward");

@@ -1,5 +1,5 @@
 // multicomposite::group_norm: aten::native_group_norm with a first-order backward node of its own (the cpp_op
-// composite of native_group_norm in composites/cpp_ops.py; its rules in composites/normalization.py say where).
+// composite of native_group_norm, with its op and its rules, in composites/normalization.py).
 //
 // NOTE: why an op of our own. Under torch.func's grad, autograd runs with create_graph, so PyTorch's node of
 // native_group_norm computes its backward by infinitely_differentiable_native_group_norm_backward, about a dozen
@@ -50,8 +50,11 @@ group_norm_op() {
   return handle;
 }
 
-// Each sample's rows, as (N, G, D * HxW): what a group's mean and rstd are taken over.
-Tensor grouped(const Tensor& t, int64_t samples, int64_t group) { return t.reshape({samples, group, -1}); }
+// Each sample's rows, as (N, G, D * HxW): what a group's mean and rstd are taken over (the last size spelled out:
+// an empty input has no -1 to infer).
+Tensor grouped(const Tensor& t, int64_t samples, int64_t channels, int64_t inner, int64_t group) {
+  return t.reshape({samples, group, channels / group * inner});
+}
 
 struct GroupNormBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable input, weight, mean, rstd;  // mean and rstd: outputs of this node
@@ -76,7 +79,7 @@ struct GroupNormBackward : public torch::autograd::Node {
     if (from_stats) {
       // Through the statistics themselves (a loss that reads them): d mean / dx = 1 / M and
       // d rstd / dx = -rstd^3 (x - mean) / M over each group's M = D * HxW elements.
-      const Tensor xg = grouped(x, samples, group);
+      const Tensor xg = grouped(x, samples, channels, inner, group);
       const double count = static_cast<double>(xg.size(-1));
       Tensor extra;
       if (grad_mean.defined()) extra = grad_mean.unsqueeze(-1).div(count).expand_as(xg);
@@ -107,18 +110,19 @@ Tensor tangent_of(const std::optional<Tensor>& t) {
 //   d mean = mean_g(dx), d rstd = -rstd^2 * mean_g(x_hat * dx), d x_hat = rstd * (dx - d mean) + x_hat * d rstd / rstd,
 //   d out = d x_hat * w + x_hat * dw + db.
 void set_tangents(const Triple& result, const Tensor& input_dual, const std::optional<Tensor>& weight_dual,
-                  const Tensor& dx, const Tensor& dw, const Tensor& db, int64_t samples, int64_t group) {
+                  const Tensor& dx, const Tensor& dw, const Tensor& db, int64_t samples, int64_t channels,
+                  int64_t inner, int64_t group) {
   const auto& [out, mean, rstd] = result;
   // The primals: a tangent computed from a tensor that has one would carry one itself, which PyTorch refuses.
   const Tensor input = input_dual._fw_primal(/*level=*/0);
   const std::optional<Tensor> weight =
       present(weight_dual) ? std::optional<Tensor>(weight_dual->_fw_primal(/*level=*/0)) : std::nullopt;
-  const Tensor xg = grouped(input, samples, group);
+  const Tensor xg = grouped(input, samples, channels, inner, group);
   const Tensor mu = mean.unsqueeze(-1), sigma = rstd.unsqueeze(-1);
   const Tensor x_hat = (xg - mu) * sigma;
   Tensor d_out, d_mean, d_rstd;
   if (dx.defined()) {
-    const Tensor dxg = grouped(dx, samples, group);
+    const Tensor dxg = grouped(dx, samples, channels, inner, group);
     d_mean = dxg.mean(-1);
     d_rstd = -(rstd * rstd) * (x_hat * dxg).mean(-1);
     d_out = (sigma * (dxg - d_mean.unsqueeze(-1)) + x_hat * (d_rstd / rstd).unsqueeze(-1)).reshape(input.sizes());
@@ -170,7 +174,7 @@ Triple group_norm_autograd(const Tensor& input, const std::optional<Tensor>& wei
   }
   const Tensor dx = tangent_of(input), dw = tangent_of(weight), db = tangent_of(bias);
   if (dx.defined() || dw.defined() || db.defined()) {
-    set_tangents(result, input, weight, dx, dw, db, samples, group);
+    set_tangents(result, input, weight, dx, dw, db, samples, channels, inner, group);
   }
   return result;
 }

@@ -219,3 +219,51 @@ def test_group_norm_under_every_transform(affine: str, transform: str) -> None:
     with registry.use():
         got = run(x)
     torch.testing.assert_close(got, expected)
+
+
+# --- what the rules hand back to PyTorch's own rules: what the fold cannot take, and empty inputs ---------------------
+
+
+def _same_outcome(run: Callable[[], Any]) -> None:
+    """``run`` inside ``use()`` gives what it gives outside: the same values, or the same error type and message."""
+    try:
+        expected: Any = run()
+    except Exception as error:  # the outcome under test may be PyTorch's own error
+        with registry.use(), pytest.raises(type(error)) as raised:
+            run()
+        assert str(raised.value) == str(error)
+        return
+    with registry.use():
+        got = run()
+    torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("case", ("int32-target", "weight-of-wrong-size", "zero-rows", "zero-samples"))
+def test_nll_loss_takes_what_pytorch_takes(case: str) -> None:
+    """An int32 target (which the decomposition gathers with and the kernel refuses), a weight of the wrong size (the
+    decomposition's own error), no rows and a vmap over no samples all come out as natively."""
+    scores = torch.randn(0 if case == "zero-samples" else BATCH, 0 if case == "zero-rows" else ROWS, CLASSES,
+                         dtype=torch.float64)
+    target = torch.zeros(scores.shape[:2], dtype=torch.int32 if case == "int32-target" else torch.long)
+    weight = torch.ones(CLASSES + 1 if case == "weight-of-wrong-size" else CLASSES, dtype=torch.float64)
+
+    def loss(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return functional.nll_loss(s, t, weight=weight)
+
+    _same_outcome(lambda: func.vmap(loss)(scores, target))
+    if case != "weight-of-wrong-size":
+        _same_outcome(lambda: func.vmap(func.grad(loss))(scores, target))
+
+
+@pytest.mark.parametrize("shape", ((0, 2, GROUP_CHANNELS, SPATIAL), (BATCH, 0, GROUP_CHANNELS, SPATIAL),
+                                   (BATCH, 2, GROUP_CHANNELS, 0)), ids=("zero-samples", "zero-N", "zero-spatial"))
+def test_group_norm_of_empty_inputs(shape: tuple[int, ...]) -> None:
+    """Empty inputs run PyTorch's own rules (a fold over no samples would divide by zero)."""
+    _, weight, bias, _ = _group_norm_inputs()
+    x = torch.randn(shape, dtype=torch.float64)
+
+    def loss(sample: torch.Tensor) -> torch.Tensor:
+        return functional.group_norm(sample, GROUPS, weight, bias).sum()
+
+    _same_outcome(lambda: func.vmap(loss)(x))
+    _same_outcome(lambda: func.vmap(func.grad(loss))(x))
