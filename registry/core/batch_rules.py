@@ -22,18 +22,17 @@ from types import ModuleType
 
 
 class BatchRules:
-    """The patch that registers the C++ batching rules with the compiled routing kernels."""
+    """The patch that registers the C++ batching rules with the compiled routing kernels. It keeps no state: the
+    compiled module says whether its Library holds them (``batch_rules_registered``), and the rules go with it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.registered = False
 
     def install(self, active: Callable[[], bool]) -> None:
         """Nothing outside the dispatcher: the rules read the thread's ``use()`` frame themselves."""
 
     def uninstall(self) -> None:
-        """The rules go with the compiled routing's Library, which the router destroys."""
-        self.registered = False
+        """Nothing: the rules go with the compiled routing's Library, which the router destroys."""
 
     def register_compiled(self, module: ModuleType) -> None:
         """Register the rules into the compiled routing's Library, once per Library, over functorch's decompositions
@@ -44,11 +43,9 @@ class BatchRules:
             predispatch.lazy_load_decompositions()
             if not module.batch_rules_registered():
                 module.register_batch_rules()
-            self.registered = True
 
     def compiled_dropped(self) -> None:
-        with self.lock:
-            self.registered = False
+        """Nothing: the Library that held the rules is gone, and ``batch_rules_registered`` says so."""
 
 
 PATCH = BatchRules()
