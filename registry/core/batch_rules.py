@@ -7,6 +7,10 @@
 - ``native_group_norm`` and ``native_group_norm_backward``: functorch's C++ rules apply the affine parameters and
   form the weight's gradient as separate whole-tensor batched ops; the rules fold the batch into the samples and run
   PyTorch's kernel once, the per-sample weight and bias gradients from two per-channel sums.
+- ``convolution_backward`` of a 2-d convolution with fewer than 8 input channels whose weight the samples share
+  (per-sample gradients of an image model's first layer): functorch's rule forms the B weight gradients as one
+  grouped convolution (``groups = B``, each group a few channels wide, where PyTorch's CPU kernels are slow); the rule
+  runs one convolution with the input's channels and the batch swapped (1.5-3.5x faster at batch 4-64).
 
 Outside ``use()`` each rule runs the kernel it overrides (one boxed call more), so PyTorch's results outside
 ``use()`` are unchanged. They go into the C++ routing's Library, and with it at uninstall or a switch to the Python

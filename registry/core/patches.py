@@ -14,7 +14,8 @@ order below and uninstalls them in reverse (``inplace_under_jvp`` wraps what ``o
 - ``legacy_functions``: ``torch.autograd.Function.apply`` for pre-2.0 Functions under a transform.
 - ``checkpointing``: ``torch.utils.checkpoint`` in both forms (the reentrant one is a pre-2.0 Function).
 - ``flex_attention``: a vmap rule for the ``flex_attention`` higher-order operator.
-- ``batch_rules``: C++ batching rules over functorch's Python decompositions of the NLL loss (C++ backend only).
+- ``batch_rules``: C++ batching rules over functorch's slower ones (the NLL loss, group norm, convolution's
+  per-sample weight gradient; C++ backend only).
 
 PyTorch's attributes and dispatcher are one per process, so the patches are too: ``PATCHES`` holds each module's
 ``PATCH``, and every router installs those (one registry's routing is installed at a time).

@@ -10,6 +10,10 @@
 //   apply them as two more batched passes, and form the backward's weight gradient from whole batched temporaries.
 //   Group norm is per sample, so the batch folds into N: PyTorch's kernel once (the affine parameters inside it),
 //   each sample's weight and bias gradients from two per-channel sums.
+// - convolution_backward, under per-sample gradients of a 2-d convolution with few input channels (an image model's
+//   first layer): functorch's rule forms the B weight gradients as one grouped convolution_backward (groups = B, each
+//   group as wide as the input), slow where that width is small; the rule runs one convolution with the input's
+//   channels and the batch swapped instead.
 //
 // Each rule decides on the logical shapes before anything dispatches and runs the kernel it overrides where its fold
 // does not hold (nothing batched at this level, a batched weight, shapes or dtypes the kernel refuses, an empty
@@ -407,6 +411,91 @@ class GroupNormBackward final : public BatchRule {
   }
 };
 
+// --- convolution: each sample's weight gradient as one convolution with the channels and the batch swapped ---------
+
+// Below this many input channels the swapped convolution beats functorch's grouped one (BatchRulesConvolution.cpp
+// forms the B weight gradients as one convolution_backward with groups = B, each group `channels` wide, and
+// PyTorch's CPU kernels for a weight gradient vectorize over channels). Measured on 2-core x86_64, torch 2.13.0,
+// 3x3 kernels, batch 4 / 16 / 64, one thread: 3 channels (an image model's first layer) 0.39 / 1.40 / 6.6 ms
+// grouped against 0.11 / 0.90 / 3.9 ms swapped; 16 channels 0.16 / 0.55 / 2.3 ms grouped against 0.15 / 1.8 /
+// 7.7 ms swapped.
+constexpr int64_t kSwapMaxChannels = 8;
+
+// convolution_backward(Tensor grad_output, Tensor input, Tensor weight, SymInt[]? bias_sizes, SymInt[] stride,
+//                      SymInt[] padding, SymInt[] dilation, bool transposed, SymInt[] output_padding, SymInt groups,
+//                      bool[3] output_mask) -> (Tensor, Tensor, Tensor)
+// Under vmap(grad) of a model whose weights are shared by the samples (per-sample gradients: the weight unbatched,
+// the input and the output's gradient batched), sample b's weight gradient is
+//   dW_b[o, c, i, j] = sum over n, h, w of dY_b[n, o, h, w] * X_b[n, c, h * stride + i * dilation - padding],
+// a 2-d convolution of X_b with dY_b as its kernel, with stride and dilation trading places. With the input's
+// channels as that convolution's batch and the B samples as its groups, the B weight gradients are one call:
+//   input (C, B * N, H, W), weight (B * O, N, Ho, Wo), groups B -> (C, B * O, >= kH, >= kW).
+// The input's gradient is PyTorch's kernel once over the folded samples (the weight is shared), as functorch's rule
+// computes it; the bias's gradient a sum. Transposed and grouped convolutions, other ranks, a batched weight, wide
+// inputs and devices other than the CPU stay functorch's.
+class ConvolutionBackward final : public BatchRule {
+ public:
+  using BatchRule::BatchRule;
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+    if (!rules_apply()) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    const size_t n = stack->size();
+    const Tensor grad = (*stack)[n - 11].toTensor(), input = (*stack)[n - 10].toTensor();
+    const Tensor weight = (*stack)[n - 9].toTensor();
+    const bool transposed = (*stack)[n - 4].toBool();
+    const int64_t groups = int_of((*stack)[n - 2]);
+    const auto mask = (*stack)[n - 1].toBoolList();
+    const int64_t level = current_level();
+    if (level < 0 || !batched_at(grad, level) || !batched_at(input, level) || batched_at(weight, level) ||
+        transposed || groups != 1 || !mask.get(1) || input.dim() != 4 || grad.dim() != 4 || weight.dim() != 4 ||
+        input.size(1) >= kSwapMaxChannels || !input.device().is_cpu() || !at::isFloatingType(input.scalar_type()) ||
+        grad.scalar_type() != input.scalar_type() || weight.scalar_type() != input.scalar_type() ||
+        empty_at(input, level) || empty_at(grad, level)) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    const auto ints = [](const c10::IValue& value) {
+      std::vector<int64_t> out;
+      for (const c10::IValue& item : value.toListRef()) {
+        out.push_back(int_of(item));
+      }
+      return out;
+    };
+    const auto bias_sizes = (*stack)[n - 8];
+    const std::vector<int64_t> stride = ints((*stack)[n - 7]), padding = ints((*stack)[n - 6]);
+    const std::vector<int64_t> dilation = ints((*stack)[n - 5]), output_padding = ints((*stack)[n - 3]);
+    if (stride.size() != 2 || padding.size() != 2 || dilation.size() != 2) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const Tensor dy = unwrap(grad, level).value, x = unwrap(input, level).value;  // (B, N, O, Ho, Wo), (B, N, C, H, W)
+    const int64_t batch = x.size(0), samples = x.size(1), channels = x.size(2);
+    const int64_t outputs = dy.size(2), kernel_h = weight.size(2), kernel_w = weight.size(3);
+    Tensor grad_input, grad_bias;
+    if (mask.get(0)) {
+      grad_input = std::get<0>(at::convolution_backward(
+          fold_samples(dy), fold_samples(x), weight, std::nullopt, stride, padding, dilation, false, output_padding,
+          1, {true, false, false}));
+      grad_input = unfold_samples(grad_input, batch);
+    }
+    const Tensor swapped_input = x.permute({2, 0, 1, 3, 4}).reshape({channels, batch * samples, x.size(3), x.size(4)});
+    const Tensor swapped_kernel = dy.permute({0, 2, 1, 3, 4}).reshape({batch * outputs, samples, dy.size(3),
+                                                                         dy.size(4)});
+    const Tensor full = at::convolution(swapped_input, swapped_kernel, std::nullopt, /*stride=*/dilation, padding,
+                                        /*dilation=*/stride, false, {0, 0}, batch);
+    const Tensor grad_weight = full.narrow(2, 0, kernel_h).narrow(3, 0, kernel_w)
+                                   .view({channels, batch, outputs, kernel_h, kernel_w})
+                                   .permute({1, 2, 0, 3, 4}).contiguous();
+    if (mask.get(2) && !bias_sizes.isNone()) {
+      grad_bias = dy.sum({1, 3, 4});
+    }
+    torch::jit::drop(*stack, 11);
+    const auto batched = [&](const Tensor& t) { return t.defined() ? at::functorch::makeBatched(t, 0, level) : t; };
+    torch::jit::push(*stack, batched(grad_input), batched(grad_weight), batched(grad_bias));
+  }
+};
+
 template <typename Rule>
 void override_batched(torch::Library& library, const char* name) {
   constexpr auto key = c10::DispatchKey::FuncTorchBatched;
@@ -428,5 +517,6 @@ size_t register_batch_rules(torch::Library& library) {
   override_batched<NllLossBackward>(library, "aten::nll_loss_backward");
   override_batched<GroupNorm>(library, "aten::native_group_norm");
   override_batched<GroupNormBackward>(library, "aten::native_group_norm_backward");
-  return 4;
+  override_batched<ConvolutionBackward>(library, "aten::convolution_backward");
+  return 5;
 }

@@ -6,6 +6,7 @@ the Python backend and after ``uninstall()`` PyTorch's rules run."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from collections.abc import Callable
@@ -267,3 +268,114 @@ def test_group_norm_of_empty_inputs(shape: tuple[int, ...]) -> None:
 
     _same_outcome(lambda: func.vmap(loss)(x))
     _same_outcome(lambda: func.vmap(func.grad(loss))(x))
+
+
+# --- convolution's per-sample weight gradient --------------------------------------------------------------------
+
+OUT_CHANNELS = 5
+# (stride, padding, dilation): the swapped convolution trades stride and dilation, and keeps the first kH x kW of its
+# output where the input's edge leaves more.
+GEOMETRIES = ((1, 1, 1), (2, 0, 1), (1, 2, 2), (2, 1, 2), (3, 0, 1))
+
+
+def _convolution_inputs(samples: int, channels: int = 3, batch: int = BATCH) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(batch, samples, channels, 9, 10, dtype=torch.float64, generator=generator)
+    weight = torch.randn(OUT_CHANNELS, channels, 3, 2, dtype=torch.float64, generator=generator)
+    bias = torch.randn(OUT_CHANNELS, dtype=torch.float64, generator=generator)
+    return x, weight, bias
+
+
+def _convolution_loss(stride: int, padding: int, dilation: int) -> Callable[..., torch.Tensor]:
+    def loss(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        y = functional.conv2d(x, weight, bias, stride=stride, padding=padding, dilation=dilation)
+        return (y ** 2 * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum()
+
+    return loss
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "stride{}-padding{}-dilation{}".format(*g))
+@pytest.mark.parametrize("samples", (1, 2), ids=("one-sample", "two-rows-a-sample"))
+@pytest.mark.parametrize("bias", (True, False), ids=("bias", "no-bias"))
+def test_convolution_per_sample_gradients_equal_the_loop(geometry: tuple[int, int, int], samples: int,
+                                                         bias: bool) -> None:
+    """The weight's, the bias's and the input's gradients of each sample, against autograd on each sample alone."""
+    x, weight, b = _convolution_inputs(samples)
+    b = b if bias else None
+    loss = _convolution_loss(*geometry)
+    argnums = (0, 1, 2) if bias else (0, 2)
+    loop = []
+    for sample in x:
+        leaves = [t.clone().requires_grad_() for t in (weight, b, sample) if t is not None]
+        arguments = iter(leaves)
+        loop.append(torch.autograd.grad(loss(next(arguments), next(arguments) if bias else None, next(arguments)),
+                                        leaves))
+    with registry.use():
+        got = func.vmap(func.grad(loss, argnums=argnums), in_dims=(None, None, 0))(weight, b, x)
+    for index, each in enumerate(got):
+        torch.testing.assert_close(each, torch.stack([row[index] for row in loop]))
+
+
+CONVOLUTION_TRANSFORMS: dict[str, Callable[[Callable[..., torch.Tensor]], Callable[..., Any]]] = {
+    "vmap(grad)": lambda f: func.vmap(func.grad(f, argnums=(0, 2)), in_dims=(None, None, 0)),
+    "vmap(jacrev)": lambda f: func.vmap(func.jacrev(f, argnums=(0, 2)), in_dims=(None, None, 0)),
+    "vmap(jacfwd)": lambda f: func.vmap(func.jacfwd(f, argnums=0), in_dims=(None, None, 0)),
+    "vmap(hessian)": lambda f: func.vmap(func.hessian(f, argnums=0), in_dims=(None, None, 0)),
+    "grad(vmap(grad))": lambda f: func.grad(lambda w, b, x: func.vmap(func.grad(f), in_dims=(None, None, 0))(
+        w, b, x).pow(2).sum()),
+    "vmap(vmap(grad))": lambda f: func.vmap(func.vmap(func.grad(f), in_dims=(None, None, 0)), in_dims=(None, None, 0)),
+}
+
+
+@pytest.mark.parametrize("transform", CONVOLUTION_TRANSFORMS)
+@pytest.mark.parametrize("channels", (3, 8), ids=("narrow", "wide"))
+def test_convolution_under_every_transform(transform: str, channels: int) -> None:
+    """Second derivatives differentiate the swapped convolution (the rule's ops are differentiable); eight channels
+    and more stay functorch's rule."""
+    x, weight, bias = _convolution_inputs(1, channels)
+    if transform == "vmap(hessian)":
+        x, weight = x[:2, :, :, :5, :5], weight[:2]
+    if transform == "vmap(vmap(grad))":
+        x = x.view(1, *x.shape).expand(2, *x.shape).clone()
+    loss = _convolution_loss(2, 1, 1)
+    _same_outcome(lambda: CONVOLUTION_TRANSFORMS[transform](loss)(weight, bias, x))
+
+
+def _convolution_backward_calls(run: Callable[[], Any]) -> int:
+    with torch.profiler.profile() as profile:
+        run()
+    return sum(event.name == "aten::convolution_backward" for event in profile.events())
+
+
+def test_convolution_rule_runs_instead_of_functorchs(routing_backend: str) -> None:
+    """functorch's rule calls convolution_backward twice more on the folded samples (the input's and the weights'
+    gradients); the rule once, for the input's, and a swapped convolution for the weights'."""
+    x, weight, bias = _convolution_inputs(1)
+    run = functools.partial(CONVOLUTION_TRANSFORMS["vmap(grad)"](_convolution_loss(1, 1, 1)), weight, bias, x)
+    outside = _convolution_backward_calls(run)
+    with registry.use():
+        inside = _convolution_backward_calls(run)
+    assert outside == 3
+    assert inside == (2 if routing_backend == "cpp" else 3)
+
+
+def test_convolution_of_no_samples() -> None:
+    """A vmap over no samples runs functorch's rule."""
+    x, weight, bias = _convolution_inputs(1, batch=0)
+    _same_outcome(lambda: CONVOLUTION_TRANSFORMS["vmap(grad)"](_convolution_loss(1, 1, 1))(weight, bias, x))
+
+
+def test_convolution_in_float32_is_as_accurate_as_functorchs() -> None:
+    """In float32 the swapped convolution sums in another order than functorch's grouped one: both are compared with
+    the float64 result, and the rule's error may not exceed twice functorch's (plus one float32 rounding)."""
+    x, weight, bias = _convolution_inputs(1)
+    run = CONVOLUTION_TRANSFORMS["vmap(grad)"](_convolution_loss(2, 1, 1))
+    exact = run(weight, bias, x)
+    singles = [t.float() for t in (weight, bias, x)]
+    functorchs = run(*singles)
+    with registry.use():
+        got = run(*singles)
+    for exact_one, functorch_one, got_one in zip(exact, functorchs, got, strict=True):
+        functorch_error = (functorch_one.double() - exact_one).abs().max()
+        rounding = exact_one.abs().max() * torch.finfo(torch.float32).eps
+        assert (got_one.double() - exact_one).abs().max() <= 2 * functorch_error + rounding
