@@ -49,26 +49,35 @@ def _inside_use(step: Callable[[], Any], pins: dict[str, str] | None = None) -> 
     return inside
 
 
-def run(name: str, build: Callable[[int], Any], batch: int, rounds: int, min_run_time: float) -> dict[str, Any]:
+Switch = Callable[[], contextlib.AbstractContextManager[None]]
+
+
+def run(name: str, build: Callable[[int], Any], batch: int, rounds: int, min_run_time: float, *,
+        off: Switch = overridden, off_pins: dict[str, str] | None = None) -> dict[str, Any]:
+    """One workload at one batch size inside ``use()``, with what is measured on and off (``off()`` around that
+    way's calls, ``off_pins`` its pins), in alternating rounds of this process."""
     setup = build(batch)
     reference = setup.loop()
-    step, before_step = _inside_use(setup.step), _inside_use(setup.step, BEFORE)
-    with overridden():
+    step, before_step = _inside_use(setup.step), _inside_use(setup.step, off_pins)
+    with off():
         before_ok = _matches(before_step(), reference, setup)
     after_ok = _matches(step(), reference, setup)
-    times: dict[str, list[float]] = {"overridden": [], "rules": []}
+    times: dict[str, list[float]] = {"off": [], "on": []}
     for round_number in range(rounds):  # the order alternates between rounds: neither way always runs first
-        for way in ("overridden", "rules") if round_number % 2 == 0 else ("rules", "overridden"):
-            with overridden() if way == "overridden" else contextlib.nullcontext():
-                times[way].append(per_call_ms(before_step if way == "overridden" else step, time.thread_time,
+        for way in ("off", "on") if round_number % 2 == 0 else ("on", "off"):
+            with off() if way == "off" else contextlib.nullcontext():
+                times[way].append(per_call_ms(before_step if way == "off" else step, time.thread_time,
                                               min_run_time))
-    before, after = min(times["overridden"]), min(times["rules"])
-    return {"workload": name, "batch": batch, "overridden_ms": before, "rules_ms": after,
-            "speedup": before / after, "ok": before_ok and after_ok}
+    before, after = min(times["off"]), min(times["on"])
+    return {"workload": name, "batch": batch, "off_ms": before, "on_ms": after, "speedup": before / after,
+            "ok": before_ok and after_ok}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.batch_rules", description=__doc__)
+def compare(prog: str, description: str, argv: list[str] | None, labels: tuple[str, str], off: Switch,
+            off_pins: dict[str, str] | None = None) -> None:
+    """The command line of an on/off comparison over every ``bench.models`` workload (``labels``: the off and on
+    columns' names)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--batch", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--only", nargs="*", default=None, help="workload names (default: all)")
     parser.add_argument("--rounds", type=int, default=7)
@@ -76,27 +85,33 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if registry.routing_backend() != "cpp":
-        parser.error("the C++ batching rules come with the C++ routing kernels: build them with "
+        parser.error("what this compares comes with the C++ routing kernels: build them with "
                      "`multicomposite build-kernels`")
     warnings.simplefilter("ignore")  # the models' own warnings (SDPA's fallback notes), once per call otherwise
     rows = []
-    print(f"{'workload':<34} {'batch':>5} {'overridden ms':>14} {'rules ms':>9} {'speedup':>8}  per-sample grads")
+    off_label, on_label = (f"{label} ms" for label in labels)
+    print(f"{'workload':<34} {'batch':>5} {off_label:>14} {on_label:>14} {'speedup':>8}  per-sample grads")
     for workload in all_workloads():
         if args.only and workload.name not in args.only:
             continue
         for batch in args.batch:
             try:
-                row = run(workload.name, workload.build, batch, args.rounds, args.min_run_time)
+                row = run(workload.name, workload.build, batch, args.rounds, args.min_run_time, off=off,
+                          off_pins=off_pins)
             except Exception as error:  # a workload that fails natively too (or cannot be built) is reported
                 print(f"{workload.name:<34} {batch:>5} {type(error).__name__}: {str(error)[:60]}")
                 continue
             rows.append(row)
-            print(f"{row['workload']:<34} {batch:>5} {row['overridden_ms']:>14.2f} {row['rules_ms']:>9.2f} "
+            print(f"{row['workload']:<34} {batch:>5} {row['off_ms']:>14.2f} {row['on_ms']:>14.2f} "
                   f"{row['speedup']:>7.3f}x  {'ok' if row['ok'] else 'MISMATCH'}")
     if rows:
         geomean = math.exp(sum(math.log(row["speedup"]) for row in rows) / len(rows))
         print(f"geomean speedup over {len(rows)} rows: {geomean:.3f}x "
               f"(range {min(r['speedup'] for r in rows):.3f}x - {max(r['speedup'] for r in rows):.3f}x)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    compare("python -m bench.batch_rules", __doc__ or "", argv, ("overridden", "rules"), overridden, BEFORE)
 
 
 if __name__ == "__main__":

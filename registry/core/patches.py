@@ -16,6 +16,8 @@ order below and uninstalls them in reverse (``inplace_under_jvp`` wraps what ``o
 - ``flex_attention``: a vmap rule for the ``flex_attention`` higher-order operator.
 - ``batch_rules``: C++ batching rules over functorch's slower ones (the NLL loss, group norm, convolution's
   per-sample weight gradient; C++ backend only).
+- ``first_order_grad``: grad's backward without ``create_graph`` where nothing can differentiate it again (C++
+  backend only).
 
 PyTorch's attributes and dispatcher are one per process, so the patches are too: ``PATCHES`` holds each module's
 ``PATCH``, and every router installs those (one registry's routing is installed at a time).
@@ -30,6 +32,7 @@ from typing import Protocol, runtime_checkable
 from registry.core import (
     batch_rules,
     checkpointing,
+    first_order_grad,
     flex_attention,
     fresh_buffers,
     functionalization,
@@ -55,7 +58,8 @@ class Patch(Protocol):
 @runtime_checkable
 class CompiledKernels(Protocol):
     """A patch whose kernels the C++ backend registers with its routing kernels, into their Library (so they go
-    with them, on a switch to the Python backend or at uninstall): ``out_arguments``, ``batch_rules``."""
+    with them, on a switch to the Python backend or at uninstall): ``out_arguments``, ``batch_rules``; or that calls
+    the compiled module while it is loaded (``first_order_grad``)."""
 
     def register_compiled(self, module: ModuleType) -> None:
         """Register this patch's kernels through the compiled routing's ``module`` (after its routing kernels)."""
@@ -68,4 +72,4 @@ class CompiledKernels(Protocol):
 
 PATCHES: tuple[Patch, ...] = (out_arguments.PATCH, inplace_under_jvp.PATCH, fresh_buffers.PATCH,
                               mask_indexing.PATCH, functionalization.PATCH, legacy_functions.PATCH, checkpointing.PATCH,
-                              flex_attention.PATCH, batch_rules.PATCH)
+                              flex_attention.PATCH, batch_rules.PATCH, first_order_grad.PATCH)

@@ -582,6 +582,7 @@ int64_t routing_frame() { return tls_frame; }  // batch_rules.cpp's rules apply 
 
 void bind_random_state(py::module& m);  // random_state.cpp
 size_t register_batch_rules(torch::Library& library);  // batch_rules.cpp
+bool backward_is_first_order(const std::vector<at::Tensor>& outputs);  // first_order.cpp
 void set_batch_rules_enabled(bool enabled);            // batch_rules.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -622,6 +623,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "Register the C++ batching rules of batch_rules.cpp (over functorch's Python decompositions, which must be "
       "registered first); returns how many");
+  m.def("backward_is_first_order", &backward_is_first_order, py::arg("outputs"),
+        "Whether nothing below the functorch wrappers can differentiate a backward of these outputs again "
+        "(first_order.cpp)");
   m.def("batch_rules_registered", []() { return batch_rules_registered; },
         "Whether the C++ batching rules are registered");
   m.def("set_batch_rules_enabled", &set_batch_rules_enabled,

@@ -1,0 +1,89 @@
+"""torch.func.grad's backward without ``create_graph`` where nothing can differentiate its result again (inside
+``use()``, C++ backend).
+
+NOTE [first-order grad]: functorch's ``grad_and_value_impl`` always runs autograd with ``create_graph=True`` ("so
+that backward pass isn't run in no_grad mode"): a level below it (an outer grad or jvp, eager autograd under every
+transform) may differentiate the gradients again, and with ``create_graph=False`` the engine runs the backward under
+no_grad, which every level below obeys (functorch's NOTE [grad and vjp interaction with no_grad]). The price is paid
+wherever nothing does: every backward op is recorded at the grad level, PyTorch's nodes pick their
+twice-differentiable formulas, and a weight used at T steps of a recurrence gets its T gradients summed out of place
+(in place without ``create_graph``).
+
+Inside ``use()``, functorch's ``_autograd_grad`` (what grad's implementation calls; ``vjp`` calls it with cotangents,
+and is left alone) runs without ``create_graph`` exactly where nothing below the grad level can record:
+
+- every level below it is a vmap level (no grad, jvp or functionalize level: ``vmap(grad)``, ``vmap(vmap(grad))``,
+  ``grad`` alone), and
+- no differentiated output requires grad below the wrappers (eager autograd tracks nothing the forward touched: the
+  parameters were detached, or the call runs under ``torch.no_grad()``), and the graph behind them holds only
+  PyTorch's built-in nodes, without hooks (a Python node's backward or a hook may use tensors the forward did not):
+  ``kernels/first_order.cpp``, a walk of the graph in C++.
+
+Everywhere else, outside ``use()`` and on the Python backend, PyTorch's ``_autograd_grad`` runs as it is.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+import torch
+import torch._functorch.eager_transforms as eager_transforms  # noqa: PLC2701 - functorch's internals have no public API
+
+from registry.core.context import functorch_stack
+
+PYTORCH_AUTOGRAD_GRAD = eager_transforms._autograd_grad
+
+
+def only_vmap_below(stack: tuple[tuple[str, int], ...]) -> bool:
+    """Whether ``stack`` (outermost first) is one grad level, innermost, with only vmap levels below it."""
+    return bool(stack) and stack[-1][0] == "grad" and all(name == "vmap" for name, _ in stack[:-1])
+
+
+class FirstOrderGrad:
+    """The patch of functorch's ``_autograd_grad`` (``registry.core.patches.Patch`` and ``CompiledKernels``: the
+    graph check is compiled with the routing kernels, so the C++ backend alone has it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active: Callable[[], bool] | None = None  # whether this thread routes, while installed
+        self.compiled: ModuleType | None = None  # the compiled routing kernels, while their Library exists
+        # Off: grad keeps create_graph inside use() too (bench.first_order_grad's baseline).
+        self.enabled = True
+
+    def install(self, active: Callable[[], bool]) -> None:
+        with self.lock:
+            self.active = active
+            if eager_transforms._autograd_grad is PYTORCH_AUTOGRAD_GRAD:
+                eager_transforms._autograd_grad = self.autograd_grad
+
+    def uninstall(self) -> None:
+        with self.lock:
+            if eager_transforms._autograd_grad == self.autograd_grad:
+                eager_transforms._autograd_grad = PYTORCH_AUTOGRAD_GRAD
+            self.active = None
+
+    def register_compiled(self, module: ModuleType) -> None:
+        self.compiled = module
+
+    def compiled_dropped(self) -> None:
+        self.compiled = None
+
+    def first_order(self, outputs: Sequence[torch.Tensor]) -> bool:
+        """Whether nothing can differentiate grad's backward of ``outputs`` again (the module's NOTE)."""
+        active, compiled = self.active, self.compiled
+        return (self.enabled and compiled is not None and active is not None and active()
+                and only_vmap_below(functorch_stack()) and compiled.backward_is_first_order(list(outputs)))
+
+    def autograd_grad(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                      grad_outputs: Sequence[torch.Tensor] | None = None, retain_graph: bool = False,
+                      create_graph: bool = True) -> tuple[torch.Tensor, ...]:
+        """functorch's ``_autograd_grad``; grad's call (no cotangents) without ``create_graph`` where
+        ``first_order``."""
+        if create_graph and grad_outputs is None and self.first_order(outputs):
+            create_graph = False
+        return PYTORCH_AUTOGRAD_GRAD(outputs, inputs, grad_outputs, retain_graph, create_graph)
+
+
+PATCH = FirstOrderGrad()

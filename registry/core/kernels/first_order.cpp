@@ -1,0 +1,93 @@
+// Whether torch.func.grad's backward may run without create_graph (registry/core/first_order_grad.py decides with it).
+//
+// create_graph only matters where something differentiates the gradients again. Inside grad, below the vmap levels
+// the caller has checked, that can be (1) eager autograd below every transform, which records where a tensor it
+// tracks (requires_grad below the wrappers) took part in the forward, or (2) code in the graph that runs during the
+// backward and may use tensors the forward never touched: a Python node (an autograd.Function, whose backward is
+// arbitrary Python), or a hook on a node or a tensor. A built-in node's backward uses its saved tensors and the
+// incoming gradient only, and every saved tensor is an input or an output of an op of the forward, so with (2)
+// excluded (1) is seen on the differentiated outputs: if none of them requires grad below the wrappers, nothing the
+// backward computes can be recorded there.
+
+#include <ATen/ATen.h>
+#include <ATen/functorch/BatchedTensorImpl.h>
+#include <ATen/functorch/TensorWrapper.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <cstring>
+#include <typeinfo>
+#include <unordered_set>
+#include <vector>
+
+namespace {
+
+using torch::autograd::Node;
+
+// `t` below every functorch wrapper (grad's TensorWrapper, vmap's BatchedTensor): what eager autograd sees.
+at::Tensor below_wrappers(at::Tensor t) {
+  for (;;) {
+    if (const auto* wrapper = at::functorch::maybeGetTensorWrapper(t)) {
+      t = wrapper->value();
+    } else if (const auto* batched = at::functorch::maybeGetBatchedImpl(t)) {
+      t = batched->value();
+    } else {
+      return t;
+    }
+  }
+}
+
+// NOTE: a Python node is recognised by the name of its dynamic type, not by dynamic_cast: libtorch_python does not
+// export PyNode's type_info (dynamic_cast<PyNode*> leaves an undefined symbol at load), while the name is read from
+// the node's own vtable. The mangled name is the Itanium C++ ABI's, which gcc and clang on Linux and macOS use.
+constexpr const char* kPyNode = "N5torch8autograd6PyNodeE";
+
+bool is_python_node(const Node& node) { return std::strcmp(typeid(node).name(), kPyNode) == 0; }
+
+// Code of the user's that the engine runs around this node: hooks on it, on its outputs' tensors, retain_grad.
+bool runs_hooks(Node& node) {
+  return !node.pre_hooks().empty() || !node.tensor_pre_hooks().empty() || !node.retains_grad_hooks().empty() ||
+         !node.post_hooks().empty() || node.tensor_post_acc_grad_hooks() != nullptr;
+}
+
+}  // namespace
+
+// True where no differentiated output requires grad below the wrappers and the graph behind them holds only built-in
+// nodes without hooks: then nothing can differentiate the backward's results again except the levels above, which
+// the caller checks. Walks every node once (about 20 ns a node).
+bool backward_is_first_order(const std::vector<at::Tensor>& outputs) {
+  std::vector<Node*> pending;
+  for (const at::Tensor& output : outputs) {
+    if (!output.defined()) {
+      continue;
+    }
+    const at::Tensor base = below_wrappers(output);
+    // NOTE: an empty batch (a vmap over no samples) keeps create_graph: without it PyTorch's nodes pick their
+    // first-order backward kernels, and functorch's batching rules of some of them (native_group_norm_backward)
+    // reject a batch of none where the twice-differentiable formulas' ops take it.
+    if (base.requires_grad() || base.numel() == 0) {
+      return false;
+    }
+    if (const auto& node = output.grad_fn()) {
+      pending.push_back(node.get());
+    } else if (output.requires_grad()) {
+      return false;  // a leaf differentiated as itself: its hooks are on its accumulator, kept simple
+    }
+  }
+  std::unordered_set<Node*> seen;
+  while (!pending.empty()) {
+    Node* node = pending.back();
+    pending.pop_back();
+    if (!seen.insert(node).second) {
+      continue;
+    }
+    if (is_python_node(*node) || runs_hooks(*node)) {
+      return false;
+    }
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function) {
+        pending.push_back(edge.function.get());
+      }
+    }
+  }
+  return true;
+}

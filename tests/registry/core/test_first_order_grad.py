@@ -1,0 +1,230 @@
+"""grad's backward without ``create_graph`` (``registry/core/first_order_grad.py``): inside ``use()`` on the C++
+backend, exactly where nothing can differentiate its result again (only vmap levels below grad, nothing that
+requires grad below the wrappers, only built-in nodes without hooks); everywhere else as PyTorch runs it, and the
+gradients of the gradients equal PyTorch's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import func
+
+import registry
+from registry.core import first_order_grad
+
+pytestmark = pytest.mark.usefixtures("routing_backend")
+
+SAMPLES, FEATURES, OUT = 5, 3, 4
+
+
+@pytest.fixture
+def create_graph_seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
+    """The ``create_graph`` of every call of functorch's ``_autograd_grad`` that grad makes (the patch's callee)."""
+    registry.install()
+    seen: list[bool] = []
+    pytorchs = first_order_grad.PYTORCH_AUTOGRAD_GRAD
+
+    def spy(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_graph: bool = False,
+            create_graph: bool = True) -> Any:
+        if grad_outputs is None:  # grad's call; vjp's carry cotangents
+            seen.append(create_graph)
+        return pytorchs(outputs, inputs, grad_outputs, retain_graph, create_graph)
+
+    monkeypatch.setattr(first_order_grad, "PYTORCH_AUTOGRAD_GRAD", spy)
+    yield seen
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(OUT, FEATURES, dtype=torch.float64, generator=generator),
+            torch.randn(SAMPLES, FEATURES, dtype=torch.float64, generator=generator))
+
+
+def _loss(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ weight.T).pow(2).sum()
+
+
+def _per_sample(loss: Callable[..., torch.Tensor] = _loss) -> Callable[..., torch.Tensor]:
+    return func.vmap(func.grad(loss), in_dims=(None, 0))
+
+
+def _first_order(backend: str) -> bool:
+    """What create_graph grad gets where nothing differentiates again: False on the C++ backend only."""
+    return backend != "cpp"
+
+
+def test_per_sample_gradients_without_create_graph(create_graph_seen: list[bool], routing_backend: str) -> None:
+    weight, x = _inputs()
+    loop = torch.stack([torch.func.grad(_loss)(weight, sample) for sample in x])
+    create_graph_seen.clear()
+    with registry.use():
+        got = _per_sample()(weight, x)
+    assert create_graph_seen == [_first_order(routing_backend)]
+    torch.testing.assert_close(got, loop)
+    assert not got.requires_grad
+
+
+@pytest.mark.parametrize("stack", ("grad", "vmap(vmap(grad))"))
+def test_only_vmap_levels_below(create_graph_seen: list[bool], routing_backend: str, stack: str) -> None:
+    weight, x = _inputs()
+    run = (lambda: func.grad(_loss)(weight, x)) if stack == "grad" else (
+        lambda: func.vmap(_per_sample(), in_dims=(None, 0))(weight, x.expand(2, *x.shape)))
+    expected = run()
+    create_graph_seen.clear()
+    with registry.use():
+        got = run()
+    assert create_graph_seen == [_first_order(routing_backend)]
+    torch.testing.assert_close(got, expected)
+
+
+def test_outside_use_grad_keeps_create_graph(create_graph_seen: list[bool]) -> None:
+    weight, x = _inputs()
+    _per_sample()(weight, x)
+    assert create_graph_seen == [True]
+
+
+def test_a_level_that_differentiates_again_keeps_it(create_graph_seen: list[bool], routing_backend: str) -> None:
+    """grad(vmap(grad)): the inner grad keeps create_graph (the outer grad differentiates its result); the outer one
+    has nothing below it."""
+    weight, x = _inputs()
+
+    def outer(w: torch.Tensor) -> torch.Tensor:
+        return _per_sample()(w, x).pow(2).sum()
+
+    expected = func.grad(outer)(weight)
+    create_graph_seen.clear()
+    with registry.use():
+        got = func.grad(outer)(weight)
+    assert create_graph_seen == [True, _first_order(routing_backend)]
+    torch.testing.assert_close(got, expected)
+
+
+def test_jvp_below_keeps_it(create_graph_seen: list[bool]) -> None:
+    weight, x = _inputs()
+    run = func.vmap(func.jacfwd(func.grad(_loss)), in_dims=(None, 0))
+    expected = run(weight, x)
+    create_graph_seen.clear()
+    with registry.use():
+        got = run(weight, x)
+    assert create_graph_seen == [True]
+    torch.testing.assert_close(got, expected)
+
+
+def _eager_second_derivative(run: Callable[[torch.Tensor], torch.Tensor], leaf: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                        ...]:
+    per_sample = run(leaf)
+    return per_sample, *torch.autograd.grad(per_sample.pow(2).sum(), leaf)
+
+
+@pytest.mark.parametrize("captured", (False, True), ids=("passed", "captured"))
+def test_eager_autograd_below_keeps_it(create_graph_seen: list[bool], captured: bool) -> None:
+    """A weight that requires grad, passed to the transform or captured by the function: eager autograd records the
+    forward, so the per-sample gradients are differentiated through, as natively."""
+    weight, x = _inputs()
+    leaf = weight.clone().requires_grad_()
+
+    def run(w: torch.Tensor) -> torch.Tensor:
+        if captured:
+            return func.vmap(func.grad(lambda sample: _loss(w, sample)))(x)
+        return _per_sample()(w, x)
+
+    expected = _eager_second_derivative(run, leaf)
+    create_graph_seen.clear()
+    with registry.use():
+        got = _eager_second_derivative(run, leaf)
+    assert create_graph_seen == [True]
+    torch.testing.assert_close(got, expected)
+
+
+def test_under_no_grad_nothing_records(create_graph_seen: list[bool], routing_backend: str) -> None:
+    """Under torch.no_grad() eager autograd records nothing, even of a weight that requires grad."""
+    weight, x = _inputs()
+    leaf = weight.clone().requires_grad_()
+    with torch.no_grad():
+        expected = _per_sample()(leaf, x)
+        create_graph_seen.clear()
+        with registry.use():
+            got = _per_sample()(leaf, x)
+    assert create_graph_seen == [_first_order(routing_backend)]
+    torch.testing.assert_close(got, expected)
+    assert not got.requires_grad and not expected.requires_grad
+
+
+class _ScaledByCaptured(torch.autograd.Function):
+    """Forward the identity; backward scales by a tensor the forward never touched (a Python node's backward is
+    arbitrary code)."""
+
+    scale: torch.Tensor
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * _ScaledByCaptured.scale
+
+
+def _with_hook(scale: torch.Tensor, on_leaf: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def loss(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if on_leaf:
+            weight.register_hook(lambda grad: grad * scale)
+            return _loss(weight, x)
+        y = torch.tanh(x @ weight.T)
+        y.register_hook(lambda grad: grad * scale)
+        return y.pow(2).sum()
+
+    return loss
+
+
+@pytest.mark.parametrize("kind", ("python-node", "hook", "hook-on-the-input"))
+def test_code_run_by_the_backward_keeps_it(create_graph_seen: list[bool], kind: str) -> None:
+    """A Python node or a hook may use a tensor that requires grad and that the forward never touched: the
+    per-sample gradients then depend on it, and differentiating them by it gives PyTorch's result."""
+    weight, x = _inputs()
+    scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    _ScaledByCaptured.scale = scale
+    if kind == "python-node":
+        def loss(w: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+            return _loss(_ScaledByCaptured.apply(w), sample)
+    else:
+        loss = _with_hook(scale, on_leaf=kind == "hook-on-the-input")
+
+    def run(s: torch.Tensor) -> torch.Tensor:
+        return _per_sample(loss)(weight, x)
+
+    expected = _eager_second_derivative(run, scale)
+    create_graph_seen.clear()
+    with registry.use():
+        got = _eager_second_derivative(run, scale)
+    assert create_graph_seen == [True]
+    torch.testing.assert_close(got, expected)
+
+
+def test_switched_off_keeps_it(create_graph_seen: list[bool]) -> None:
+    weight, x = _inputs()
+    first_order_grad.PATCH.enabled = False
+    try:
+        with registry.use():
+            _per_sample()(weight, x)
+    finally:
+        first_order_grad.PATCH.enabled = True
+    assert create_graph_seen == [True]
+
+
+def test_uninstall_restores_functorchs() -> None:
+    import torch._functorch.eager_transforms as eager_transforms  # noqa: PLC2701 - what the patch replaces
+
+    registry.uninstall()
+    try:
+        assert eager_transforms._autograd_grad is first_order_grad.PYTORCH_AUTOGRAD_GRAD
+    finally:
+        registry.install()
