@@ -11,6 +11,13 @@
   (per-sample gradients of an image model's first layer): functorch's rule forms the B weight gradients as one
   grouped convolution (``groups = B``, each group a few channels wide, where PyTorch's CPU kernels are slow); the rule
   runs one convolution with the input's channels and the batch swapped (1.5-3.5x faster at batch 4-64).
+- ``_scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (what ``F.scaled_dot_product_attention``
+  runs on 4-d CPU inputs): functorch has no rule for either, so vmap loops over the samples; the rules fold the batch
+  into the kernel's N (attention is per row and head), one call each way. They serve the calls the selector leaves
+  to PyTorch's kernel (by cost, at small batches) and any program's SDPA under vmap inside ``use()``.
+
+Under ``use(policy="native")`` the rules stay out too (routing.py's ``NATIVE_POLICY_BIT``): that policy is PyTorch's
+own kernels and rules throughout.
 
 Outside ``use()`` each rule runs the kernel it overrides (one boxed call more), so PyTorch's results outside
 ``use()`` are unchanged. They go into the C++ routing's Library, and with it at uninstall or a switch to the Python

@@ -61,6 +61,8 @@ BACKEND_ENV = "MULTICOMPOSITE_ROUTING"  # "python" forces the Python kernels; "c
 # Decisions a router keeps (either backend's table): the oldest goes when a new one would pass it. A key holds
 # caller-supplied values (sizes, dtypes, the functorch levels), so an unbounded table would grow with every program.
 DECISION_CAPACITY = 8192
+# In a frame's C++ id where its policy is "native" (routing.cpp's kNativePolicyBit): far above any frame count.
+NATIVE_POLICY_BIT = 1 << 40
 
 Signature = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -83,7 +85,10 @@ class Frame:
         self.pins = pins
         self.run = run
         self.records = run is not None
-        self.cpp_id = -self.id if self.records else self.id  # what the C++ kernels read: negative where it records
+        # What the C++ kernels read: negative where it records; NATIVE_POLICY_BIT set under policy "native" (the
+        # C++ batching rules then run PyTorch's own rules too).
+        cpp = self.id | (NATIVE_POLICY_BIT if policy == "native" else 0)
+        self.cpp_id = -cpp if self.records else cpp
         self.signature: Signature = (policy, tuple(sorted(pins.items())))
         # The decision cache key's prefix per op, interned to an int: hashing it costs nothing on the hot path.
         self.prefixes = _Prefixes(router.prefixes, policy, pins, None if run is None else run.serial)

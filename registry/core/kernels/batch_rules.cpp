@@ -14,10 +14,13 @@
 //   first layer): functorch's rule forms the B weight gradients as one grouped convolution_backward (groups = B, each
 //   group as wide as the input), slow where that width is small; the rule runs one convolution with the input's
 //   channels and the batch swapped instead.
+// - _scaled_dot_product_flash_attention_for_cpu and its _backward (F.scaled_dot_product_attention on 4-d CPU
+//   inputs): functorch has no rule for either, so vmap loops over the samples; attention is per (n, head), so the
+//   batch folds into N and each is one call.
 //
 // Each rule decides on the logical shapes before anything dispatches and runs the kernel it overrides where its fold
 // does not hold (nothing batched at this level, a batched weight, shapes or dtypes the kernel refuses, an empty
-// input). The kernels go into the
+// input), and under use(policy="native"). The kernels go into the
 // C++ routing's Library (routing.cpp's register_batch_rules): they are destroyed with it (uninstall, a switch to the
 // Python backend), and what they override is then PyTorch's again. Outside use() they run the kernel they override
 // (captured when registered), so PyTorch's results outside use() are unchanged.
@@ -38,14 +41,14 @@
 #include <string>
 #include <vector>
 
-int64_t routing_frame();  // routing.cpp: the innermost use() frame of this thread, 0 outside use()
+bool batch_rules_apply();  // routing.cpp: inside use() under a policy other than "native"
 
 namespace {
 
 // Off: every rule runs the kernel it overrides, inside use() too (bench.batch_rules times both ways in one process).
 std::atomic<bool> rules_enabled{true};
 
-bool rules_apply() { return routing_frame() != 0 && rules_enabled.load(std::memory_order_relaxed); }
+bool rules_apply() { return batch_rules_apply() && rules_enabled.load(std::memory_order_relaxed); }
 
 using at::Tensor;
 
@@ -496,6 +499,135 @@ class ConvolutionBackward final : public BatchRule {
   }
 };
 
+// --- attention: the CPU flash kernel's backward over the folded samples ------------------------------------------
+
+// Where a fold of attention's operands holds: query, key, value (and the backward's gradient and output) 4-d and
+// nonempty, on the CPU; a mask, where present, of any rank that broadcasts (fold_mask lines it up). Dropout never
+// reaches these kernels on the CPU (F.scaled_dot_product_attention takes the math path for it, which batches), and
+// the rules decline it anyway: the kernel would draw one random state for all samples.
+bool attention_folds(const std::vector<Tensor>& tensors, const std::optional<Tensor>& mask, double dropout_p,
+                     int64_t level) {
+  bool any_batched = batched_at(mask, level);
+  for (const Tensor& t : tensors) {
+    if (!t.defined() || t.dim() != 4 || empty_at(t, level)) {
+      return false;
+    }
+    any_batched = any_batched || batched_at(t, level);
+  }
+  const bool mask_folds = !present(mask) || (mask->dim() <= 4 && !empty_at(*mask, level));
+  return any_batched && mask_folds && dropout_p == 0.0 && tensors[0].device().is_cpu();
+}
+
+// The vmap batch size at `level` of the first operand batched there.
+int64_t batch_of(const std::vector<Tensor>& tensors, const std::optional<Tensor>& mask, int64_t level) {
+  for (const Tensor& t : tensors) {
+    if (const auto* batched = batched_impl_at(t, level)) {
+      return batched->value().size(batched->bdim());
+    }
+  }
+  const auto* batched = batched_impl_at(*mask, level);
+  return batched->value().size(batched->bdim());
+}
+
+// (B, N, ...) physical -> (B * N, ...); an unbatched operand is expanded first (each sample sees the same one).
+Tensor fold_operand(const Tensor& t, int64_t level, int64_t batch) {
+  return fold_samples(with_batch(unwrap(t, level), batch));
+}
+
+// The mask as a 4-d (B * N, ...) operand: its logical dimensions padded in front to four and its first one expanded
+// to the query's N, so that each of the folded rows is paired with its own (a mask broadcasts over what it lacks).
+std::optional<Tensor> fold_mask(const std::optional<Tensor>& mask, int64_t level, int64_t batch, int64_t samples) {
+  if (!present(mask)) {
+    return std::nullopt;
+  }
+  const Physical p = unwrap(*mask, level);
+  Tensor m = with_batch(p, batch);  // (B, *logical)
+  while (m.dim() < 5) {
+    m = m.unsqueeze(1);
+  }
+  std::vector<int64_t> shape(m.sizes().begin(), m.sizes().end());
+  shape[1] = samples;
+  return fold_samples(m.expand(shape));
+}
+
+// _scaled_dot_product_flash_attention_for_cpu(Tensor query, Tensor key, Tensor value, float dropout_p=0.,
+//     bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) -> (Tensor output, Tensor logsumexp)
+// The fused CPU kernel (what F.scaled_dot_product_attention runs on 4-d CPU inputs without dropout) has no batching
+// rule in functorch: vmap runs it once per sample and stacks the results. Attention is per (n, head), so B samples
+// of N are one call on B * N.
+class FlashAttention final : public BatchRule {
+ public:
+  using BatchRule::BatchRule;
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+    if (!rules_apply()) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    const size_t n = stack->size();
+    const Tensor query = (*stack)[n - 7].toTensor(), key = (*stack)[n - 6].toTensor();
+    const Tensor value = (*stack)[n - 5].toTensor();
+    const double dropout_p = (*stack)[n - 4].toDouble();
+    const bool is_causal = (*stack)[n - 3].toBool();
+    const auto mask = (*stack)[n - 2].toOptional<Tensor>();
+    const auto scale = (*stack)[n - 1].toOptional<double>();
+    const int64_t level = current_level();
+    const std::vector<Tensor> tensors{query, key, value};
+    if (level < 0 || !attention_folds(tensors, mask, dropout_p, level)) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const int64_t batch = batch_of(tensors, mask, level);
+    auto [output, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(
+        fold_operand(query, level, batch), fold_operand(key, level, batch), fold_operand(value, level, batch),
+        dropout_p, is_causal, fold_mask(mask, level, batch, query.size(0)), scale);
+    torch::jit::drop(*stack, 7);
+    torch::jit::push(*stack, at::functorch::makeBatched(unfold_samples(output, batch), 0, level),
+                     at::functorch::makeBatched(unfold_samples(logsumexp, batch), 0, level));
+  }
+};
+
+// _scaled_dot_product_flash_attention_for_cpu_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value,
+//     Tensor out, Tensor logsumexp, float dropout_p, bool is_causal, *, Tensor? attn_mask=None, float? scale=None)
+//     -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)
+// Without a batching rule vmap runs it once per sample, as the forward (0.5 ms of a LoRA decoder's 8 ms step at
+// batch 4); folded like the forward, whose rule above is also why `out` and `logsumexp` come in batched.
+class FlashAttentionBackward final : public BatchRule {
+ public:
+  using BatchRule::BatchRule;
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+    if (!rules_apply()) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    const size_t n = stack->size();
+    const Tensor grad = (*stack)[n - 10].toTensor(), query = (*stack)[n - 9].toTensor();
+    const Tensor key = (*stack)[n - 8].toTensor(), value = (*stack)[n - 7].toTensor();
+    const Tensor out = (*stack)[n - 6].toTensor(), logsumexp = (*stack)[n - 5].toTensor();
+    const double dropout_p = (*stack)[n - 4].toDouble();
+    const bool is_causal = (*stack)[n - 3].toBool();
+    const auto mask = (*stack)[n - 2].toOptional<Tensor>();
+    const auto scale = (*stack)[n - 1].toOptional<double>();
+    const int64_t level = current_level();
+    const std::vector<Tensor> tensors{query, key, value, grad, out};
+    if (level < 0 || !attention_folds(tensors, mask, dropout_p, level) || !logsumexp.defined() ||
+        logsumexp.dim() != 3) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const int64_t batch = batch_of(tensors, mask, level);
+    auto [grad_query, grad_key, grad_value] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        fold_operand(grad, level, batch), fold_operand(query, level, batch), fold_operand(key, level, batch),
+        fold_operand(value, level, batch), fold_operand(out, level, batch),
+        fold_operand(logsumexp, level, batch).contiguous(), dropout_p, is_causal,
+        fold_mask(mask, level, batch, query.size(0)), scale);
+    torch::jit::drop(*stack, 10);
+    const auto batched = [&](const Tensor& t) {
+      return at::functorch::makeBatched(unfold_samples(t, batch), 0, level);
+    };
+    torch::jit::push(*stack, batched(grad_query), batched(grad_key), batched(grad_value));
+  }
+};
+
 template <typename Rule>
 void override_batched(torch::Library& library, const char* name) {
   constexpr auto key = c10::DispatchKey::FuncTorchBatched;
@@ -518,5 +650,7 @@ size_t register_batch_rules(torch::Library& library) {
   override_batched<GroupNorm>(library, "aten::native_group_norm");
   override_batched<GroupNormBackward>(library, "aten::native_group_norm_backward");
   override_batched<ConvolutionBackward>(library, "aten::convolution_backward");
-  return 5;
+  override_batched<FlashAttention>(library, "aten::_scaled_dot_product_flash_attention_for_cpu");
+  override_batched<FlashAttentionBackward>(library, "aten::_scaled_dot_product_flash_attention_for_cpu_backward");
+  return 7;
 }

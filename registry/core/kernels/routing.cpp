@@ -46,6 +46,10 @@ enum Code : int64_t {
 };
 
 thread_local int64_t tls_frame = 0;  // the id of the innermost use() frame of this thread; 0 outside use()
+// Set in a frame's id where its policy is "native" (routing.py's Frame.cpp_id): PyTorch's own kernels and batching
+// rules throughout, batch_rules.cpp's included.
+constexpr long long kNativePolicyBit = 1LL << 40;
+thread_local bool tls_native_policy = false;  // the innermost use() frame's policy is "native"
 thread_local bool tls_record = false;  // the innermost frame records (use(record=True)): Python kernels, whole
 thread_local bool tls_busy = false;  // inside a call a kernel decided: the layers below reach the kernel again
 thread_local std::vector<int64_t> tls_key;  // scratch: building the key allocates nothing on a hit
@@ -566,7 +570,9 @@ PyObject* set_frame(PyObject* /*self*/, PyObject* arg) {
     return nullptr;
   }
   tls_record = frame < 0;
-  tls_frame = frame < 0 ? -frame : frame;
+  const long long id = frame < 0 ? -frame : frame;
+  tls_native_policy = (id & kNativePolicyBit) != 0;
+  tls_frame = id & ~kNativePolicyBit;
   Py_RETURN_NONE;
 }
 
@@ -578,7 +584,8 @@ PyMethodDef busy_method = {"busy", busy, METH_NOARGS, "Whether this thread is in
 
 }  // namespace
 
-int64_t routing_frame() { return tls_frame; }  // batch_rules.cpp's rules apply inside use() only
+// batch_rules.cpp's rules apply inside use() only, under a policy other than "native".
+bool batch_rules_apply() { return tls_frame != 0 && !tls_native_policy; }
 
 void bind_random_state(py::module& m);  // random_state.cpp
 size_t register_batch_rules(torch::Library& library);  // batch_rules.cpp

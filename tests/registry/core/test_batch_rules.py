@@ -1,14 +1,17 @@
 """The C++ batching rules (``registry/core/batch_rules.py``): inside ``use()`` on the C++ backend, vmap of
 ``nll_loss_forward`` / ``nll_loss_backward`` runs one call of PyTorch's kernel over the folded rows instead of
 functorch's Python decomposition, and vmap of ``native_group_norm`` / ``native_group_norm_backward`` one call over the
-folded samples, with the same values and gradients under every transform as PyTorch's own rules; outside ``use()``, on
-the Python backend and after ``uninstall()`` PyTorch's rules run."""
+folded samples, vmap of convolution_backward one swapped convolution for narrow inputs, and vmap of the fused CPU
+attention kernel and its backward one call each over the folded samples, with the same values and gradients under
+every transform as PyTorch's own rules; outside ``use()``, under ``use(policy="native")``, on the Python backend and
+after ``uninstall()`` PyTorch's rules run."""
 
 from __future__ import annotations
 
 import functools
 import itertools
 import sys
+import warnings
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -19,6 +22,7 @@ from torch import func
 from torch.nn import functional
 
 import registry
+from tests.composites.test_reduce import FALLBACK
 
 pytestmark = pytest.mark.usefixtures("routing_backend")
 
@@ -379,3 +383,155 @@ def test_convolution_in_float32_is_as_accurate_as_functorchs() -> None:
         functorch_error = (functorch_one.double() - exact_one).abs().max()
         rounding = exact_one.abs().max() * torch.finfo(torch.float32).eps
         assert (got_one.double() - exact_one).abs().max() <= 2 * functorch_error + rounding
+
+
+# --- attention: the CPU flash kernel's backward over the folded samples -------------------------------------------
+
+HEADS, LENGTH, MEMORY, HEAD_DIM = 2, 5, 4, 3
+WIDTH = HEADS * HEAD_DIM
+FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
+FLASH_BACKWARD = f"{FLASH}_backward"
+
+
+def _attention_inputs(samples: int = 1, batch: int = BATCH) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(3, WIDTH, WIDTH, dtype=torch.float64, generator=generator) / WIDTH ** 0.5
+    x = torch.randn(batch, samples, LENGTH, WIDTH, dtype=torch.float64, generator=generator)
+    memory = torch.randn(batch, samples, MEMORY, WIDTH, dtype=torch.float64, generator=generator)
+    return weight, x, memory
+
+
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    return t.unflatten(-1, (HEADS, HEAD_DIM)).transpose(-3, -2)
+
+
+def _attention_loss(causal: bool = False, mask: torch.Tensor | None = None,
+                    scale: float | None = None) -> Callable[..., torch.Tensor]:
+    """A sample's loss through SDPA: queries from ``x``, keys and values from ``memory`` (cross-attention, so the key
+    and value may be unbatched), each projection by one of ``weight``'s three matrices."""
+
+    def loss(weight: torch.Tensor, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        q, k, v = _heads(x @ weight[0]), _heads(memory @ weight[1]), _heads(memory @ weight[2])
+        y = functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+        return (y ** 2 * torch.arange(y.numel(), dtype=y.dtype).view(y.shape).cos()).sum()
+
+    return loss
+
+
+# PyTorch's own SDPA at these sizes is auto's choice under vmap (by cost: the loop over the fused kernel costs less
+# than the folded composites at batch 5), so the calls reach the fused kernel and the rules; under policy "native"
+# the rules stay out (PyTorch's own rules throughout).
+ATTENTION_CASES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "causal": {"causal": True},
+    "scale": {"scale": 0.3},
+    "float-mask": {"mask": torch.randn(1, HEADS, LENGTH, MEMORY, dtype=torch.float64,
+                                       generator=torch.Generator().manual_seed(4))},
+    "bool-mask": {"mask": torch.tensor([[True, False, True, True]]).expand(1, 1, LENGTH, MEMORY)},
+    "2d-mask": {"mask": torch.randn(LENGTH, MEMORY, dtype=torch.float64, generator=torch.Generator().manual_seed(5))},
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+@pytest.mark.parametrize("in_dims", ((None, 0, 0), (None, 0, None)), ids=("memory-batched", "memory-shared"))
+def test_attention_per_sample_gradients_equal_the_loop(case: str, in_dims: tuple[int | None, ...],
+                                                       routing_backend: str) -> None:
+    """The weight's and the input's gradients of each sample, against autograd on each sample alone; on the C++
+    backend without vmap's per-sample loop."""
+    weight, x, memory = _attention_inputs()
+    if in_dims[2] is None:
+        memory = memory[0]
+    loss = _attention_loss(**ATTENTION_CASES[case])
+    loop = []
+    for b, sample in enumerate(x):
+        leaves = [weight.clone().requires_grad_(), sample.clone().requires_grad_()]
+        loop.append(torch.autograd.grad(loss(*leaves, memory[b] if in_dims[2] == 0 else memory), leaves))
+    with warnings.catch_warnings(record=True) as caught, registry.use(record=True) as run:
+        warnings.simplefilter("always")
+        got = func.vmap(func.grad(loss, argnums=(0, 1)), in_dims=in_dims)(weight, x, memory)
+    # At these sizes the selector keeps PyTorch's own kernel (by cost): the calls reach the rules.
+    assert {d.composite for d in run.decisions if d.op == "scaled_dot_product_attention"} == {"native"}
+    loops = [str(w.message) for w in caught if FALLBACK in str(w.message)]
+    assert (loops == []) == (routing_backend == "cpp"), loops
+    for index, each in enumerate(got):
+        torch.testing.assert_close(each, torch.stack([row[index] for row in loop]))
+
+
+ATTENTION_TRANSFORMS: dict[str, Callable[[Callable[..., torch.Tensor]], Callable[..., Any]]] = {
+    "vmap(grad)": lambda f: func.vmap(func.grad(f, argnums=(0, 1)), in_dims=(None, 0, 0)),
+    "vmap(jacrev)": lambda f: func.vmap(func.jacrev(f, argnums=(0, 1)), in_dims=(None, 0, 0)),
+    "vmap(vmap(grad))": lambda f: func.vmap(func.vmap(func.grad(f), in_dims=(None, 0, 0)), in_dims=(None, 0, 0)),
+}
+# Second derivatives never reach the fused kernel inside use(): natively they raise (its backward has no derivative)
+# and the selector takes the functional composite there (tests/composites/test_attention.py).
+
+
+@pytest.mark.parametrize("transform", ATTENTION_TRANSFORMS)
+@pytest.mark.parametrize("samples", (1, 2), ids=("one-sample", "two-rows-a-sample"))
+@pytest.mark.parametrize("case", ("causal", "2d-mask"))
+def test_attention_under_every_transform(transform: str, samples: int, case: str) -> None:
+    """The same values as functorch's loop, nested vmaps included; a 2-d mask broadcasts over both rows of a
+    sample."""
+    weight, x, memory = _attention_inputs(samples)
+    if transform == "vmap(vmap(grad))":
+        x, memory = (t.view(1, *t.shape).expand(2, *t.shape).clone() for t in (x, memory))
+    loss = _attention_loss(**ATTENTION_CASES[case])
+    run = functools.partial(ATTENTION_TRANSFORMS[transform](loss), weight, x, memory)
+    expected = run()
+    with registry.use():
+        got = run()
+    torch.testing.assert_close(got, expected)
+
+
+def _flash_calls(run: Callable[[], Any]) -> tuple[int, int]:
+    """How often ``run`` calls the fused kernel's forward and its backward."""
+    with torch.profiler.profile() as profile:
+        run()
+    names = [event.name for event in profile.events()]
+    return names.count(FLASH), names.count(FLASH_BACKWARD)
+
+
+def test_attention_rules_run_instead_of_the_loop(routing_backend: str) -> None:
+    """vmap's fallback calls the fused kernel and its backward once per sample (and once where it enters); the rules
+    once each over the folded samples."""
+    weight, x, memory = _attention_inputs()
+    run = functools.partial(ATTENTION_TRANSFORMS["vmap(grad)"](_attention_loss()), weight, x, memory)
+    outside = _flash_calls(run)
+    with registry.use():
+        inside = _flash_calls(run)
+    with registry.use(policy="native"):
+        native_policy = _flash_calls(run)
+    assert outside == native_policy == (BATCH + 1, BATCH + 1)
+    assert inside == ((2, 2) if routing_backend == "cpp" else (BATCH + 1, BATCH + 1))
+
+
+@pytest.mark.parametrize("case", ("dropout", "per-sample-mask", "no-samples"))
+def test_attention_the_fold_cannot_take_runs_the_loop(case: str) -> None:
+    """A dropout (randomness under vmap: PyTorch's own error), a mask batched like the samples and a vmap over no
+    samples come out as natively."""
+    weight, x, memory = _attention_inputs(batch=0 if case == "no-samples" else BATCH)
+    if case == "per-sample-mask":
+        masks = torch.randn(BATCH, 1, HEADS, LENGTH, MEMORY, dtype=torch.float64)
+
+        def loss(w: torch.Tensor, xs: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            q, k, v = _heads(xs @ w[0]), _heads(m @ w[1]), _heads(m @ w[2])
+            return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).pow(2).sum()
+
+        run = functools.partial(func.vmap(func.grad(loss), in_dims=(None, 0, 0, 0)), weight, x, memory, masks)
+    else:
+        def loss(w: torch.Tensor, xs: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            q, k, v = _heads(xs @ w[0]), _heads(m @ w[1]), _heads(m @ w[2])
+            return functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if case == "dropout" else 0.0
+                                                           ).pow(2).sum()
+
+        run = functools.partial(ATTENTION_TRANSFORMS["vmap(grad)"](loss), weight, x, memory)
+    try:
+        expected: Any = run()
+    except Exception as error:  # the outcome under test may be PyTorch's own error
+        with registry.use(), pytest.raises(type(error)) as raised:
+            run()
+        assert str(raised.value) == str(error)
+        return
+    with registry.use():
+        got = run()
+    torch.testing.assert_close(got, expected)

@@ -113,17 +113,21 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> set[str]:
             if "There is a performance drop" in str(w.message)}
 
 
-def test_the_routing_key_holds_the_bucket(fallback_warnings: list) -> None:
-    """One process, one use(): batch 2 runs native's loop (fallback warnings, the fused kernel's forward included),
-    batch 256 the folded primitive (none); the decision cached for one does not answer the other."""
+def test_the_routing_key_holds_the_bucket(fallback_warnings: list, routing_backend: str) -> None:
+    """One process, one use(): batch 2 runs native (vmap's loop over the fused kernel, whose fallback warnings show
+    it, on the Python backend; the C++ backend's batching rule folds it), batch 256 the folded primitive (no loop);
+    the decision cached for one does not answer the other."""
     run = func.vmap(lambda q, k, v: SDPA(q, k, v))
-    seen = {}
+    seen, chosen = {}, {}
     for batch in (2, 256, 2):
         q = torch.randn(batch, 1, 2, 16, 16)
         fallback_warnings.clear()
-        with registry.use():
+        with registry.use(record=True) as block:
             out = run(q, q, q)
         seen.setdefault(batch, []).append(_fallbacks(fallback_warnings))
+        chosen.setdefault(batch, []).append({d.composite for d in block.decisions if d.op == OP})
         torch.testing.assert_close(out, func.vmap(lambda x: SDPA(x, x, x))(q))
-    assert seen[2] == [{"aten::_scaled_dot_product_flash_attention_for_cpu"}] * 2
+    assert chosen == {2: [{"native"}] * 2, 256: [{"primitive"}]}
+    loop = set() if routing_backend == "cpp" else {"aten::_scaled_dot_product_flash_attention_for_cpu"}
+    assert seen[2] == [loop] * 2
     assert seen[256] == [set()]
