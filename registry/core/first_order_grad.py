@@ -13,11 +13,12 @@ Inside ``use()``, functorch's ``_autograd_grad`` (what grad's implementation cal
 and is left alone) runs without ``create_graph`` exactly where nothing below the grad level can record:
 
 - every level below it is a vmap level (no grad, jvp or functionalize level: ``vmap(grad)``, ``vmap(vmap(grad))``,
-  ``grad`` alone), and
+  ``grad`` alone),
 - no differentiated output requires grad below the wrappers (eager autograd tracks nothing the forward touched: the
-  parameters were detached, or the call runs under ``torch.no_grad()``), and the graph behind them holds only
+  parameters were detached, or the call runs under ``torch.no_grad()``), the graph behind them holds only
   PyTorch's built-in nodes, without hooks (a Python node's backward or a hook may use tensors the forward did not):
-  ``kernels/first_order.cpp``, a walk of the graph in C++.
+  ``kernels/first_order.cpp``, a walk of the graph in C++, and
+- the batch is not empty (the first-order backward kernels' batching rules do not all take a vmap over no samples).
 
 Everywhere else, outside ``use()`` and on the Python backend, PyTorch's ``_autograd_grad`` runs as it is.
 """

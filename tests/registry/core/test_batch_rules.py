@@ -405,14 +405,19 @@ def _heads(t: torch.Tensor) -> torch.Tensor:
     return t.unflatten(-1, (HEADS, HEAD_DIM)).transpose(-3, -2)
 
 
+def _attention(weight: torch.Tensor, x: torch.Tensor, memory: torch.Tensor, **options: Any) -> torch.Tensor:
+    """SDPA of queries from ``x`` over keys and values from ``memory`` (cross-attention, so the key and value may be
+    unbatched), each projection by one of ``weight``'s three matrices; ``options`` go to SDPA."""
+    q, k, v = _heads(x @ weight[0]), _heads(memory @ weight[1]), _heads(memory @ weight[2])
+    return functional.scaled_dot_product_attention(q, k, v, **options)
+
+
 def _attention_loss(causal: bool = False, mask: torch.Tensor | None = None,
                     scale: float | None = None) -> Callable[..., torch.Tensor]:
-    """A sample's loss through SDPA: queries from ``x``, keys and values from ``memory`` (cross-attention, so the key
-    and value may be unbatched), each projection by one of ``weight``'s three matrices."""
+    """A sample's loss through ``_attention``, weighting each output element differently."""
 
     def loss(weight: torch.Tensor, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
-        q, k, v = _heads(x @ weight[0]), _heads(memory @ weight[1]), _heads(memory @ weight[2])
-        y = functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+        y = _attention(weight, x, memory, attn_mask=mask, is_causal=causal, scale=scale)
         return (y ** 2 * torch.arange(y.numel(), dtype=y.dtype).view(y.shape).cos()).sum()
 
     return loss
@@ -506,32 +511,20 @@ def test_attention_rules_run_instead_of_the_loop(routing_backend: str) -> None:
 
 
 @pytest.mark.parametrize("case", ("dropout", "per-sample-mask", "no-samples"))
-def test_attention_the_fold_cannot_take_runs_the_loop(case: str) -> None:
+def test_attention_edge_cases_come_out_as_natively(case: str) -> None:
     """A dropout (randomness under vmap: PyTorch's own error), a mask batched like the samples and a vmap over no
     samples come out as natively."""
     weight, x, memory = _attention_inputs(batch=0 if case == "no-samples" else BATCH)
     if case == "per-sample-mask":
         masks = torch.randn(BATCH, 1, HEADS, LENGTH, MEMORY, dtype=torch.float64)
 
-        def loss(w: torch.Tensor, xs: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            q, k, v = _heads(xs @ w[0]), _heads(m @ w[1]), _heads(m @ w[2])
-            return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).pow(2).sum()
+        def masked(w: torch.Tensor, xs: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return _attention(w, xs, m, attn_mask=mask).pow(2).sum()
 
-        run = functools.partial(func.vmap(func.grad(loss), in_dims=(None, 0, 0, 0)), weight, x, memory, masks)
-    else:
-        def loss(w: torch.Tensor, xs: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            q, k, v = _heads(xs @ w[0]), _heads(m @ w[1]), _heads(m @ w[2])
-            return functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if case == "dropout" else 0.0
-                                                           ).pow(2).sum()
-
-        run = functools.partial(ATTENTION_TRANSFORMS["vmap(grad)"](loss), weight, x, memory)
-    try:
-        expected: Any = run()
-    except Exception as error:  # the outcome under test may be PyTorch's own error
-        with registry.use(), pytest.raises(type(error)) as raised:
-            run()
-        assert str(raised.value) == str(error)
+        _same_outcome(lambda: func.vmap(func.grad(masked), in_dims=(None, 0, 0, 0))(weight, x, memory, masks))
         return
-    with registry.use():
-        got = run()
-    torch.testing.assert_close(got, expected)
+
+    def loss(w: torch.Tensor, xs: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return _attention(w, xs, m, dropout_p=0.5 if case == "dropout" else 0.0).pow(2).sum()
+
+    _same_outcome(lambda: ATTENTION_TRANSFORMS["vmap(grad)"](loss)(weight, x, memory))
