@@ -31,11 +31,11 @@ from registry.core.routing import ROUTER
 @contextlib.contextmanager
 def overridden() -> Iterator[None]:
     """The C++ rules off while the block runs: each runs the kernel it overrides."""
-    ROUTER.cpp.set_batch_rules_enabled(False)
+    ROUTER.set_batch_rules_enabled(False)
     try:
         yield
     finally:
-        ROUTER.cpp.set_batch_rules_enabled(True)
+        ROUTER.set_batch_rules_enabled(True)
 
 
 BEFORE = {"native_group_norm": "native"}

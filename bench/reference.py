@@ -75,7 +75,8 @@ def measure(path: Path, min_run_time: float, workloads: list[str]) -> dict[str, 
 
 
 # The reference costs by size (``sizes``): scaled_dot_product_attention on per-sample (1, heads, length, head_dim)
-# queries, keys and values, under vmap and vmap(grad), with and without a per-sample key padding mask, on a grid.
+# queries, keys and values, under vmap and vmap(grad), with and without a per-sample key padding mask, on a grid;
+# native twice on the C++ routing backend: in vmap's loop and with the package's C++ batching rule.
 # A point whose forward does more than SIZES_FLOP_CAP multiply-adds is not measured (the selector takes its nearest
 # measured neighbour's ratio there: at such sizes the fused kernel dominates every composite alike).
 SIZES_GRID = {"batch": (1, 4, 16, 64, 256), "length": (8, 32, 128, 512), "heads": (2, 8), "head_dim": (16, 64)}
@@ -88,6 +89,7 @@ SIZES_ATTEMPTS = 3  # a point measured under contention is re-measured (after a 
 def _attention_runners(batch: int, length: int, heads: int, head_dim: int, mask: bool, workload: str,
                        composites: list[str]) -> dict[str, Any]:
     import registry
+    from registry.core.cost import NATIVE_BATCH_RULES
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, 1, heads, length, head_dim, generator=g) for _ in range(3))
@@ -110,9 +112,13 @@ def _attention_runners(batch: int, length: int, heads: int, head_dim: int, mask:
         run = func.vmap(func.grad(lambda *t: forward(*t).square().sum(), argnums=(0, 1, 2)))
 
     def routed(composite: str) -> Any:
-        # Native too inside use(), with policy native (nothing routed, its derivative ops included): use()'s own
-        # cost on entry is paid by every runner alike, so the ratios are the op's.
-        within = {"policy": "native"} if composite == "native" else {"pins": {SIZES_OP: composite}}
+        # Native too inside use(), with policy native (nothing routed, its derivative ops included, PyTorch's own
+        # batching rules: vmap's loop): use()'s own cost on entry is paid by every runner alike, so the ratios are
+        # the op's. NATIVE_BATCH_RULES is PyTorch's kernel pinned, with this package's C++ batching rules.
+        if composite == "native":
+            within: dict[str, Any] = {"policy": "native"}
+        else:
+            within = {"pins": {SIZES_OP: "native" if composite == NATIVE_BATCH_RULES else composite}}
 
         def call() -> Any:
             with registry.use(**within):
@@ -127,12 +133,19 @@ def measure_sizes(path: Path, min_run_time: float, rounds: int) -> dict[str, Any
     rounds per point; a point measured under contention (``noise.contended``) is re-measured, then left out."""
     from itertools import product
 
+    from registry.core.cost import NATIVE_BATCH_RULES
     from registry.core.registration import COMPOSITES, load
+    from registry.core.routing import ROUTER
     from registry.profiling import noise
 
     load()
     torch.set_num_threads(1)
     composites = list(COMPOSITES[SIZES_OP])
+    if ROUTER.routing_backend() == "cpp":
+        composites.append(NATIVE_BATCH_RULES)  # PyTorch's kernel pinned: its batch folded by the C++ rule
+    else:
+        print("bench.reference sizes: the C++ routing backend is not active, so native is timed in vmap's loop "
+              f"only (no {NATIVE_BATCH_RULES}); build it with `multicomposite build-kernels`", file=sys.stderr)
     axes = list(SIZES_GRID)
     grids = []
     for workload, stack in SIZES_WORKLOADS.items():

@@ -52,6 +52,10 @@ class Context:
     batch_size: int = 1
     # The other arguments set away from their schema default (``memory_format``): a rule may depend on them.
     given: tuple[str, ...] = ()
+    # Whether PyTorch's own op would run with this package's C++ batching rules (registry.core.batch_rules: the C++
+    # routing backend, inside use(), a policy other than native), where vmap would otherwise loop: a choice by cost
+    # (registry.core.cost) then weighs native's time with the rules.
+    native_batch_rules: bool = False
 
 
 def functorch_stack() -> tuple[tuple[str, int], ...]:
@@ -143,11 +147,13 @@ def context_of(
     compiling: bool | None = None,
     records: bool | None = None,
     given: tuple[str, ...] = (),
+    native_batch_rules: bool = False,
 ) -> Context:
     """The context of a call whose tensor arguments, by schema name, are ``tensor_args`` (``self`` first).
 
     ``functorch``: the interpreter stack as ``functorch_stack()`` gives it; ``compiling``: whether torch.compile is
-    tracing; ``records``: whether autograd records the call — each computed here when the caller does not have it.
+    tracing; ``records``: whether autograd records the call — each computed here when the caller does not have it;
+    ``native_batch_rules``: whether the C++ batching rules would serve PyTorch's own op (``Context``).
     Under torch.compile the routing kernels run while AOTAutograd traces, with the functorch stack in place: the
     stack is then ``compile`` followed by the transforms inside the compiled function.
     """
@@ -185,6 +191,7 @@ def context_of(
         shapes=tuple(tuple(t.shape) for t in tensors),
         batch_size=batch_size(first) if first is not None and "vmap" in names else 1,
         given=given,
+        native_batch_rules=native_batch_rules,
     )
 
 

@@ -172,7 +172,8 @@ def _decider(router: Router) -> Callable[..., Chosen]:
         except KeyError:
             pass
         generation = router.generation
-        ctx = context_of(tensors, functorch, compiling=compiling, records=records, given=given)
+        ctx = context_of(tensors, functorch, compiling=compiling, records=records, given=given,
+                         native_batch_rules=router.batch_rules_serve(frame.policy))
         decision = decide(op.name, ctx, frame.policy, frame.pins.get(op.name))
         run = frame.run
         recorded = None if run is None else run.decided(op.name, ctx.stack, decision.composite, decision.kind,
@@ -236,6 +237,7 @@ class Router:
         self.routed_ops: set[str] = set()  # ops whose overloads have routing kernels (later ones get theirs at use())
         self.backend: str | None = None  # "cpp" or "python", once chosen
         self.cpp: ModuleType | None = None  # the compiled kernels' module while the C++ backend is active
+        self.batch_rules_enabled = True  # the C++ batching rules inside use() (set_batch_rules_enabled)
         # What use() tells the C++ kernels on entering a block and on leaving one (its frame's id, 0 outside use()):
         # cpp.set_frame both while the C++ backend is active; on the Python one, entering looks for a background
         # build that landed (kernels/background.py) and leaving does nothing.
@@ -266,6 +268,22 @@ class Router:
         self.decisions.clear()
         if self.cpp is not None:
             self.cpp.clear()
+
+    def batch_rules_serve(self, policy: str) -> bool:
+        """Whether PyTorch's own kernels run with the C++ batching rules (registry.core.batch_rules) in a frame of
+        ``policy``: on the C++ backend, with the rules enabled, under any policy but native."""
+        return self.cpp is not None and self.batch_rules_enabled and policy != "native"
+
+    def set_batch_rules_enabled(self, enabled: bool) -> None:
+        """Turn the C++ batching rules off (False) or back on inside ``use()`` (the baseline of
+        ``bench/batch_rules.py``). Decisions by cost weigh native's time with or without them: a new generation."""
+        if self.cpp is None:
+            raise RuntimeError("set_batch_rules_enabled: the C++ routing backend is not active; the batching rules "
+                               "are its kernels (set_routing_backend('cpp') first)")
+        with self.lock:
+            self.cpp.set_batch_rules_enabled(enabled)
+            self.batch_rules_enabled = enabled
+        self.selector.clear()
 
     # --- frames -------------------------------------------------------------------------------------------------
 

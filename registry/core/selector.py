@@ -290,7 +290,7 @@ class Selector:
         """The decision for ``op`` in ``ctx``: cached per (op, context, policy, pin)."""
         size = (ctx.numel or 1).bit_length()  # profiles are kept per power-of-two size
         key = (op, ctx.stack, ctx.batched, ctx.dtype, ctx.device, ctx.self_covers_batching, ctx.tensors, size,
-               policy, pin, self.table.signatures.bucket(op, ctx), ctx.given)
+               policy, pin, self.table.signatures.bucket(op, ctx), ctx.given, ctx.native_batch_rules)
         cache = self.cache
         decision = cache.get(key)
         if decision is not None:
@@ -348,7 +348,10 @@ class Selector:
         if pin is not None:
             chosen = self.resolve_pin(op, pin)
             problem = dict((c.name, p) for c, p in judged)[chosen.name]
-            if problem is not None:
+            # PyTorch's own op where it only loops is correct: a pin of it runs it (the loop, or this package's C++
+            # batching rule where one applies), as the call does without use().
+            only_loops = problem is not None and problem.status == "slow" and chosen.kind == NATIVE.name
+            if problem is not None and not only_loops:
                 valid = [c.name for c, p in judged if p is None]
                 raise SelectionError(
                     f"select({op}): pinned composite {chosen.name} ({chosen.kind}) is not valid under "

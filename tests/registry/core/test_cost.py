@@ -4,6 +4,7 @@ in the reason; native with nothing known; the bucket part of the routing key on 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from collections.abc import Iterator
@@ -131,3 +132,76 @@ def test_the_routing_key_holds_the_bucket(fallback_warnings: list, routing_backe
     loop = set() if routing_backend == "cpp" else {"aten::_scaled_dot_product_flash_attention_for_cpu"}
     assert seen[2] == [loop] * 2
     assert seen[256] == [set()]
+
+
+# --- native with the C++ batching rules: the baseline where they would serve the call ------------------------------
+
+# At batch 256 the folded primitive beats native's loop (2.00x) but not native with the C++ rule (1.25x slower).
+WITH_RULES = {**TIMES[256], "native_batch_rules": 8000.0}
+
+
+@pytest.fixture
+def _table_with_rules(_synthetic_table: Path) -> Path:
+    document = json.loads(_synthetic_table.read_text())
+    for point in document["grids"][0]["points"]:
+        if point["at"]["batch"] == 256:
+            point["times_us"] = WITH_RULES
+    _synthetic_table.write_text(json.dumps(document))
+    cost._load.cache_clear()
+    selector.clear_cache()
+    return _synthetic_table
+
+
+@pytest.mark.usefixtures("_table_with_rules")
+def test_where_the_rules_would_serve_native_is_weighed_with_them() -> None:
+    decision = selector.decide(OP, dataclasses.replace(_context(256), native_batch_rules=True))
+    assert decision.composite == "native"
+    assert decision.speedup == 1.0
+    assert decision.reason == (
+        "PyTorch's own scaled_dot_product_attention runs under vmap at batch 256, heads 2, length 16, head_dim 16, "
+        "no mask, rank 4: correct here (its batch folded by this package's C++ batching rule), and primitive is "
+        "1.25x slower than native with that rule at this size (the reference costs shipped with the package, "
+        "interpolated between measured sizes; thread CPU time, one thread, measured on a test machine).")
+
+
+@pytest.mark.usefixtures("_table_with_rules")
+def test_without_the_rules_native_is_weighed_by_its_loop() -> None:
+    decision = selector.decide(OP, _context(256))
+    assert (decision.composite, decision.speedup) == ("primitive", pytest.approx(2.0))
+
+
+@pytest.mark.usefixtures("_table_with_rules")
+def test_a_point_that_did_not_time_the_rules_weighs_the_loop() -> None:
+    # batch 100 lies between 16 (no rules timed: the loop) and 256 (the rules): 1.0 ** 0.5 * 1.25 ** 0.5 = 1.118.
+    decision = selector.decide(OP, dataclasses.replace(_context(100), native_batch_rules=True))
+    assert decision.composite == "native"
+    assert "primitive is 1.12x slower than native with that rule" in decision.reason
+
+
+@pytest.mark.usefixtures("_table_with_rules")
+def test_use_weighs_native_with_the_rules_on_the_cpp_backend(fallback_warnings: list, routing_backend: str) -> None:
+    """Inside use() at batch 256: on the C++ backend native (its rule folds the batch: no loop), on the Python one the
+    folded primitive; with the rules turned off the C++ backend decides as the Python one."""
+    run = func.vmap(lambda q, k, v: SDPA(q, k, v))
+    q = torch.randn(256, 1, 2, 16, 16)
+    expected = func.vmap(lambda x: SDPA(x, x, x))(q)
+
+    def chosen() -> set[str]:
+        fallback_warnings.clear()
+        with registry.use(record=True) as block:
+            out = run(q, q, q)
+        assert _fallbacks(fallback_warnings) == set()
+        torch.testing.assert_close(out, expected)
+        return {d.composite for d in block.decisions if d.op == OP}
+
+    if routing_backend == "python":
+        assert chosen() == {"primitive"}
+        return
+    assert chosen() == {"native"}
+    router = registry.DEFAULT.router
+    router.set_batch_rules_enabled(False)
+    try:
+        assert chosen() == {"primitive"}
+    finally:
+        router.set_batch_rules_enabled(True)
+    assert chosen() == {"native"}

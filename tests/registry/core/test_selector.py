@@ -77,6 +77,14 @@ def test_invalid_pin_names_op_stack_and_valid_choices() -> None:
     assert str(error.value).endswith(f"valid choices: functional, primitive{cpp_op}")
 
 
+def test_a_pin_of_native_where_it_only_loops_runs_it() -> None:
+    # Under vmap PyTorch's SDPA on 4-d samples loops over its fused kernel: slow, but correct, so a pin runs it.
+    decision = registry.select("scaled_dot_product_attention", stack="vmap", batched=["query"],
+                               pins={"scaled_dot_product_attention": "native"})
+    assert (decision.composite, decision.kind, decision.reason) == ("native", "native",
+                                                                    "pinned to native by the caller.")
+
+
 def test_unknown_pin_op_policy_dtype_and_batched_name() -> None:
     with pytest.raises(SelectionError, match="names no composite or kind of index_fill; registered: native"):
         registry.select("index_fill", stack="vmap", pins={"index_fill": "fastest"})
