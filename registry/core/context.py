@@ -52,9 +52,9 @@ class Context:
     batch_size: int = 1
     # The other arguments set away from their schema default (``memory_format``): a rule may depend on them.
     given: tuple[str, ...] = ()
-    # Whether PyTorch's own op would run with this package's C++ batching rules (registry.core.batch_rules: the C++
-    # routing backend, inside use(), a policy other than native), where vmap would otherwise loop: a choice by cost
-    # (registry.core.cost) then weighs native's time with the rules.
+    # Whether this package's C++ batching rules are in effect for the call (registry.core.batch_rules: the C++
+    # routing backend with its rules on, inside use(), a policy other than native): where one serves PyTorch's own
+    # op, which vmap would otherwise loop, a choice by cost (registry.core.cost) weighs native's time with it.
     native_batch_rules: bool = False
 
 

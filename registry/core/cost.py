@@ -233,21 +233,24 @@ def choose(op: str, ctx: Context, judged: Iterable[tuple[Any, Any]], policy: str
     where = _where(ctx, sizes)
     runs = "vmap's per-sample loop"  # how native runs, as the costs weighed it
     against = "native"
-    ratios, said = _local(source, op, ctx, native.name, [c.name for c in valid])
-    if not ratios:
-        table = costs or reference_costs()
-        named = dict(sizes)
-        grid = table.grid(op, ctx.stack, named)
-        if grid is not None and all(isinstance(named.get(name), int) for name, _ in grid.axes):
-            # NOTE: where the C++ batching rule folds the batch, native is no loop: weighing the loop's time there
-            # picked the folded composite at sizes where PyTorch's kernel with the rule is faster (1.3-1.5x at
-            # batch 16-64, length 32).
-            baseline = NATIVE_BATCH_RULES if ctx.native_batch_rules and grid.timed(NATIVE_BATCH_RULES) else NATIVE
-            if baseline == NATIVE_BATCH_RULES:
-                runs, against = "its batch folded by this package's C++ batching rule", "native with that rule"
-            ratios = {c: r for c, r in grid.ratios(named, baseline).items() if c in {v.name for v in valid}}
-            said = (f"the reference costs shipped with the package, interpolated between measured sizes; thread CPU "
-                    f"time, one thread, measured on {table.machine}")
+    table = costs or reference_costs()
+    named = dict(sizes)
+    grid = table.grid(op, ctx.stack, named)
+    if grid is not None and not all(isinstance(named.get(name), int) for name, _ in grid.axes):
+        grid = None
+    # NOTE: where the C++ batching rule folds the batch, native is no loop: weighing the loop's time there picked
+    # the folded composite at sizes where PyTorch's kernel with the rule is faster (1.3-1.5x at batch 16-64, length
+    # 32). A local profile times native outside use(), in the loop, so there only the reference costs, which time
+    # native with the rule too, decide.
+    with_rules = ctx.native_batch_rules and grid is not None and grid.timed(NATIVE_BATCH_RULES)
+    ratios, said = ({}, "") if with_rules else _local(source, op, ctx, native.name, [c.name for c in valid])
+    if not ratios and grid is not None:
+        if with_rules:
+            runs, against = "its batch folded by this package's C++ batching rule", "native with that rule"
+        ratios = {c: r for c, r in grid.ratios(named, NATIVE_BATCH_RULES if with_rules else NATIVE).items()
+                  if c in {v.name for v in valid}}
+        said = (f"the reference costs shipped with the package, interpolated between measured sizes; thread CPU "
+                f"time, one thread, measured on {table.machine}")
     if not ratios:
         return Costed(native.name, f"PyTorch's own {op} runs under {where}: it is correct here (vmap's per-sample "
                                    "loop), and no cost of a composite is known at this size", None)

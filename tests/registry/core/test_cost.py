@@ -17,7 +17,9 @@ from torch import func
 import registry
 from registry.core import cost, selector
 from registry.core.context import Context
+from registry.core.sources import source_hashes
 from registry.store import evidence
+from registry.store.records import ProfileEntry
 
 pytestmark = pytest.mark.usefixtures("routing_backend")
 
@@ -205,3 +207,24 @@ def test_use_weighs_native_with_the_rules_on_the_cpp_backend(fallback_warnings: 
     finally:
         router.set_batch_rules_enabled(True)
     assert chosen() == {"native"}
+
+
+def _profiled(composite: str, median_us: float) -> ProfileEntry:
+    return ProfileEntry(op=OP, composite=composite, kind=composite, stack=("vmap",), workload="vmap",
+                        dtype="float32", device="cpu", device_name="cpu", numel_bucket=512, batch_size=256,
+                        valid=True, detail="", median_us=median_us, iqr_us=median_us / 100, runs=100,
+                        peak_memory=None, source_hash=source_hashes()[OP, composite], torch_version=torch.__version__)
+
+
+@pytest.mark.usefixtures("_table_with_rules")
+def test_a_local_profile_decides_where_the_rules_do_not_serve() -> None:
+    # The local profile timed native outside use(): vmap's loop, 4x the folded primitive.
+    evidence.set_profiles([_profiled("native", 400.0), _profiled("primitive", 100.0)])
+    plain = dataclasses.replace(_context(256), numel=512)
+    decision = selector.decide(OP, plain)
+    assert (decision.composite, decision.speedup) == ("primitive", pytest.approx(4.0))
+    assert decision.reason.endswith("(profiled on this machine at 512 elements, batch 256).")
+    # Where the C++ rule would serve native, that loop is not what runs: the reference costs, which time the rule.
+    decision = selector.decide(OP, dataclasses.replace(plain, native_batch_rules=True))
+    assert decision.composite == "native"
+    assert "1.25x slower than native with that rule" in decision.reason
