@@ -7,7 +7,8 @@ correct under the stack and only loops (its rule says ``slow``), an op that decl
 cost of each valid composite against native at the call's **size bucket** (each size rounded down to a power of
 two), never by "native loops" alone:
 
-1. a local profile of the op (``multicomposite profile``) where it timed native and a valid composite;
+1. a local profile of the op (``multicomposite profile``) where it timed native and a valid composite, except where
+   the C++ batching rule would serve native (the profile timed native outside ``use()``, in vmap's loop);
 2. else the reference costs shipped with the package (``reference_costs.json``, next to this module, written by
    ``python -m bench.reference sizes``): per stack and per value of the signature's categorical sizes (a mask or
    not, the sample's rank), native's and each composite's thread CPU time (one thread) on a grid of sizes, native's
