@@ -74,42 +74,22 @@ def measure(path: Path, min_run_time: float, workloads: list[str]) -> dict[str, 
     return document
 
 
-# The reference costs by size (``sizes``): scaled_dot_product_attention on per-sample (1, heads, length, head_dim)
-# queries, keys and values, under vmap and vmap(grad), with and without a per-sample key padding mask, on a grid;
-# native twice on the C++ routing backend: in vmap's loop and with the package's C++ batching rule.
-# A point whose forward does more than SIZES_FLOP_CAP multiply-adds is not measured (the selector takes its nearest
-# measured neighbour's ratio there: at such sizes the fused kernel dominates every composite alike).
-SIZES_GRID = {"batch": (1, 4, 16, 64, 256), "length": (8, 32, 128, 512), "heads": (2, 8), "head_dim": (16, 64)}
-SIZES_FLOP_CAP = 3e8
+# The reference costs by size (``sizes``): each op of bench/size_grids.py on its grid, under vmap and vmap(grad);
+# native twice where the C++ routing backend has a batching rule of this package for the op's kernel: in vmap's
+# loop and with that rule.
 SIZES_WORKLOADS = {"vmap": ("vmap",), "vmap(grad)": ("vmap", "grad")}
-SIZES_OP = "scaled_dot_product_attention"
 SIZES_ATTEMPTS = 3  # a point measured under contention is re-measured (after a pause) this many times in all
+SIZES_RULES = ("scaled_dot_product_attention",)  # the ops whose kernels registry.core.batch_rules folds
 
 
-def _attention_runners(batch: int, length: int, heads: int, head_dim: int, mask: bool, workload: str,
-                       composites: list[str]) -> dict[str, Any]:
+def _size_runners(grid: Any, at: dict[str, int], fixed: dict[str, Any], workload: str, composites: list[str],
+                  ) -> dict[str, Any]:
     import registry
+    from bench.size_grids import runnable
     from registry.core.cost import NATIVE_BATCH_RULES
 
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(batch, 1, heads, length, head_dim, generator=g) for _ in range(3))
-    keep = torch.ones(batch, 1, 1, 1, length, dtype=torch.bool)
-    for b in range(batch):
-        keep[b, ..., length - (b % max(length // 2, 1)):] = False  # each sample its own padding (never all keys)
-    attention = torch.nn.functional.scaled_dot_product_attention
-
-    if mask:
-        def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            return attention(q, k, v, attn_mask=m)
-        inputs: tuple[torch.Tensor, ...] = (q, k, v, keep)
-    else:
-        def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return attention(q, k, v)
-        inputs = (q, k, v)
-    if workload == "vmap":
-        run = func.vmap(forward)
-    else:
-        run = func.vmap(func.grad(lambda *t: forward(*t).square().sum(), argnums=(0, 1, 2)))
+    forward, inputs, differentiable = grid.inputs(at, fixed, torch.Generator().manual_seed(0))
+    run = runnable(forward, differentiable, workload)
 
     def routed(composite: str) -> Any:
         # Native too inside use(), with policy native (nothing routed, its derivative ops included, PyTorch's own
@@ -118,7 +98,7 @@ def _attention_runners(batch: int, length: int, heads: int, head_dim: int, mask:
         if composite == "native":
             within: dict[str, Any] = {"policy": "native"}
         else:
-            within = {"pins": {SIZES_OP: "native" if composite == NATIVE_BATCH_RULES else composite}}
+            within = {"pins": {grid.op: "native" if composite == NATIVE_BATCH_RULES else composite}}
 
         def call() -> Any:
             with registry.use(**within):
@@ -128,11 +108,36 @@ def _attention_runners(batch: int, length: int, heads: int, head_dim: int, mask:
     return {c: routed(c) for c in composites}
 
 
-def measure_sizes(path: Path, min_run_time: float, rounds: int) -> dict[str, Any]:
-    """Thread CPU time (one thread) of native and every other composite of SDPA over ``SIZES_GRID``, in interleaved
-    rounds per point; a point measured under contention (``noise.contended``) is re-measured, then left out."""
+def _measure_point(runners: dict[str, Any], rounds: int, min_run_time: float) -> tuple[float, dict[str, Any]]:
+    """The point's timings, re-measured (after a pause) while contended; the least contended attempt."""
+    from registry.profiling import noise
+
+    best: tuple[float, dict[str, noise.Timed]] | None = None
+    for attempt in range(SIZES_ATTEMPTS):
+        if attempt:
+            time.sleep(attempt)  # let another process's burst pass
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time, clock=time.thread_time,
+                                      wall_clock=time.monotonic)
+        share = statistics.median(s for t in timed.values() for s in t.ran)
+        if best is None or share > best[0]:
+            best = (share, timed)
+        if not noise.contended(timed):
+            break
+    if best is None:
+        raise ValueError(f"bench.reference sizes: SIZES_ATTEMPTS is {SIZES_ATTEMPTS}; it must be >= 1")
+    return best
+
+
+def measure_sizes(path: Path, min_run_time: float, rounds: int, ops: list[str] | None = None) -> dict[str, Any]:
+    """Thread CPU time (one thread) of native and every other composite of each op of ``ops`` (default: every op of
+    bench/size_grids.py) over its grid, in interleaved rounds per point; a point measured under contention
+    (``noise.contended``) is re-measured, then kept with its share of CPU time. The grids of other ops already in
+    ``path`` are kept (with the machine they were measured on)."""
     from itertools import product
 
+    from bench.size_grids import GRIDS
     from registry.core.cost import NATIVE_BATCH_RULES
     from registry.core.registration import COMPOSITES, load
     from registry.core.routing import ROUTER
@@ -140,51 +145,51 @@ def measure_sizes(path: Path, min_run_time: float, rounds: int) -> dict[str, Any
 
     load()
     torch.set_num_threads(1)
-    composites = list(COMPOSITES[SIZES_OP])
-    if ROUTER.routing_backend() == "cpp":
-        composites.append(NATIVE_BATCH_RULES)  # PyTorch's kernel pinned: its batch folded by the C++ rule
-    else:
-        print("bench.reference sizes: the C++ routing backend is not active, so native is timed in vmap's loop "
-              f"only (no {NATIVE_BATCH_RULES}); build it with `multicomposite build-kernels`", file=sys.stderr)
-    axes = list(SIZES_GRID)
+    wanted = list(GRIDS) if ops is None else ops
+    unknown = [op for op in wanted if op not in GRIDS]
+    if unknown:
+        raise ValueError(f"bench.reference sizes: no size grid for {', '.join(unknown)}; the grids are "
+                         f"{', '.join(GRIDS)} (bench/size_grids.py)")
+    machine = machine_name()
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    kept = [dict(g, machine=g.get("machine", previous.get("machine", ""))) for g in previous.get("grids", [])
+            if g["op"] not in wanted]
     grids = []
-    for workload, stack in SIZES_WORKLOADS.items():
-        for mask in (False, True):
-            points = []
-            for values in product(*SIZES_GRID.values()):
-                at = dict(zip(axes, values, strict=True))
-                if 4 * at["batch"] * at["heads"] * at["length"] ** 2 * at["head_dim"] > SIZES_FLOP_CAP:
-                    continue
-                runners = _attention_runners(**at, mask=mask, workload=workload, composites=composites)
-                best: tuple[float, dict[str, noise.Timed]] | None = None
-                for attempt in range(SIZES_ATTEMPTS):
-                    if attempt:
-                        time.sleep(attempt)  # let another process's burst pass
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time,
-                                                  clock=time.thread_time, wall_clock=time.monotonic)
-                    share = statistics.median(s for t in timed.values() for s in t.ran)
-                    if best is None or share > best[0]:
-                        best = (share, timed)
-                    if not noise.contended(timed):
-                        break
-                if best is None:
-                    raise ValueError(f"bench.reference sizes: SIZES_ATTEMPTS is {SIZES_ATTEMPTS}; it must be >= 1")
-                share, timed = best
-                ranked = noise.relative(timed)
-                point: dict[str, Any] = {"at": at, "times_us": {n: round(t.median_us, 2) for n, t in ranked.items()}}
-                if noise.contended(timed):
-                    # Kept, in thread CPU time and per-round ratios (what descheduling moves least), with its share.
-                    point["ran"] = round(share, 2)
-                points.append(point)
-                print(f"{workload:10s} mask={mask!s:5s} {at} " + " ".join(
-                    f"{n} {t.median_us:.0f}" for n, t in ranked.items()), flush=True)
-            grids.append({"op": SIZES_OP, "stack": list(stack), "workload": workload,
-                          "fixed": {"mask": mask, "rank": 4}, "axes": SIZES_GRID, "points": points})
-    document = {"machine": machine_name(), "measured_by": "python -m bench.reference sizes",
+    for op in wanted:
+        grid = GRIDS[op]
+        composites = list(COMPOSITES[op])
+        if op in SIZES_RULES:
+            if ROUTER.routing_backend() == "cpp":
+                composites.append(NATIVE_BATCH_RULES)  # PyTorch's kernel pinned: its batch folded by the C++ rule
+            else:
+                print("bench.reference sizes: the C++ routing backend is not active, so native is timed in vmap's "
+                      f"loop only (no {NATIVE_BATCH_RULES}); build it with `multicomposite build-kernels`",
+                      file=sys.stderr)
+        axes = list(grid.axes)
+        for workload, stack in SIZES_WORKLOADS.items():
+            for fixed in grid.variants:
+                points = []
+                for values in product(*grid.axes.values()):
+                    at = dict(zip(axes, values, strict=True))
+                    if grid.too_large(at):
+                        continue
+                    share, timed = _measure_point(_size_runners(grid, at, dict(fixed), workload, composites),
+                                                  rounds, min_run_time)
+                    ranked = noise.relative(timed)
+                    point: dict[str, Any] = {"at": at,
+                                             "times_us": {n: round(t.median_us, 2) for n, t in ranked.items()}}
+                    if noise.contended(timed):
+                        # Kept, in thread CPU time and per-round ratios (what descheduling moves least), with its
+                        # share.
+                        point["ran"] = round(share, 2)
+                    points.append(point)
+                    print(f"{op} {workload:10s} {dict(fixed)} {at} " + " ".join(
+                        f"{n} {t.median_us:.0f}" for n, t in ranked.items()), flush=True)
+                grids.append({"op": op, "stack": list(stack), "workload": workload, "fixed": dict(fixed),
+                              "axes": grid.axes, "machine": machine, "points": points})
+    document = {"machine": machine, "measured_by": "python -m bench.reference sizes",
                 "clock": "thread CPU time, one thread; median per-round ratio to the fastest, interleaved rounds",
-                "flop_cap": SIZES_FLOP_CAP, "grids": grids}
+                "grids": kept + grids}
     path.write_text(json.dumps(document, indent=1) + "\n")
     return document
 
@@ -262,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     sizing.add_argument("--out", type=Path, default=None, help="default: registry/core/reference_costs.json")
     sizing.add_argument("--min-run-time", type=float, default=0.1, help="thread CPU seconds per point and composite")
     sizing.add_argument("--rounds", type=int, default=5)
+    sizing.add_argument("--op", action="append", dest="ops",
+                        help="repeatable: measure only these ops' grids and keep the others in the file "
+                             "(default: every op of bench/size_grids.py)")
     checking = actions.add_parser("check", help="auto on an empty store against the fastest valid composite")
     checking.add_argument("--rounds", type=int, default=7)
     checking.add_argument("--min-run-time", type=float, default=1.0)
@@ -277,8 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "sizes":
         from registry.core import cost
 
-        document = measure_sizes(args.out or cost.PATH, args.min_run_time, args.rounds)
-        print(f"{sum(len(g['points']) for g in document['grids'])} points measured on {document['machine']}")
+        try:
+            document = measure_sizes(args.out or cost.PATH, args.min_run_time, args.rounds, args.ops)
+        except ValueError as error:
+            parser.error(str(error))
+        measured = [g for g in document["grids"] if args.ops is None or g["op"] in args.ops]
+        print(f"{sum(len(g['points']) for g in measured)} points measured on {document['machine']}")
         return 0
     results = check(args.rounds, args.min_run_time, args.cpu_time)
     for result in results:

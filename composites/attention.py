@@ -33,11 +33,6 @@ aten = torch.ops.aten
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def _second_derivative(ctx: rules.Context) -> bool:
-    """Whether a derivative of a derivative is taken: grad twice (hessian, grad of grad), or grad and jvp (hessian)."""
-    return ctx.stack.count("grad") > 1 or ("grad" in ctx.stack and "jvp" in ctx.stack)
-
-
 def _fused_first(ctx: rules.Context) -> rules.Order | None:
     """Under vmap the fused primitive before the functional composite: measured faster under vmap, vmap(grad) and
     vmap(jvp) (``python -m bench.attention --cpu-time``, docs/attention.md); where the primitive is invalid
@@ -71,12 +66,12 @@ define_op(
             rules.fails_when(lambda ctx: "jvp" in ctx.stack, "error",
                              "forward AD of aten::_scaled_dot_product_flash_attention_for_cpu is not implemented "
                              "(jvp and jacfwd raise on 4-d inputs)"),
-            rules.fails_when(_second_derivative, "error",
+            rules.fails_when(rules.second_derivative, "error",
                              "the derivative of aten::_scaled_dot_product_flash_attention_for_cpu_backward is not "
                              "implemented (hessian and grad of grad raise on 4-d inputs)"),
             rules.no_batching_rule("aten::_scaled_dot_product_flash_attention_for_cpu",
                                    detail="vmap runs a per-sample loop over 4-d samples")),
-        "primitive": rules.fails_when(_second_derivative, "error",
+        "primitive": rules.fails_when(rules.second_derivative, "error",
                                       "FusedAttentionBackward (PyTorch's fused backward kernel) has no derivative "
                                       "of its own: the functional composite takes second derivatives"),
     },

@@ -100,6 +100,7 @@ class Grid:
     fixed: tuple[tuple[str, bool | str | int], ...]  # categorical sizes, matched exactly
     axes: tuple[tuple[str, tuple[int, ...]], ...]  # numeric sizes, each with its measured values (ascending)
     points: dict[tuple[int, ...], dict[str, float]]  # axis values -> composite -> microseconds per call
+    machine: str = ""  # what it was measured on, where the file names it per grid
 
     def ratios(self, at: Mapping[str, int], baseline: str = NATIVE) -> dict[str, float]:
         """Each composite's time over native's (``baseline``: native's loop, or native with the C++ batching rules;
@@ -174,7 +175,7 @@ def _load(path: Path) -> ReferenceCosts:
                       {str(k): float(v) for k, v in point["times_us"].items()} for point in entry["points"]}
             grids.setdefault(str(entry["op"]), []).append(
                 Grid(stack=tuple(entry["stack"]), fixed=tuple(sorted(entry["fixed"].items())), axes=axes,
-                     points=points))
+                     points=points, machine=str(entry.get("machine", document["machine"]))))
         return ReferenceCosts(machine=str(document["machine"]), grids=grids)
     except (OSError, ValueError, KeyError, TypeError, StopIteration) as error:
         raise CostError(f"{path}: unreadable reference costs ({type(error).__name__}: {error}); regenerate them "
@@ -251,7 +252,7 @@ def choose(op: str, ctx: Context, judged: Iterable[tuple[Any, Any]], policy: str
         ratios = {c: r for c, r in grid.ratios(named, NATIVE_BATCH_RULES if with_rules else NATIVE).items()
                   if c in {v.name for v in valid}}
         said = (f"the reference costs shipped with the package, interpolated between measured sizes; thread CPU "
-                f"time, one thread, measured on {table.machine}")
+                f"time, one thread, measured on {grid.machine or table.machine}")
     if not ratios:
         return Costed(native.name, f"PyTorch's own {op} runs under {where}: it is correct here (vmap's per-sample "
                                    "loop), and no cost of a composite is known at this size", None)

@@ -26,6 +26,7 @@ class RecordedDecision:
     kind: str
     reason: str
     batched: tuple[str, ...] = ()  # tensor arguments batched at the innermost vmap level, by schema name
+    native_loops: bool = False  # PyTorch's op in vmap's loop by the selector's choice (selector.Decision's)
     calls: int = 0
     overloads: dict[str, int] = field(default_factory=dict)  # aten overload -> calls of it
 
@@ -37,16 +38,21 @@ class RecordedDecision:
 class Run:
     """What one ``with use(record=True) as run:`` block decided: ``run.decisions``, ``run.calls``, ``run.summary()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, parent: Run | None = None) -> None:
         self.serial = next(_serials)  # what keeps this run's cached decisions apart from every other frame's
         self.decisions: list[RecordedDecision] = []
+        # The run of the recording block this one's block is nested in: it sees this one's decisions too.
+        self.parent = parent
         self.frames: dict[Any, Any] = {}  # (policy, pins) -> this run's frame for them (nested use() blocks)
 
     def decided(self, op: str, stack: tuple[str, ...], composite: str, kind: str, reason: str,
-                batched: tuple[str, ...] = ()) -> RecordedDecision:
+                batched: tuple[str, ...] = (), *, native_loops: bool = False) -> RecordedDecision:
         recorded = RecordedDecision(op=op, stack=stack, composite=composite, kind=kind, reason=reason,
-                                    batched=batched)
-        self.decisions.append(recorded)
+                                    batched=batched, native_loops=native_loops)
+        run: Run | None = self
+        while run is not None:
+            run.decisions.append(recorded)
+            run = run.parent
         return recorded
 
     @property

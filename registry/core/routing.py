@@ -54,7 +54,14 @@ from registry.core.model import Op, Overload
 from registry.core.ops import ORIGINAL, aten_schema
 from registry.core.recording import RecordedDecision, Run
 from registry.core.registration import TABLE, OpTable
-from registry.core.runners import InplaceRefusalError, inplace_message, records_autograd, rewrapped, tensor_positions
+from registry.core.runners import (
+    InplaceRefusalError,
+    batches_in_place,
+    inplace_message,
+    records_autograd,
+    rewrapped,
+    tensor_positions,
+)
 from registry.core.selector import POLICIES, SELECTOR, SelectionError, Selector, unknown_op_message
 
 BACKEND_ENV = "MULTICOMPOSITE_ROUTING"  # "python" forces the Python kernels; "cpp" makes a failed build an error
@@ -177,7 +184,8 @@ def _decider(router: Router) -> Callable[..., Chosen]:
         decision = decide(op.name, ctx, frame.policy, frame.pins.get(op.name))
         run = frame.run
         recorded = None if run is None else run.decided(op.name, ctx.stack, decision.composite, decision.kind,
-                                                        decision.reason, tuple(ctx.batched))
+                                                        decision.reason, tuple(ctx.batched),
+                                                        native_loops=decision.native_loops)
         chosen = (decision.fn, KIND[decision.kind].runs_native, ctx.self_covers_batching, recorded)
         if router.generation == generation:  # else the evidence changed while this was decided: not kept
             router.keep(key, chosen)
@@ -358,6 +366,7 @@ class Router:
         positions = tensor_positions(overload.qualified_name)
         adapt = overload.adapt
         inplace = overload.inplace
+        native_in_place = batches_in_place(overload)
         local = self.local
         decide_call = self.decide
         traced = self.traced_signatures
@@ -391,7 +400,9 @@ class Router:
             # The layers below this one reach this kernel again with the same call: it is decided here, once.
             local.busy = True
             try:
-                if native_runs[inplace]:  # the kind's entry says (registry.core.kinds): native, or mutating in place
+                # The kind's entry says (registry.core.kinds): native, or mutating in place; PyTorch's own in-place
+                # kernel also where the decision is native and functorch batches it (runners.batches_in_place).
+                if native_runs[inplace] or (native_in_place and native_runs[False]):
                     return call_native(keyset, *args, **kwargs)
                 # An in-place variant computes the new value out of place (PyTorch's own out-of-place op where the
                 # decision is native: in-place variants lack batching rules that the out-of-place ones have), then
@@ -654,9 +665,9 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
     ``policy``: ``auto`` (default), ``fastest``, ``rules``, or ``native`` (route nothing, for A/B). ``pins`` forces a
     kind or a composite per op, ``{"index_fill": "functional"}``; a pin invalid where the op is called raises there.
     ``record``: keep what the block decided (``with use(record=True) as run:``, then ``run.decisions``,
-    ``run.calls``, ``run.summary()``); a ``use()`` nested inside records into the same run. Calls are routed under
-    torch.func transforms, where PyTorch's own kernels raise, loop or go wrong; outside any transform PyTorch's own
-    kernel runs.
+    ``run.calls``, ``run.summary()``); a ``use()`` nested inside records into the same run, a nested
+    ``use(record=True)`` into its own, which the enclosing run sees too. Calls are routed under torch.func transforms,
+    where PyTorch's own kernels raise, loop or go wrong; outside any transform PyTorch's own kernel runs.
     """
 
     __slots__ = ("_frame", "_record", "_router", "_run")  # _run: set by a recording block's enter
@@ -713,8 +724,8 @@ class use(contextlib.ContextDecorator):  # noqa: N801 - used like a function: `w
         return self
 
     def _recording(self, frame: Frame, frames: list[Frame]) -> Frame:
-        if self._record:
-            self._run = Run()
+        if self._record:  # its own run, which an enclosing recording block's sees into
+            self._run = Run(parent=frames[-1].run if frames and frames[-1].records else None)
             return self._router.recording_frame(frame, self._run)
         run = frames[-1].run
         assert run is not None

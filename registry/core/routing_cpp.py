@@ -20,7 +20,7 @@ import torch
 from registry.core import cost
 from registry.core.context import DISPATCH_KEY, vmap_active
 from registry.core.model import Op, Overload
-from registry.core.runners import InplaceRefusalError, inplace_message, records_autograd, runner
+from registry.core.runners import InplaceRefusalError, batches_in_place, inplace_message, records_autograd, runner
 
 PASS, NATIVE = 0, 1  # the codes kernels/routing.cpp knows; anything else a decider returns is what to call
 
@@ -44,6 +44,7 @@ class PythonRouting(Protocol):
 def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autograd: bool) -> Callable[..., Any]:
     adapt = overload.adapt
     inplace = overload.inplace
+    native_in_place = batches_in_place(overload)
     packet = overload.name.partition(".")[0]
     runners: dict[Callable[..., Any], Callable[..., Any]] = {}  # composite -> its runner, made once
     local, decide_call = router.local, router.decide
@@ -58,7 +59,8 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
         composite, native_runs, self_covers, _ = decide_call(op, frame, cargs, ckwargs, False)
         if inplace and not self_covers:
             raise InplaceRefusalError(inplace_message(packet))
-        if native_runs[inplace]:  # the kind's entry says (registry.core.kinds)
+        # the kind's entry says (registry.core.kinds); in place too where functorch batches it (batches_in_place)
+        if native_runs[inplace] or (native_in_place and native_runs[False]):
             return NATIVE
         run = runners.get(composite)
         if run is None:

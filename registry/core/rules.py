@@ -83,6 +83,23 @@ def forward_ad_without_batching_rule(aten: str, *, status: str = "slow") -> Rule
     return rule
 
 
+def no_forward_ad(aten: str) -> Rule:
+    """``aten`` (the op's own forward) has no forward-AD formula: jvp, jacfwd and hessian raise."""
+    return fails_when(lambda ctx: "jvp" in ctx.stack, "error",
+                      f"forward AD of {aten} is not implemented (jvp, jacfwd and hessian raise)")
+
+
+def second_derivative(ctx: Context) -> bool:
+    """Whether a derivative of a derivative is taken: grad twice (hessian, grad of grad), or grad and jvp (hessian)."""
+    return ctx.stack.count("grad") > 1 or ("grad" in ctx.stack and "jvp" in ctx.stack)
+
+
+def no_second_derivative(aten: str) -> Rule:
+    """``aten`` (the op's backward) has no derivative of its own: grad of grad and hessian raise."""
+    return fails_when(second_derivative, "error",
+                      f"the derivative of {aten} is not implemented (grad of grad and hessian raise)")
+
+
 def fails_when(predicate: Callable[[Context], bool], status: str, evidence: str) -> Rule:
     """A measured problem in the contexts ``predicate`` accepts."""
 

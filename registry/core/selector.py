@@ -44,6 +44,8 @@ class Decision:
     policy: str
     speedup: float | None = None  # measured: native's time over the choice's, where both were profiled
     runner_up_speedup: float | None = None  # measured: the runner-up's time over the choice's
+    # PyTorch's own op in vmap's per-sample loop, chosen: by its cost at the call's sizes, or as the only valid one
+    native_loops: bool = False
     # The chosen composite's function, from the op table that decided (not part of what the decision says).
     function: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
 
@@ -429,9 +431,10 @@ class Selector:
         choice = self.choose(op, ctx, policy, pin)
         chosen = choice.chosen
         kind = NATIVE.name if choice.basis == SLOW_NATIVE else chosen.kind
+        loops = choice.basis == SLOW_NATIVE or (choice.basis == COST and kind == NATIVE.name)
         return Decision(op=op, composite=chosen.name, kind=kind, reason=explain(choice) + ".",
                         alternatives=_alternatives(choice.judged, chosen), context=ctx, policy=policy,
-                        speedup=choice.speedup, runner_up_speedup=choice.runner_up_speedup,
+                        speedup=choice.speedup, runner_up_speedup=choice.runner_up_speedup, native_loops=loops,
                         function=chosen.fn)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -154,6 +155,34 @@ def test_inplace_variants_under_vmap_with_batched_self(name, inplace, fallback_w
         batched = func.vmap(f)(x, mask, source)
     assert [str(w.message) for w in fallback_warnings if FALLBACK in str(w.message)] == []
     torch.testing.assert_close(batched, _loop(f, x, mask, source))
+
+
+def _kernels_called(f: Callable[[], object]) -> list[str]:
+    with torch.profiler.profile() as profiled:
+        f()
+    return sorted(event.name for event in profiled.events() if event.name.startswith("aten::"))
+
+
+@pytest.mark.parametrize(
+    ("op", "name", "inplace"),
+    [
+        ("masked_fill", "masked_fill_.Scalar", lambda s, m, i: s.masked_fill_(m, 0.5)),
+        ("index_add", "index_add_", lambda s, m, i: s.index_add_(0, i, m[: len(i)].double())),
+    ],
+)
+def test_native_inplace_variants_with_a_batching_rule_run_as_pytorch_does(op, name, inplace) -> None:
+    """Where the decision is PyTorch's own op and functorch batches the in-place overload, its in-place kernel runs
+    as without use(): the same aten kernels are called (no out-of-place result copied back into self)."""
+    x, mask, index = torch.randn(4, 6, dtype=torch.float64), torch.rand(4, 6) > 0.5, torch.tensor([4, 1])
+    run = func.vmap(lambda s, m: inplace(s.clone(), m, index))
+    expected = run(x, mask)
+    native_kernels = _kernels_called(lambda: run(x, mask))
+    with registry.use(record=True) as block:
+        routed_kernels = _kernels_called(lambda: run(x, mask))
+        torch.testing.assert_close(run(x, mask), expected)
+    assert block.calls.get(name, 0) >= 1
+    assert {d.composite for d in block.decisions if d.op == op} == {"native"}
+    assert routed_kernels == native_kernels
 
 
 def test_inplace_into_unbatched_fresh_buffer_runs_functionalized() -> None:
@@ -477,3 +506,16 @@ def test_first_routed_call_of_a_process_can_be_under_vmap(routing_backend: str) 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "(4, 5)"
+
+
+def test_a_recording_block_nested_in_another_records_into_both() -> None:
+    """The inner block's run holds its own decisions; the enclosing run sees them too, and its own."""
+    x, mask = torch.randn(3, 4), torch.rand(3, 4) > 0.5
+    with registry.use(record=True) as outer:
+        func.vmap(lambda s, m: s.masked_fill(m, 1.0))(x, mask)
+        with registry.use(record=True) as inner:
+            func.vmap(lambda s: s.index_fill(0, torch.tensor([1]), 2.0))(x)
+    assert [d.op for d in inner.decisions] == ["index_fill"]
+    assert [d.op for d in outer.decisions] == ["masked_fill", "index_fill"]
+    assert outer.decisions[1] is inner.decisions[0]
+    assert outer.calls == {"masked_fill.Scalar": 1, "index_fill.int_Scalar": 1}

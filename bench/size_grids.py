@@ -1,0 +1,120 @@
+"""The grids of sizes ``python -m bench.reference sizes`` measures (``registry/core/reference_costs.json``): one per op
+with a size signature (``define_op(..., sizes=...)``), each naming its numeric axes, the values of its categorical
+sizes (one grid each), and how to build a batch of per-sample inputs at a point.
+
+Every point is timed under vmap (``forward`` over the batch) and vmap(grad) (the gradient of
+``forward(...).square().sum()`` with respect to the ``differentiable`` inputs), natively and with each composite
+pinned, in the same interleaved rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Point = Mapping[str, int]
+Fixed = Mapping[str, "bool | int | str"]
+# (point, categorical sizes, generator) -> (per-sample forward, batched inputs, argnums of the differentiable ones)
+Inputs = Callable[[Point, Fixed, torch.Generator], tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...],
+                                                          tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class SizeGrid:
+    """One op's grid: its axes (each size's measured values, ascending), its categorical variants, the inputs at a
+    point, and which points are too large to measure (the selector takes the nearest measured neighbour's ratio)."""
+
+    op: str
+    axes: dict[str, tuple[int, ...]]
+    variants: tuple[dict[str, bool | int | str], ...]
+    inputs: Inputs
+    too_large: Callable[[Point], bool]
+
+
+# --- scaled_dot_product_attention: per-sample (1, heads, length, head_dim) queries, keys and values -----------------
+
+
+def _attention_inputs(at: Point, fixed: Fixed, g: torch.Generator
+                      ) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], tuple[int, ...]]:
+    batch, heads, length, head_dim = at["batch"], at["heads"], at["length"], at["head_dim"]
+    q, k, v = (torch.randn(batch, 1, heads, length, head_dim, generator=g) for _ in range(3))
+    attention = torch.nn.functional.scaled_dot_product_attention
+    if not fixed["mask"]:
+        return (lambda q, k, v: attention(q, k, v)), (q, k, v), (0, 1, 2)
+    keep = torch.ones(batch, 1, 1, 1, length, dtype=torch.bool)
+    for b in range(batch):
+        keep[b, ..., length - (b % max(length // 2, 1)):] = False  # each sample its own padding (never all keys)
+    return (lambda q, k, v, m: attention(q, k, v, attn_mask=m)), (q, k, v, keep), (0, 1, 2)
+
+
+ATTENTION = SizeGrid(
+    op="scaled_dot_product_attention",
+    axes={"batch": (1, 4, 16, 64, 256), "length": (8, 32, 128, 512), "heads": (2, 8), "head_dim": (16, 64)},
+    variants=({"mask": False, "rank": 4}, {"mask": True, "rank": 4}),
+    inputs=_attention_inputs,
+    # at such sizes the fused kernel dominates every composite alike
+    too_large=lambda at: 4 * at["batch"] * at["heads"] * at["length"] ** 2 * at["head_dim"] > 3e8,
+)
+
+
+# --- ctc_loss: per-sample (steps, 1, classes) log-probabilities and (1, labels) targets -------------------------------
+
+
+CTC_CLASSES = 16
+
+
+def _ctc_inputs(at: Point, fixed: Fixed, g: torch.Generator
+                ) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], tuple[int, ...]]:
+    batch, steps, labels = at["batch"], at["steps"], at["labels"]
+    log_probs = torch.randn(batch, steps, 1, CTC_CLASSES, generator=g).log_softmax(-1)
+    targets = torch.randint(1, CTC_CLASSES, (batch, 1, labels), generator=g)
+    input_lengths, target_lengths = torch.tensor([steps]), torch.tensor([labels])
+
+    def forward(log_probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths)
+
+    return forward, (log_probs, targets), (0,)
+
+
+CTC_LOSS = SizeGrid(
+    op="ctc_loss",
+    axes={"batch": (1, 4, 16, 64, 256), "steps": (16, 64, 256), "labels": (4, 16, 64)},
+    variants=({},),
+    inputs=_ctc_inputs,
+    too_large=lambda at: 2 * at["labels"] > at["steps"],  # not a CTC problem: the labels do not fit the steps
+)
+
+
+# --- pdist: per-sample (rows, features) ------------------------------------------------------------------------------
+
+
+def _pdist_inputs(at: Point, fixed: Fixed, g: torch.Generator
+                  ) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], tuple[int, ...]]:
+    rows = torch.randn(at["batch"], at["rows"], at["features"], generator=g)
+    return torch.nn.functional.pdist, (rows,), (0,)
+
+
+PDIST = SizeGrid(
+    op="pdist",
+    axes={"batch": (1, 4, 16, 64, 256), "rows": (8, 32, 128), "features": (4, 64)},
+    variants=({},),
+    inputs=_pdist_inputs,
+    # the composite's pairs: batch x rows^2 / 2 x features elements, twice
+    too_large=lambda at: at["batch"] * at["rows"] ** 2 // 2 * at["features"] > 3e7,
+)
+
+
+GRIDS: dict[str, SizeGrid] = {grid.op: grid for grid in (ATTENTION, CTC_LOSS, PDIST)}
+
+
+def runnable(forward: Callable[..., torch.Tensor], differentiable: tuple[int, ...], workload: str,
+             ) -> Callable[..., Any]:
+    """``forward`` over the batch under ``workload``: vmap, or vmap(grad) of its squared sum."""
+    from torch import func
+
+    if workload == "vmap":
+        return func.vmap(forward)
+    return func.vmap(func.grad(lambda *t: forward(*t).square().sum(), argnums=differentiable))

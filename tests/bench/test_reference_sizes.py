@@ -1,0 +1,43 @@
+"""bench/reference.py's ``sizes``: one op's grid measured into a file, the other ops' grids kept with their machine,
+and the selector reading what was written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import reference, size_grids
+from registry.core import cost
+
+
+def test_one_ops_grid_is_measured_and_the_others_are_kept(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    tiny = size_grids.SizeGrid(op="pdist", axes={"batch": (2,), "rows": (4,), "features": (2,)}, variants=({},),
+                               inputs=size_grids.PDIST.inputs, too_large=lambda at: False)
+    monkeypatch.setitem(size_grids.GRIDS, "pdist", tiny)
+    path = tmp_path / "reference_costs.json"
+    other = {"op": "ctc_loss", "stack": ["vmap"], "workload": "vmap", "fixed": {}, "axes": {"batch": [1]},
+             "points": [{"at": {"batch": 1}, "times_us": {"native": 1.0, "functional": 2.0}}]}
+    path.write_text(json.dumps({"machine": "an older machine", "grids": [other]}))
+
+    document = reference.measure_sizes(path, min_run_time=0.01, rounds=1, ops=["pdist"])
+
+    written = json.loads(path.read_text())
+    assert written == json.loads(json.dumps(document))
+    assert [(g["op"], g["workload"]) for g in written["grids"]] == [
+        ("ctc_loss", "vmap"), ("pdist", "vmap"), ("pdist", "vmap(grad)")]
+    assert written["grids"][0] == {**other, "machine": "an older machine"}
+    for grid in written["grids"][1:]:
+        assert grid["machine"] == reference.machine_name()
+        assert [point["at"] for point in grid["points"]] == [{"batch": 2, "rows": 4, "features": 2}]
+        assert set(grid["points"][0]["times_us"]) == {"native", "functional"}
+    costs = cost._load(path)
+    assert costs.grid("ctc_loss", ("vmap",), {}).machine == "an older machine"
+    assert costs.grid("pdist", ("vmap", "grad"), {}).machine == reference.machine_name()
+
+
+def test_an_op_without_a_grid_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no size grid for masked_fill; the grids are scaled_dot_product_attention, "
+                                         "ctc_loss, pdist"):
+        reference.measure_sizes(tmp_path / "costs.json", min_run_time=0.01, rounds=1, ops=["masked_fill"])
