@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import func
 
+from bench.size_grids import GRIDS, SizeGrid, runnable
+
 OPS = ("masked_scatter", "masked_fill", "index_fill", "index_add", "index_copy", "contiguous", "to")
 CHECKED = ("masked_scatter", "masked_fill", "index_fill")
 NUMEL, BATCH = 1000, 256
@@ -82,10 +84,9 @@ SIZES_ATTEMPTS = 3  # a point measured under contention is re-measured (after a 
 SIZES_RULES = ("scaled_dot_product_attention",)  # the ops whose kernels registry.core.batch_rules folds
 
 
-def _size_runners(grid: Any, at: dict[str, int], fixed: dict[str, Any], workload: str, composites: list[str],
-                  ) -> dict[str, Any]:
+def _size_runners(grid: SizeGrid, at: dict[str, int], fixed: dict[str, Any], workload: str,
+                  composites: list[str]) -> dict[str, Any]:
     import registry
-    from bench.size_grids import runnable
     from registry.core.cost import NATIVE_BATCH_RULES
 
     forward, inputs, differentiable = grid.inputs(at, fixed, torch.Generator().manual_seed(0))
@@ -137,7 +138,6 @@ def measure_sizes(path: Path, min_run_time: float, rounds: int, ops: list[str] |
     ``path`` are kept (with the machine they were measured on)."""
     from itertools import product
 
-    from bench.size_grids import GRIDS
     from registry.core.cost import NATIVE_BATCH_RULES
     from registry.core.registration import COMPOSITES, load
     from registry.core.routing import ROUTER

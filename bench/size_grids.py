@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import func
 
 Point = Mapping[str, int]
 Fixed = Mapping[str, "bool | int | str"]
@@ -113,8 +114,6 @@ GRIDS: dict[str, SizeGrid] = {grid.op: grid for grid in (ATTENTION, CTC_LOSS, PD
 def runnable(forward: Callable[..., torch.Tensor], differentiable: tuple[int, ...], workload: str,
              ) -> Callable[..., Any]:
     """``forward`` over the batch under ``workload``: vmap, or vmap(grad) of its squared sum."""
-    from torch import func
-
     if workload == "vmap":
         return func.vmap(forward)
     return func.vmap(func.grad(lambda *t: forward(*t).square().sum(), argnums=differentiable))
