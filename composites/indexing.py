@@ -1,5 +1,5 @@
-"""Composites of the flat-index family: ``take``, ``put``, ``embedding_bag``, and ``index_put`` (``buf[idx] = v``)
-under forward-mode AD."""
+"""Composites of the flat-index family: ``take``, ``put``, ``embedding_bag``, ``one_hot``, and ``index_put``
+(``buf[idx] = v``) under forward-mode AD."""
 
 from __future__ import annotations
 
@@ -165,6 +165,41 @@ def nonzero_static_functional(self, *, size, fill_value=-1):
         rest = rest // extent
     found = torch.stack(coordinates[::-1], -1)
     return torch.where((picked >= 0).unsqueeze(-1), found, fill_value)
+
+
+# --- one_hot ----------------------------------------------------------------------------------------------------------
+
+def _one_hot_checks_batched_labels(ctx: rules.Context) -> bool:
+    """The labels are batched and the call lands on a grad or jvp level inside vmap: one_hot's CompositeImplicit
+    kernel runs there, and its bounds checks (``self.min().item()``) meet the batched labels; functorch's own
+    decomposition (no .item()) applies only where vmap is the innermost transform."""
+    return bool(ctx.stack) and ctx.stack[-1] != "vmap" and "vmap" in ctx.stack and (
+        "self" in ctx.batched or ctx.stack.count("vmap") > 1)
+
+
+define_op(
+    "one_hot", "", tensors=("self",), doc="self's class indices as one-hot rows of num_classes (int64)",
+    opinfo=("nn.functional.one_hot",), inplace=False,
+    rules={"native": rules.fails_when(
+        _one_hot_checks_batched_labels, "error",
+        "aten::one_hot checks the labels' bounds with .item(), which vmap refuses, under a grad or jvp level inside "
+        "vmap (per-sample gradients of a loss with one-hot targets)")},
+)
+
+
+@register("one_hot", "functional")
+def one_hot_functional(self, num_classes=-1):
+    """Zeros of self's shape and num_classes, with a 1 scattered at each label: functorch's own decomposition of
+    one_hot under vmap, which leaves the bounds to scatter's checks instead of native's .item() (num_classes=-1 still
+    reads the largest label, as native does)."""
+    if self.dtype != torch.long:
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if num_classes == -1:
+        if self.numel() == 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        num_classes = int(self.max().item()) + 1
+    return torch.zeros((*self.shape, num_classes), dtype=torch.long, device=self.device).scatter(
+        -1, self.unsqueeze(-1), 1)
 
 
 # --- index_put (buf[idx] = v) under forward-mode AD ----------------------------------------------------------------

@@ -49,3 +49,40 @@ def test_nonzero_static_under_vmap() -> None:
         found = vmap(lambda row: torch.nonzero_static(row, size=3, fill_value=-5))(rows)
     assert found.tolist() == [[[1], [2], [-5]], [[0], [-5], [-5]], [[-5], [-5], [-5]]]
     assert torch.equal(found, torch.stack([torch.nonzero_static(r, size=3, fill_value=-5) for r in rows]))
+
+
+# --- one_hot: per-sample gradients of a loss with one-hot targets ----------------------------------------------------
+
+
+def _one_hot_loss(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return -(F.one_hot(label, 5).to(logits.dtype) * logits.log_softmax(-1)).sum()
+
+
+def test_one_hot_targets_under_vmap_grad_equal_the_loop() -> None:
+    """PyTorch's one_hot checks the labels' bounds with .item() at the grad level, which vmap refuses; inside use()
+    the functional composite (functorch's own decomposition) runs there, and the gradients are the loop's."""
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(6, 5, dtype=torch.float64, generator=g), torch.randint(0, 5, (6,), generator=g)
+    try:
+        vmap(grad(_one_hot_loss))(logits, labels)
+    except RuntimeError as error:
+        assert "calling .item() on a Tensor" in str(error)
+    else:
+        raise AssertionError("PyTorch's one_hot now works under vmap(grad): its native rule can go")
+    with registry.use(record=True) as run:
+        got = vmap(grad(_one_hot_loss))(logits, labels)
+    assert [(d.op, d.composite) for d in run.decisions if d.op == "one_hot"] == [("one_hot", "functional")]
+    # The loop: one torch.autograd.grad per sample, outside any transform.
+    expected = torch.stack([torch.autograd.grad(_one_hot_loss(leaf, y), leaf)[0]
+                            for leaf, y in ((z.clone().requires_grad_(), y) for z, y in zip(logits, labels,
+                                                                                               strict=True))])
+    torch.testing.assert_close(got, expected)
+
+
+def test_one_hot_under_plain_vmap_stays_pytorchs() -> None:
+    """Under vmap alone functorch's own decomposition already batches one_hot: nothing is routed."""
+    labels = torch.randint(0, 5, (4, 3))
+    with registry.use(record=True) as run:
+        got = vmap(lambda y: F.one_hot(y, 5))(labels)
+    assert [d.composite for d in run.decisions if d.op == "one_hot"] in ([], ["native"])
+    torch.testing.assert_close(got, F.one_hot(labels, 5))
