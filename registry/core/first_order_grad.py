@@ -32,14 +32,7 @@ from types import ModuleType
 import torch
 import torch._functorch.eager_transforms as eager_transforms  # noqa: PLC2701 - functorch's internals have no public API
 
-from registry.core.context import functorch_stack
-
 PYTORCH_AUTOGRAD_GRAD = eager_transforms._autograd_grad
-
-
-def only_vmap_below(stack: tuple[tuple[str, int], ...]) -> bool:
-    """Whether ``stack`` (outermost first) is one grad level, innermost, with only vmap levels below it."""
-    return bool(stack) and stack[-1][0] == "grad" and all(name == "vmap" for name, _ in stack[:-1])
 
 
 class FirstOrderGrad:
@@ -72,10 +65,11 @@ class FirstOrderGrad:
         self.compiled = None
 
     def first_order(self, outputs: Sequence[torch.Tensor]) -> bool:
-        """Whether nothing can differentiate grad's backward of ``outputs`` again (the module's NOTE)."""
+        """Whether nothing can differentiate grad's backward of ``outputs`` again (the module's NOTE): the levels
+        (grad innermost, only vmap below) and the graph, both checked in C++ (``kernels/first_order.cpp``)."""
         active, compiled = self.active, self.compiled
         return (self.enabled and compiled is not None and active is not None and active()
-                and only_vmap_below(functorch_stack()) and compiled.backward_is_first_order(list(outputs)))
+                and compiled.backward_is_first_order(list(outputs)))
 
     def autograd_grad(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                       grad_outputs: Sequence[torch.Tensor] | None = None, retain_graph: bool = False,

@@ -631,8 +631,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Register the C++ batching rules of batch_rules.cpp (over functorch's Python decompositions, which must be "
       "registered first); returns how many");
   m.def("backward_is_first_order", &backward_is_first_order, py::arg("outputs"),
-        "Whether nothing below the functorch wrappers can differentiate a backward of these outputs again "
-        "(first_order.cpp)");
+        "Whether grad is the innermost functorch level with only vmap levels below it and nothing below the "
+        "functorch wrappers can differentiate a backward of these outputs again (first_order.cpp)");
   m.def("batch_rules_registered", []() { return batch_rules_registered; },
         "Whether the C++ batching rules are registered");
   m.def("set_batch_rules_enabled", &set_batch_rules_enabled,
