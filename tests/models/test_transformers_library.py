@@ -3,8 +3,9 @@ with random weights, nothing downloaded. Their default attention is ``F.scaled_d
 vmap loops over PyTorch's fused kernel, forward and backward; inside ``use()`` per-sample gradients through
 ``functional_call`` run with no fallback and equal the per-sample ``torch.autograd`` loop.
 
-Calls pass no ``attention_mask``: the library's mask code asks ``padding_mask.all()`` in Python, which vmap cannot
-answer for a batched mask (natively and inside ``use()`` alike; docs/attention.md)."""
+With an ``attention_mask`` that pads some samples, the library's mask code asks ``padding_mask.all()`` in Python,
+which vmap cannot answer for a batched mask: natively it raises; inside ``use()`` the question is answered per sample
+(registry/core/control_flow.py; docs/attention.md)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,34 @@ def test_natively_vmap_loops_over_the_fused_kernel(name: str, fallback_warnings:
     expected = _loop(model, inputs, ids, labels)
     for key, want in expected.items():  # slow, not wrong
         torch.testing.assert_close(grads[key], want, **TOLERANCE)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_padded_batches_fail_natively_and_equal_the_loop_inside_use(name: str) -> None:
+    """With an ``attention_mask`` that pads some samples and not others, the library asks ``padding_mask.all()`` in
+    Python: natively vmap raises its data-dependent error; inside ``use()`` the question is answered per sample
+    (registry/core/control_flow.py) and the per-sample gradients equal the loop's."""
+    model, inputs, ids, labels, params, _ = _setup(name)
+    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    mask[1, 5:] = 0
+    mask[3, 3:] = 0
+
+    def masked(x: torch.Tensor, y: torch.Tensor, m: torch.Tensor) -> dict[str, Any]:
+        return {**inputs(x, y), "attention_mask": m}
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return func.functional_call(model, p, (), masked(x[None], y[None], m[None])).loss
+
+    per_sample = func.vmap(func.grad(loss), in_dims=(None, 0, 0, 0))
+    with pytest.raises(RuntimeError, match="data-dependent control flow"):
+        per_sample(params, ids, labels, mask)
+    with registry.use():
+        grads = per_sample(params, ids, labels, mask)
+    expected: dict[str, list[torch.Tensor]] = {n: [] for n, _ in model.named_parameters()}
+    for b in range(BATCH):
+        model.zero_grad(set_to_none=True)
+        model(**masked(ids[b:b + 1], labels[b:b + 1], mask[b:b + 1])).loss.backward()
+        for n, p in model.named_parameters():
+            expected[n].append(torch.zeros_like(p) if p.grad is None else p.grad.clone())
+    for key, want in expected.items():
+        torch.testing.assert_close(grads[key], torch.stack(want), **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
