@@ -5,9 +5,9 @@ a physics-informed network's residual (jacrev of jacrev under vmap, then grad), 
 vmapped over tasks), an ensemble by ``stack_module_state``, a neural ODE's Jacobian through an RK4 solver, input
 Hessians and Jacobians, per-sample gradients through attention with key padding, a decoder layer, CTC, distances
 (``cdist``, ``pdist``), a bidirectional LSTM, losses, resampling, linear algebra, index writes and mean/max
-aggregation in user code, an EmbeddingBag, and five that PyTorch's own transforms fail on (a GRU's jvp, an Elman
-RNN, an unrolled LSTMCell, one-hot targets, and a ``transformers`` BERT over differently padded sequences, which
-needs the ``models`` extra).
+aggregation in user code, an EmbeddingBag, and six that PyTorch's own transforms fail on (a GRU's jvp, an Elman
+RNN, an unrolled LSTMCell and GRUCell, one-hot targets, and a ``transformers`` BERT over differently padded
+sequences, which needs the ``models`` extra).
 
 Each is built once (fixed weights and data), run natively (outside ``use()``) and inside ``registry.use()`` (an
 empty store, policy auto); use()'s result is checked against native's first, or, where native fails, against the
@@ -338,6 +338,21 @@ def lstm_cell_loop() -> Built:
     return Built(lambda: vmap(grad(loss), in_dims=(None, 0))(params, x), loop=_loop_grads(loss, params, x))
 
 
+def gru_cell_loop() -> Built:
+    """Per-sample gradients of a hand-unrolled GRUCell (batch 16, 10 steps) from a shared zero state: PyTorch's own
+    fails under vmap(grad)."""
+    cell = nn.GRUCell(8, 32)
+    x, params = torch.randn(16, 10, 8), _params(cell)
+
+    def loss(p: dict[str, torch.Tensor], s: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(1, 32)
+        for t in range(s.shape[0]):
+            h = functional_call(cell, p, (s[t][None], h))
+        return h.pow(2).sum()
+
+    return Built(lambda: vmap(grad(loss), in_dims=(None, 0))(params, x), loop=_loop_grads(loss, params, x))
+
+
 def one_hot_targets() -> Built:
     """Per-sample gradients of a loss written with F.one_hot targets (batch 64): PyTorch's own fails under vmap."""
     head = nn.Linear(16, 10)
@@ -401,7 +416,7 @@ PROGRAMS: dict[str, Callable[[], Built]] = {fn.__name__.replace("_", "-"): fn fo
     mha_key_padding, decoder_layer, pinn_burgers, maml, ensemble, neural_ode, input_hessians, conv_jacobians,
     embedding_padding_idx, ctc_per_sample, linear_algebra, gru_jvp, resampling, sorting_and_scans, point_distances,
     graph_scatter, bidirectional_lstm, batchnorm_eval, conv1d_autoencoder, losses, rnn_tanh, lstm_cell_loop,
-    one_hot_targets, graph_mean_max, embedding_bag, bert_padded)}
+    gru_cell_loop, one_hot_targets, graph_mean_max, embedding_bag, bert_padded)}
 
 
 def build(name: str) -> Built:

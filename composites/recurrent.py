@@ -153,6 +153,53 @@ _CELLS: dict[str, Cell] = {"rnn_tanh": _elman(torch.tanh), "rnn_relu": _elman(to
                            "lstm": _lstm_cell}
 
 
+# --- the cell ops (nn.RNNCell, nn.GRUCell): one step, out of place -------------------------------------------------
+
+
+def _hidden_not_batched(ctx: rules.Context) -> bool:
+    """hx is shared by the samples (not batched at the innermost vmap level) while the input or a weight is: PyTorch's
+    cell kernels add the input's gates into ``linear_hh(hx)`` in place (RNN.cpp), a batched value written into an
+    unbatched one, which vmap refuses. It is the first step of any per-sample loop over a cell that starts from
+    ``torch.zeros(1, hidden)``."""
+    return rules.under_vmap(ctx) and "hx" not in ctx.batched and bool(ctx.batched)
+
+
+for _op, _doc in (
+    ("rnn_tanh_cell", "one Elman step with tanh: h' = tanh(W_ih x + b_ih + W_hh h + b_hh)"),
+    ("rnn_relu_cell", "one Elman step with relu: h' = relu(W_ih x + b_ih + W_hh h + b_hh)"),
+    ("gru_cell", "one GRU step (gates r, z, n): h' = (h - n) * z + n"),
+):
+    define_op(_op, "", tensors=("input", "hx", "w_ih", "w_hh", "b_ih", "b_hh"), doc=_doc, inplace=False,
+              rules={"native": rules.fails_when(
+                  _hidden_not_batched, "error",
+                  f"aten::{_op} adds the input's gates into linear_hh(hx) in place, which vmap refuses where hx is "
+                  "shared by the samples and the input is not (\"output with shape [1, hidden] doesn't match the "
+                  "broadcast shape\")")})
+
+
+def _cell_step(kind: str, input, hx, w_ih, w_hh, b_ih, b_hh) -> torch.Tensor:
+    h, _ = _CELLS[kind](_linear(input, w_ih, b_ih), hx, None, w_hh, b_hh, None)
+    return h
+
+
+@register("rnn_tanh_cell", "functional")
+def rnn_tanh_cell_functional(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    """PyTorch's formula out of place: the input's and the hidden state's linear maps added, then tanh."""
+    return _cell_step("rnn_tanh", input, hx, w_ih, w_hh, b_ih, b_hh)
+
+
+@register("rnn_relu_cell", "functional")
+def rnn_relu_cell_functional(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    """PyTorch's formula out of place: the input's and the hidden state's linear maps added, then relu."""
+    return _cell_step("rnn_relu", input, hx, w_ih, w_hh, b_ih, b_hh)
+
+
+@register("gru_cell", "functional")
+def gru_cell_functional(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    """PyTorch's GRU step out of place (the gate blocks r, z, n of the input's and the hidden state's linear maps)."""
+    return _cell_step("gru", input, hx, w_ih, w_hh, b_ih, b_hh)
+
+
 # --- the layout of PyTorch's flat parameter list --------------------------------------------------------------------
 
 

@@ -476,3 +476,40 @@ def test_wrong_parameter_count_says_what_is_expected() -> None:
         vmap(lambda sample: _call(config, sample, hx, params))(x)
     assert str(raised.value) == ("gru: got 7 parameter tensors for 2 layer(s), one direction, has_biases=True: "
                                  "expected 8, as nn.RNN, nn.GRU and nn.LSTM pass their _flat_weights")
+
+
+# --- the cell ops: a per-sample loop over nn.RNNCell / nn.GRUCell from a shared zero state ---------------------------
+
+
+@pytest.mark.parametrize(("make", "op"), [(lambda: torch.nn.RNNCell(3, 5), "rnn_tanh_cell"),
+                                          (lambda: torch.nn.RNNCell(3, 5, nonlinearity="relu"), "rnn_relu_cell"),
+                                          (lambda: torch.nn.GRUCell(3, 5), "gru_cell")])
+def test_unrolled_cells_from_a_shared_zero_state_equal_the_loop(make, op: str) -> None:
+    """The first step's hx is the shared ``torch.zeros(1, hidden)``: PyTorch's cell adds the batched input gates into
+    it in place and vmap refuses; inside use() that step runs the functional composite, the later ones (hx batched)
+    PyTorch's own, and the per-sample gradients equal the loop's."""
+    torch.manual_seed(0)
+    cell = make().double()
+    params = {name: p.detach() for name, p in cell.named_parameters()}
+    inputs = torch.randn(4, 6, 3, dtype=torch.float64)
+
+    def loss(p: dict[str, torch.Tensor], sequence: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(1, 5, dtype=torch.float64)
+        for step in sequence:
+            h = torch.func.functional_call(cell, p, (step[None], h))
+        return h.pow(2).sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        per_sample(params, inputs)
+    with registry.use(record=True) as run:
+        got = per_sample(params, inputs)
+    assert {d.composite for d in run.decisions if d.op == op} == {"functional", "native"}
+    # The loop: torch.autograd per sequence, outside any transform.
+    expected = []
+    for sequence in inputs:
+        leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
+        expected.append(dict(zip(leaves, torch.autograd.grad(loss(leaves, sequence), list(leaves.values())),
+                                 strict=True)))
+    for name in params:
+        torch.testing.assert_close(got[name], torch.stack([e[name] for e in expected]))
