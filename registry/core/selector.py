@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -450,11 +450,18 @@ class Selector:
         policy: str = "auto",
         pins: Mapping[str, str] | None = None,
         tensors: Iterable[str] | None = None,
+        shapes: Mapping[str, Sequence[int]] | None = None,
+        batch_size: int = 1,
+        native_batch_rules: bool = False,
     ) -> Decision:
         """Which composite of ``op`` runs under ``stack`` (``"vmap(grad)"``, ``"vmap,grad"`` or a sequence), and why.
 
         ``batched`` names the tensor arguments batched at the innermost vmap; ``tensors`` the arguments that are tensors
-        (default: all of the op's tensor parameters, the Tensor overloads).
+        (default: all of the op's tensor parameters, the Tensor overloads; with ``shapes``, the ones it names).
+        ``shapes`` (each tensor argument's per-sample shape) and ``batch_size`` (the samples the first one stands
+        for) are the call's sizes, which an op with a size signature is decided by (registry.core.cost);
+        ``native_batch_rules``: whether this package's C++ batching rules would serve PyTorch's kernel there (the
+        C++ routing backend, a policy other than native).
         """
         self.table.load()
         ops = self.table.ops
@@ -474,7 +481,13 @@ class Selector:
             )
         if batched_names and "vmap" not in parsed:
             raise SelectionError(f"select({op}): batched={','.join(batched_names)} needs vmap in the stack")
-        tensor_names = params if tensors is None else tuple(tensors)
+        if tensors is not None:
+            tensor_names = tuple(tensors)
+        elif shapes is not None:
+            tensor_names = tuple(name for name in params if name in shapes)
+        else:
+            tensor_names = params
+        sized = _per_sample_shapes(op, params, tensor_names, shapes, batch_size)
         ctx = Context(
             stack=parsed,
             batched=tuple(name for name in params if name in batched_names),
@@ -483,9 +496,37 @@ class Selector:
             numel=numel,
             self_covers_batching=not batched_names or "self" in batched_names,
             tensors=tensor_names,
+            shapes=sized,
+            batch_size=batch_size,
+            native_batch_rules=native_batch_rules,
         )
         pin = (pins or {}).get(op)
         return self.decide(op, ctx, policy, pin)
+
+
+def _per_sample_shapes(op: str, params: tuple[str, ...], tensor_names: tuple[str, ...],
+                       shapes: Mapping[str, Sequence[int]] | None, batch_size: int) -> tuple[tuple[int, ...], ...]:
+    """``shapes`` in ``tensor_names``' order, checked: every name a tensor argument given, every size a natural
+    number (SelectionError says which is not)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+        raise SelectionError(f"select({op}): batch_size must be a natural number of samples, not {batch_size!r}")
+    if shapes is None:
+        return ()
+    unknown = [name for name in shapes if name not in tensor_names]
+    if unknown:
+        raise SelectionError(f"select({op}): shapes names {', '.join(unknown)}, which are not tensor arguments given "
+                             f"here; its tensor arguments are {', '.join(params)}")
+    missing = [name for name in tensor_names if name not in shapes]
+    if missing:
+        raise SelectionError(f"select({op}): shapes has no per-sample shape for {', '.join(missing)}; give one for "
+                             "every tensor argument, or leave shapes out")
+    sized = []
+    for name in tensor_names:
+        shape = tuple(shapes[name])
+        if not all(isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in shape):
+            raise SelectionError(f"select({op}): the shape of {name} must be natural numbers, not {list(shape)!r}")
+        sized.append(shape)
+    return tuple(sized)
 
 
 # The default registry's selector: of the default op table, reading the default evidence slot.
@@ -519,8 +560,12 @@ def select(
     policy: str = "auto",
     pins: Mapping[str, str] | None = None,
     tensors: Iterable[str] | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    batch_size: int = 1,
+    native_batch_rules: bool = False,
 ) -> Decision:
     """Which composite of ``op`` runs under ``stack`` (``"vmap(grad)"``, ``"vmap,grad"`` or a sequence), and why:
     ``Selector.select`` of the default registry."""
     return SELECTOR.select(op, stack=stack, batched=batched, dtype=dtype, device=device, numel=numel, policy=policy,
-                           pins=pins, tensors=tensors)
+                           pins=pins, tensors=tensors, shapes=shapes, batch_size=batch_size,
+                           native_batch_rules=native_batch_rules)

@@ -228,3 +228,38 @@ def test_a_local_profile_decides_where_the_rules_do_not_serve() -> None:
     decision = selector.decide(OP, dataclasses.replace(plain, native_batch_rules=True))
     assert decision.composite == "native"
     assert "1.25x slower than native with that rule" in decision.reason
+
+
+# --- select(): the call's sizes described, as use() sees them -------------------------------------------------------
+
+SAMPLE = {"query": (1, 2, 16, 16), "key": (1, 2, 16, 16), "value": (1, 2, 16, 16)}
+
+
+def test_select_decides_by_cost_at_the_described_sizes() -> None:
+    """select() with per-sample shapes and a batch size reaches the same choice by cost as a call of those sizes."""
+    small = registry.select(OP, stack="vmap", batched=list(SAMPLE), shapes=SAMPLE, batch_size=2)
+    large = registry.select(OP, stack="vmap", batched=list(SAMPLE), shapes=SAMPLE, batch_size=256)
+    assert (small.composite, large.composite) == ("native", "primitive")
+    assert "at batch 256, heads 2, length 16, head_dim 16, no mask, rank 4" in large.reason
+    assert large.speedup == pytest.approx(2.0)
+    assert registry.select(OP, stack="vmap", batched=list(SAMPLE)).composite == "primitive"  # no sizes: the rules
+
+
+@pytest.mark.usefixtures("_table_with_rules")
+def test_select_weighs_the_rules_where_told_they_serve() -> None:
+    told = registry.select(OP, stack="vmap", batched=list(SAMPLE), shapes=SAMPLE, batch_size=256,
+                           native_batch_rules=True)
+    assert told.composite == "native"
+    assert "slower than native with that rule" in told.reason
+
+
+@pytest.mark.parametrize(("shapes", "batch_size", "message"), [
+    ({"query": (1, 2, 16, 16)}, 1, "shapes has no per-sample shape for key, value"),
+    ({**SAMPLE, "mask": (1,)}, 1, "shapes names mask, which are not tensor arguments given here"),
+    ({**SAMPLE, "query": (1, -2, 16, 16)}, 1, r"the shape of query must be natural numbers, not \[1, -2, 16, 16\]"),
+    (SAMPLE, -1, "batch_size must be a natural number of samples, not -1"),
+])
+def test_select_refuses_sizes_it_cannot_read(shapes: dict, batch_size: int, message: str) -> None:
+    with pytest.raises(selector.SelectionError, match=message):
+        registry.select(OP, stack="vmap", batched=["query"], shapes=shapes, batch_size=batch_size,
+                        tensors=list(SAMPLE))
