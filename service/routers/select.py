@@ -27,6 +27,14 @@ DEVICE_DOC = "a device type this host has, or one a profile names: cpu, cuda, ..
 NUMEL_DOC = "elements per sample: picks the profiled size nearest to it"
 POLICY_DOC = "how to choose: auto, fastest, rules or native"
 PIN_DOC = "force a kind or composite for this op, e.g. functional"
+SHAPES_DOC = ("each tensor argument's per-sample shape, for an op decided by its cost at the call's sizes "
+              "(scaled_dot_product_attention, ctc_loss, pdist): every tensor argument or none")
+SHAPES_TEXT_DOC = "per-sample shapes as name:AxBxC, comma-separated, e.g. query:1x2x16x16,key:1x2x16x16,value:1x2x16x16"
+BATCH_SIZE_DOC = "the samples the first tensor argument stands for (the product of its vmap batch sizes)"
+RULES_DOC = ("whether this package's C++ batching rules would serve PyTorch's kernel (use() on the C++ routing "
+             "backend): native is then weighed with them")
+MAX_DIMS = 8
+Shape = Annotated[list[Annotated[int, Field(ge=0, le=2**31)]], Field(max_length=MAX_DIMS)]
 
 
 class SelectQuery(StrictBody):
@@ -39,10 +47,38 @@ class SelectQuery(StrictBody):
     numel: int | None = Field(default=None, ge=0, le=2**40, description=NUMEL_DOC)
     policy: str = Field(default="auto", max_length=16, description=POLICY_DOC)
     pin: str | None = Field(default=None, max_length=40, description=PIN_DOC)
+    shapes: dict[Annotated[str, Field(max_length=64)], Shape] | None = Field(default=None, max_length=8,
+                                                                              description=SHAPES_DOC)
+    batch_size: int = Field(default=1, ge=0, le=2**31, description=BATCH_SIZE_DOC)
+    native_batch_rules: bool = Field(default=False, description=RULES_DOC)
+
+
+def _sizes(text: str) -> list[int] | None:
+    """``1x2x16`` -> [1, 2, 16]; "" (a 0-d tensor) -> []; None where a size is not a decimal integer."""
+    parts = text.split("x") if text else []
+    return [int(part) for part in parts] if all(part.isdecimal() for part in parts) else None
+
+
+def _parsed_shapes(text: str | None) -> dict[str, list[int]] | None:
+    """``query:1x2x16x16,key:1x2x16x16`` -> {"query": [1, 2, 16, 16], ...}; ``name:`` is a 0-d tensor."""
+    if not text:
+        return None
+    shapes: dict[str, list[int]] = {}
+    for part in text.split(","):
+        name, colon, sizes = part.strip().partition(":")
+        dims = _sizes(sizes) if colon and name else None
+        if dims is None:
+            raise InputError(f"shapes entry {shorten(part.strip())!r} is not name:AxBxC, e.g. query:1x2x16x16")
+        if len(dims) > MAX_DIMS or any(size > 2**31 for size in dims):
+            raise InputError(f"shapes entry {shorten(part.strip())!r}: at most {MAX_DIMS} sizes, each at most "
+                             f"{2**31}")
+        shapes[name] = dims
+    return shapes
 
 
 def _decide(request: Request, op: str, stack: str, batched: list[str], dtype: str | None, device: str | None,
-            numel: int | None, policy: str, pin: str | None) -> DecisionPublic:
+            numel: int | None, policy: str, pin: str | None, shapes: dict[str, list[int]] | None = None,
+            batch_size: int = 1, native_batch_rules: bool = False) -> DecisionPublic:
     """Check every value against its closed set, then ask the selector (whose cache these values key)."""
     state = request.app.state.store_state
     state.require()  # decisions read the store's evidence: 503 while it cannot be read
@@ -61,7 +97,8 @@ def _decide(request: Request, op: str, stack: str, batched: list[str], dtype: st
     device_type = parse_device(device, state.device_types()) if device is not None else None
     try:
         decision = registry.select(op, stack=parsed, batched=batched, dtype=torch_dtype, device=device_type,
-                                   numel=numel, policy=policy, pins={op: pin} if pin else None)
+                                   numel=numel, policy=policy, pins={op: pin} if pin else None, shapes=shapes,
+                                   batch_size=batch_size, native_batch_rules=native_batch_rules)
     except SelectionError as error:
         raise HTTPException(status_code=422, detail=str(error)) from None
     return DecisionPublic.of(decision)
@@ -77,7 +114,8 @@ async def select_many(request: Request, queries: Annotated[list[SelectQuery], Bo
     for index, query in enumerate(queries):
         try:
             answers.append(_decide(request, query.op, query.stack, query.batched, query.dtype, query.device,
-                                   query.numel, query.policy, query.pin))
+                                   query.numel, query.policy, query.pin, query.shapes, query.batch_size,
+                                   query.native_batch_rules))
         except HTTPException as error:
             raise HTTPException(status_code=error.status_code, detail=f"query {index}: {error.detail}") from None
         except InputError as error:
@@ -99,7 +137,11 @@ async def select(
     numel: Annotated[int | None, Query(ge=0, le=2**40, description=NUMEL_DOC)] = None,
     policy: Annotated[str, Query(max_length=16, description=POLICY_DOC)] = "auto",
     pin: Annotated[str | None, Query(max_length=40, description=PIN_DOC)] = None,
+    shapes: Annotated[str | None, Query(max_length=600, description=SHAPES_TEXT_DOC)] = None,
+    batch_size: Annotated[int, Query(ge=0, le=2**31, description=BATCH_SIZE_DOC)] = 1,
+    native_batch_rules: Annotated[bool, Query(description=RULES_DOC)] = False,
 ) -> DecisionPublic:
     """The decision for one op under a stack: the composite, the reason, every alternative's verdict, and the
-    measured speedups."""
-    return _decide(request, op, stack, _names(batched), dtype, device, numel, policy, pin)
+    measured speedups; with ``shapes`` and ``batch_size``, at those sizes."""
+    return _decide(request, op, stack, _names(batched), dtype, device, numel, policy, pin, _parsed_shapes(shapes),
+                   batch_size, native_batch_rules)

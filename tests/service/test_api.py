@@ -139,7 +139,8 @@ def test_unknown_body_fields_are_refused_naming_the_field(client: TestClient) ->
          "body: unknown field 'batch_size'; the fields are ops, workloads, batch_sizes, numels, dtypes, device, "
          "device_kind, min_run_time"),
         ("/select", [{"op": "index_fill"}, {"op": "index_fill", "stak": "vmap"}],
-         "body.1: unknown field 'stak'; the fields are op, stack, batched, dtype, device, numel, policy, pin"),
+         "body.1: unknown field 'stak'; the fields are op, stack, batched, dtype, device, numel, policy, pin, "
+         "shapes, batch_size, native_batch_rules"),
     ]
     for path, body, detail in cases:
         response = client.post(path, json=body)
@@ -300,3 +301,34 @@ def test_a_body_that_is_not_valid_json_says_where(client: TestClient) -> None:
     response = client.post("/select", content=b'[{"op":', headers={"Content-Type": "application/json"})
     assert (response.status_code, response.json()) == (422, {  # was "body.7: JSON decode error"
         "detail": "body: not valid JSON at character 7: Expecting value; send a JSON document"})
+
+
+SDPA_SHAPES = {"query": [1, 2, 16, 16], "key": [1, 2, 16, 16], "value": [1, 2, 16, 16]}
+
+
+def test_select_at_the_call_sizes(client: TestClient) -> None:
+    """POST and GET /select with per-sample shapes and a batch size answer the choice by cost at those sizes (the
+    shipped reference costs), the same as registry.select; the reason names the bucket."""
+    query = {"op": "scaled_dot_product_attention", "stack": "vmap(grad)", "batched": ["query", "key", "value"],
+             "shapes": SDPA_SHAPES, "batch_size": 4}
+    posted = client.post("/select", json=[query]).json()[0]
+    expected = registry.select("scaled_dot_product_attention", stack="vmap(grad)", batched=["query", "key", "value"],
+                               shapes=SDPA_SHAPES, batch_size=4)
+    assert (posted["composite"], posted["reason"]) == (expected.composite, expected.reason)
+    assert "at batch 4, heads 2, length 16, head_dim 16, no mask, rank 4" in posted["reason"]
+    got = client.get("/select", params={"op": "scaled_dot_product_attention", "stack": "vmap(grad)",
+                                        "batched": "query,key,value", "batch_size": 4,
+                                        "shapes": "query:1x2x16x16,key:1x2x16x16,value:1x2x16x16"}).json()
+    assert (got["composite"], got["reason"]) == (expected.composite, expected.reason)
+
+
+@pytest.mark.parametrize(("shapes", "detail"), [
+    ("query:1x2x16x16,key", "shapes entry 'key' is not name:AxBxC, e.g. query:1x2x16x16"),
+    ("query:1xtwo", "shapes entry 'query:1xtwo' is not name:AxBxC, e.g. query:1x2x16x16"),
+    ("query:1x2x16x16,mask:1", "shapes names mask, which are not tensor arguments given here"),
+])
+def test_select_shapes_it_cannot_read_are_a_4xx(client: TestClient, shapes: str, detail: str) -> None:
+    response = client.get("/select", params={"op": "scaled_dot_product_attention", "stack": "vmap",
+                                             "batched": "query", "shapes": shapes})
+    assert 400 <= response.status_code < 500
+    assert detail in response.json()["detail"]
