@@ -73,3 +73,31 @@ def check_dtype_under_stack(dtype: torch.dtype | None, stack: tuple[str, ...]) -
         name = str(dtype).removeprefix("torch.")
         raise InputError(f"dtype {name} has no derivative under {format_stack(stack)}: {differentiating[0]} needs a "
                          "floating point or complex dtype")
+
+
+# Per-sample shapes (select's ``shapes``): at most MAX_DIMS sizes, each at most MAX_SIZE.
+MAX_DIMS = 8
+MAX_SIZE = 2**31
+
+
+def _sizes(text: str) -> list[int] | None:
+    """``1x2x16`` -> [1, 2, 16]; "" (a 0-d tensor) -> []; None where a size is not a decimal integer."""
+    parts = text.split("x") if text else []
+    return [int(part) for part in parts] if all(part.isdecimal() for part in parts) else None
+
+
+def parse_shapes(text: str | None) -> dict[str, list[int]] | None:
+    """``query:1x2x16x16,key:1x2x16x16`` -> {"query": [1, 2, 16, 16], ...}; ``name:`` is a 0-d tensor."""
+    if not text:
+        return None
+    shapes: dict[str, list[int]] = {}
+    for part in text.split(","):
+        name, colon, sizes = part.strip().partition(":")
+        dims = _sizes(sizes) if colon and name else None
+        if dims is None:
+            raise InputError(f"shapes entry {shorten(part.strip())!r} is not name:AxBxC, e.g. query:1x2x16x16")
+        if len(dims) > MAX_DIMS or any(size > MAX_SIZE for size in dims):
+            raise InputError(f"shapes entry {shorten(part.strip())!r}: at most {MAX_DIMS} sizes, each at most "
+                             f"{MAX_SIZE}")
+        shapes[name] = dims
+    return shapes

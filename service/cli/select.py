@@ -15,14 +15,15 @@ def run(args: argparse.Namespace) -> int:
 
     import registry
     from service.models import DecisionPublic
-    from service.validation import InputError, check_dtype_under_stack, parse_device
+    from service.validation import InputError, check_dtype_under_stack, parse_device, parse_shapes
 
     try:
         check_dtype_under_stack(getattr(torch, args.dtype) if args.dtype else None, args.stack)
         device = parse_device(args.device, (args.device.split(":")[0],)) if args.device else None
         decision = registry.select(args.op, stack=args.stack, batched=[b for b in args.batched.split(",") if b],
                                    dtype=args.dtype, device=device, numel=args.numel, policy=args.policy,
-                                   pins={args.op: args.pin} if args.pin else None)
+                                   pins={args.op: args.pin} if args.pin else None, shapes=parse_shapes(args.shapes),
+                                   batch_size=args.batch_size, native_batch_rules=args.native_batch_rules)
     except (registry.SelectionError, InputError) as error:
         raise UsageError(str(error)) from None
     answer = DecisionPublic.of(decision).model_dump()
@@ -51,5 +52,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="auto", choices=POLICIES,
                         help=f"how to choose: {', '.join(POLICIES)} (default: auto)")
     parser.add_argument("--pin", default=None, help="force a kind or composite for this op, e.g. functional")
+    parser.add_argument("--shapes", default=None, help="each tensor argument's per-sample shape, for an op decided by "
+                        "its cost at the call's sizes: query:1x2x16x16,key:1x2x16x16,value:1x2x16x16")
+    parser.add_argument("--batch-size", default=1, type=arguments.non_negative_int,
+                        help="the samples the first tensor argument stands for (default: 1)")
+    parser.add_argument("--native-batch-rules", action="store_true", help="weigh PyTorch's kernel with this "
+                        "package's C++ batching rule, as use() on the C++ routing backend runs it")
     arguments.add_json(parser, "the decision")
     parser.set_defaults(run=run)

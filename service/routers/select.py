@@ -9,7 +9,16 @@ import registry
 from registry.core.selector import POLICIES, SelectionError, unknown_op_message
 from registry.core.stacks import MAX_STACK_TEXT, shorten
 from service.models import DecisionPublic, StrictBody
-from service.validation import InputError, check_dtype_under_stack, parse_device, parse_dtype, parse_stack_input
+from service.validation import (
+    MAX_DIMS,
+    MAX_SIZE,
+    InputError,
+    check_dtype_under_stack,
+    parse_device,
+    parse_dtype,
+    parse_shapes,
+    parse_stack_input,
+)
 
 router = APIRouter(tags=["select"])
 
@@ -33,8 +42,7 @@ SHAPES_TEXT_DOC = "per-sample shapes as name:AxBxC, comma-separated, e.g. query:
 BATCH_SIZE_DOC = "the samples the first tensor argument stands for (the product of its vmap batch sizes)"
 RULES_DOC = ("whether this package's C++ batching rules would serve PyTorch's kernel (use() on the C++ routing "
              "backend): native is then weighed with them")
-MAX_DIMS = 8
-Shape = Annotated[list[Annotated[int, Field(ge=0, le=2**31)]], Field(max_length=MAX_DIMS)]
+Shape = Annotated[list[Annotated[int, Field(ge=0, le=MAX_SIZE)]], Field(max_length=MAX_DIMS)]
 
 
 class SelectQuery(StrictBody):
@@ -51,29 +59,6 @@ class SelectQuery(StrictBody):
                                                                               description=SHAPES_DOC)
     batch_size: int = Field(default=1, ge=0, le=2**31, description=BATCH_SIZE_DOC)
     native_batch_rules: bool = Field(default=False, description=RULES_DOC)
-
-
-def _sizes(text: str) -> list[int] | None:
-    """``1x2x16`` -> [1, 2, 16]; "" (a 0-d tensor) -> []; None where a size is not a decimal integer."""
-    parts = text.split("x") if text else []
-    return [int(part) for part in parts] if all(part.isdecimal() for part in parts) else None
-
-
-def _parsed_shapes(text: str | None) -> dict[str, list[int]] | None:
-    """``query:1x2x16x16,key:1x2x16x16`` -> {"query": [1, 2, 16, 16], ...}; ``name:`` is a 0-d tensor."""
-    if not text:
-        return None
-    shapes: dict[str, list[int]] = {}
-    for part in text.split(","):
-        name, colon, sizes = part.strip().partition(":")
-        dims = _sizes(sizes) if colon and name else None
-        if dims is None:
-            raise InputError(f"shapes entry {shorten(part.strip())!r} is not name:AxBxC, e.g. query:1x2x16x16")
-        if len(dims) > MAX_DIMS or any(size > 2**31 for size in dims):
-            raise InputError(f"shapes entry {shorten(part.strip())!r}: at most {MAX_DIMS} sizes, each at most "
-                             f"{2**31}")
-        shapes[name] = dims
-    return shapes
 
 
 def _decide(request: Request, op: str, stack: str, batched: list[str], dtype: str | None, device: str | None,
@@ -143,5 +128,5 @@ async def select(
 ) -> DecisionPublic:
     """The decision for one op under a stack: the composite, the reason, every alternative's verdict, and the
     measured speedups; with ``shapes`` and ``batch_size``, at those sizes."""
-    return _decide(request, op, stack, _names(batched), dtype, device, numel, policy, pin, _parsed_shapes(shapes),
+    return _decide(request, op, stack, _names(batched), dtype, device, numel, policy, pin, parse_shapes(shapes),
                    batch_size, native_batch_rules)

@@ -332,3 +332,15 @@ def test_select_shapes_it_cannot_read_are_a_4xx(client: TestClient, shapes: str,
                                              "batched": "query", "shapes": shapes})
     assert 400 <= response.status_code < 500
     assert detail in response.json()["detail"]
+
+
+def test_cli_select_at_the_call_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    shapes = "query:1x2x16x16,key:1x2x16x16,value:1x2x16x16"
+    assert main(["select", "scaled_dot_product_attention", "--stack", "vmap(grad)", "--batched", "query,key,value",
+                 "--shapes", shapes, "--batch-size", "4"]) == 0
+    expected = registry.select("scaled_dot_product_attention", stack="vmap(grad)", batched=["query", "key", "value"],
+                               shapes=SDPA_SHAPES, batch_size=4)
+    assert f"reason: {expected.reason}" in capsys.readouterr().out.splitlines()
+    assert main(["select", "scaled_dot_product_attention", "--stack", "vmap", "--shapes", "query:1xtwo"]) == 2
+    assert capsys.readouterr().err == ("multicomposite select: shapes entry 'query:1xtwo' is not name:AxBxC, e.g. "
+                                       "query:1x2x16x16\n")
