@@ -18,9 +18,9 @@ from torch import func
 
 Point = Mapping[str, int]
 Fixed = Mapping[str, "bool | int | str"]
-# (point, categorical sizes, generator) -> (per-sample forward, batched inputs, argnums of the differentiable ones)
-Inputs = Callable[[Point, Fixed, torch.Generator], tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...],
-                                                          tuple[int, ...]]]
+# (per-sample forward, batched inputs, argnums of the differentiable ones)
+Case = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], tuple[int, ...]]
+Inputs = Callable[[Point, Fixed, torch.Generator], Case]  # (point, categorical sizes, generator) -> the case
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class SizeGrid:
 
 
 def _attention_inputs(at: Point, fixed: Fixed, g: torch.Generator
-                      ) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], tuple[int, ...]]:
+                      ) -> Case:
     batch, heads, length, head_dim = at["batch"], at["heads"], at["length"], at["head_dim"]
     q, k, v = (torch.randn(batch, 1, heads, length, head_dim, generator=g) for _ in range(3))
     attention = torch.nn.functional.scaled_dot_product_attention
@@ -68,7 +68,7 @@ CTC_CLASSES = 16
 
 
 def _ctc_inputs(at: Point, fixed: Fixed, g: torch.Generator
-                ) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], tuple[int, ...]]:
+                ) -> Case:
     batch, steps, labels = at["batch"], at["steps"], at["labels"]
     log_probs = torch.randn(batch, steps, 1, CTC_CLASSES, generator=g).log_softmax(-1)
     targets = torch.randint(1, CTC_CLASSES, (batch, 1, labels), generator=g)
@@ -93,7 +93,7 @@ CTC_LOSS = SizeGrid(
 
 
 def _pdist_inputs(at: Point, fixed: Fixed, g: torch.Generator
-                  ) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], tuple[int, ...]]:
+                  ) -> Case:
     rows = torch.randn(at["batch"], at["rows"], at["features"], generator=g)
     return torch.nn.functional.pdist, (rows,), (0,)
 

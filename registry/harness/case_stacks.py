@@ -270,10 +270,9 @@ def check_case(stack: str, case: SurveyCase, ref: Reference, dtype: torch.dtype,
         return Outcome("unsupported", str(reason))
     except Exception as error:  # native itself fails outside any transform on these arguments
         return Outcome("unsupported", f"reference (native, no transform) fails: {described(error)}")
-    chosen_loops: list[str] = []  # inside use(): the reasons of the loops the selector chose
     with fallback.watch() as caught:
         try:
-            with deadline(timeout_s), (_use(chosen_loops, pins) if inside_use else contextlib.nullcontext()):
+            with deadline(timeout_s), (_use(pins) if inside_use else contextlib.nullcontext()) as run:
                 actual = run_stack(stack, case)
         except CaseTimeout as error:
             return Outcome("error", str(error))
@@ -290,24 +289,24 @@ def check_case(stack: str, case: SurveyCase, ref: Reference, dtype: torch.dtype,
                             tolerance_row(stack))) is not None:
         return mismatch
     if (note := fallback.fallback_note(caught)) is not None:
-        if chosen_loops:
+        chosen = [] if run is None else [d.reason for d in run.decisions if d.native_loops]
+        if chosen:
             # NOTE: vmap's loop over PyTorch's kernel where the selector measured it faster at these sizes
             # (registry.core.cost), or where no composite is valid, is use() working as meant, not a gap.
-            return Outcome("ok", f"vmap's loop over PyTorch's kernel, chosen: {chosen_loops[0]}")
+            return Outcome("ok", f"vmap's loop over PyTorch's kernel, chosen: {chosen[0]}")
         return Outcome("slow", note)
     return Outcome("ok")
 
 
 @contextlib.contextmanager
-def _use(chosen_loops: list[str], pins: Mapping[str, str] | None = None) -> Iterator[None]:
-    """Inside ``registry.use(pins=pins)``, each case a program of its own: what one case remembered as needing
-    functionalization must not functionalize the next (``functionalization.remembering_apart``). ``chosen_loops``
-    receives the reasons of the decisions that chose PyTorch's op in vmap's loop."""
+def _use(pins: Mapping[str, str] | None = None) -> Iterator[Any]:
+    """Inside ``registry.use(pins=pins, record=True)``, each case a program of its own: what one case remembered as
+    needing functionalization must not functionalize the next (``functionalization.remembering_apart``). Yields the
+    block's run (what it decided)."""
     import registry
 
-    with remembering_apart(), registry.use(pins=pins, record=True) as run:
-        yield
-    chosen_loops.extend(d.reason for d in run.decisions if d.native_loops)
+    with remembering_apart(), registry.use(pins=pins, record=True) as block:
+        yield block.run
 
 
 def dynamic_outcome(case: SurveyCase, stack: str, outcome: Outcome) -> Outcome:
