@@ -61,6 +61,9 @@ class Op:
     tensor_args: tuple[str, ...]  # schema names of the tensor parameters, ``self`` first
     doc: str
     params: tuple[str, ...] = field(default=())  # filled in from the schema by ``ops.define``
+    # The parameters of ``tensor_args`` that are a Tensor[] in the schema (lstm_cell's hx): a call's context holds the
+    # list's first tensor under the parameter's name. Filled in by ``ops.define``.
+    tensor_lists: tuple[str, ...] = field(default=())
     # Every aten overload routed to the composites, in-place variants included.
     overloads: tuple[Overload, ...] = field(default=())
     # Overloads whose derivative formula PyTorch gets wrong in eager autograd too (no transform): these also get a

@@ -32,6 +32,13 @@ def schema_params(name: str, overload: str) -> tuple[tuple[str, bool], ...]:
     raise ValueError(f"aten::{name} has no overload {overload!r}; it has {known}")
 
 
+def _tensor_list_params(name: str, overload: str) -> frozenset[str]:
+    """The parameters of ``aten::name.overload`` that take a list of tensors (``Tensor[]``)."""
+    return frozenset(arg.name for arg in aten_schema(f"{name}.{overload}" if overload else name).arguments
+                     if isinstance(arg.type, torch.ListType) and arg.type.getElementType().isSubtypeOf(
+                         torch.TensorType.get()))
+
+
 def _to_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``to.device(self, device, dtype, non_blocking=False, copy=False, memory_format=None)``."""
     return _to_keywords(args[0], ("device", "dtype", "non_blocking", "copy", "memory_format"), args[1:], kwargs)
@@ -137,6 +144,7 @@ def define(
         tensor_args=tensor_args,
         doc=doc,
         params=params,
+        tensor_lists=tuple(t for t in tensor_args if t in _tensor_list_params(name, overload)),
         overloads=overloads,
         eager_autograd=eager_autograd,
         opinfo=opinfo,

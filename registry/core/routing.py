@@ -134,6 +134,13 @@ def _tensor_args(op: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> di
     for name, value in kwargs.items():
         if isinstance(value, torch.Tensor):
             found[name] = value
+    for name in op.tensor_lists:
+        # NOTE: a Tensor[] parameter the op names in tensors= (lstm_cell's hx = [h, c]) stands for its first tensor:
+        # the rules read whether h is batched. The C++ key (routing.cpp) holds every element's levels.
+        value = kwargs.get(name) if name in kwargs else next(
+            (v for n, v in zip(op.params, args, strict=False) if n == name), None)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            found[name] = value[0]
     return found
 
 

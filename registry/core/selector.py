@@ -291,8 +291,10 @@ class Selector:
     def decide(self, op: str, ctx: Context, policy: str = "auto", pin: str | None = None) -> Decision:
         """The decision for ``op`` in ``ctx``: cached per (op, context, policy, pin)."""
         size = (ctx.numel or 1).bit_length()  # profiles are kept per power-of-two size
+        # The batch size's bit length: a rule may read it (a loop over one sample is one call of PyTorch's kernel).
         key = (op, ctx.stack, ctx.batched, ctx.dtype, ctx.device, ctx.self_covers_batching, ctx.tensors, size,
-               policy, pin, self.table.signatures.bucket(op, ctx), ctx.given, ctx.native_batch_rules)
+               ctx.batch_size.bit_length(), policy, pin, self.table.signatures.bucket(op, ctx), ctx.given,
+               ctx.native_batch_rules)
         cache = self.cache
         decision = cache.get(key)
         if decision is not None:

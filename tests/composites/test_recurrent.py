@@ -20,6 +20,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import registry
 from composites import recurrent
+from registry.harness import fallback
 
 aten = torch.ops.aten
 SAMPLES, T, N, FEATURES, H = 3, 4, 2, 3, 5
@@ -513,3 +514,114 @@ def test_unrolled_cells_from_a_shared_zero_state_equal_the_loop(make, op: str) -
                                  strict=True)))
     for name in params:
         torch.testing.assert_close(got[name], torch.stack([e[name] for e in expected]))
+
+
+def _lstm_cell_loss(cell: nn.LSTMCell, p: dict[str, torch.Tensor], sequence: torch.Tensor) -> torch.Tensor:
+    h = c = torch.zeros(1, cell.hidden_size, dtype=torch.float64)
+    for step in sequence:
+        h, c = torch.func.functional_call(cell, p, (step[None], (h, c)))
+    return (h.pow(2) + c).sum()
+
+
+def test_unrolled_lstm_cell_from_a_shared_zero_state_equals_the_loop() -> None:
+    """lstm_cell takes its state as the Tensor[] ``hx = [h, c]``: the first step's h is the shared zeros, PyTorch's cell
+    adds the batched input gates into ``linear_hh(h)`` in place and vmap refuses; inside use() that step runs the
+    functional composite, the later ones (h batched) PyTorch's own, and the per-sample gradients equal the loop's."""
+    torch.manual_seed(0)
+    cell = nn.LSTMCell(3, 5).double()
+    params = {name: p.detach() for name, p in cell.named_parameters()}
+    inputs = torch.randn(4, 6, 3, dtype=torch.float64)
+    per_sample = vmap(grad(lambda p, s: _lstm_cell_loss(cell, p, s)), in_dims=(None, 0))
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        per_sample(params, inputs)
+    with registry.use(record=True) as run:
+        got = per_sample(params, inputs)
+    assert {d.composite for d in run.decisions if d.op == "lstm_cell"} == {"functional", "native"}
+    for b, sequence in enumerate(inputs):
+        leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
+        expected = torch.autograd.grad(_lstm_cell_loss(cell, leaves, sequence), list(leaves.values()))
+        for name, want in zip(leaves, expected, strict=True):
+            torch.testing.assert_close(got[name][b], want)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_lstm_cell_composite_equals_pytorch_values_and_gradients(bias: bool) -> None:
+    """The functional composite against aten::lstm_cell outside any transform: both outputs and every gradient."""
+    generator = torch.Generator().manual_seed(3)
+    x, h, c = (torch.randn(2, n, dtype=torch.float64, generator=generator) for n in (3, 5, 5))
+    weights = [torch.randn(20, 3, dtype=torch.float64, generator=generator),
+               torch.randn(20, 5, dtype=torch.float64, generator=generator)]
+    if bias:
+        weights += [torch.randn(20, dtype=torch.float64, generator=generator) for _ in range(2)]
+    leaves = [t.requires_grad_() for t in (x, h, c, *weights)]
+    for fn in (torch.lstm_cell, recurrent.lstm_cell_functional):
+        out = fn(leaves[0], [leaves[1], leaves[2]], *leaves[3:])
+        grads = torch.autograd.grad((out[0].sin() + out[1].cos()).sum(), leaves)
+        if fn is torch.lstm_cell:
+            expected, expected_grads = out, grads
+    for got, want in zip((*out, *grads), (*expected, *expected_grads), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_lstm_cell_decisions_follow_whether_h_is_batched_in_one_block() -> None:
+    """Under plain vmap PyTorch's lstm_cell raises (no batching rule, and no fallback for its Tensor[] hx); under
+    vmap(jvp) it decomposes and runs where h is batched. The decision key holds each tensor of hx: in one use() block
+    a vmap(jvp) call with h batched (PyTorch's op) and one with h shared (the composite) each get their own decision,
+    and every result equals the loop."""
+    generator = torch.Generator().manual_seed(5)
+    x, tangent = (torch.randn(4, 1, 3, dtype=torch.float64, generator=generator) for _ in range(2))
+    h_batched, c_batched = (torch.randn(4, 1, 5, dtype=torch.float64, generator=generator) for _ in range(2))
+    h_shared, c_shared = (torch.randn(1, 5, dtype=torch.float64, generator=generator) for _ in range(2))
+    w_ih, w_hh = (torch.randn(20, n, dtype=torch.float64, generator=generator) for n in (3, 5))
+
+    def step(x, h, c):
+        return torch.lstm_cell(x, [h, c], w_ih, w_hh)
+
+    def tangent_of(x, h, c, t):
+        return torch.func.jvp(lambda x: step(x, h, c)[1], (x,), (t,))[1]
+
+    with pytest.raises(RuntimeError, match="We could not generate a fallback"):
+        vmap(step)(x, h_batched, c_batched)
+    with registry.use(record=True) as run:
+        got = vmap(step)(x, h_batched, c_batched)
+        got_batched = vmap(tangent_of)(x, h_batched, c_batched, tangent)
+        got_shared = vmap(tangent_of, in_dims=(0, None, None, 0))(x, h_shared, c_shared, tangent)
+    assert [d.composite for d in run.decisions if d.op == "lstm_cell"] == ["functional", "native", "functional"]
+    for b in range(4):
+        for got_output, want in zip(got, step(x[b], h_batched[b], c_batched[b]), strict=True):
+            torch.testing.assert_close(got_output[b], want)
+        torch.testing.assert_close(got_batched[b], tangent_of(x[b], h_batched[b], c_batched[b], tangent[b]))
+        torch.testing.assert_close(got_shared[b], tangent_of(x[b], h_shared, c_shared, tangent[b]))
+
+
+@pytest.mark.parametrize("op", ["rnn_tanh_cell", "rnn_relu_cell", "gru_cell"])
+def test_cells_under_plain_vmap_run_batched_not_in_vmaps_loop(op: str) -> None:
+    """Under plain vmap the cell ops reach vmap undecomposed and loop (the fallback warning); inside use() the
+    composite runs, with no warning, and equals the loop. A batch of one keeps PyTorch's op (one call)."""
+    gates = 3 if op == "gru_cell" else 1
+    generator = torch.Generator().manual_seed(7)
+    x, h = torch.randn(4, 1, 3, generator=generator), torch.randn(4, 1, 5, generator=generator)
+    w_ih, w_hh = torch.randn(gates * 5, 3, generator=generator), torch.randn(gates * 5, 5, generator=generator)
+    fn = getattr(torch, op)
+    with fallback.watch() as caught:
+        vmap(lambda x, h: fn(x, h, w_ih, w_hh))(x, h)
+    assert fallback.fallback_note(caught) is not None
+    with fallback.watch() as caught, registry.use(record=True) as run:
+        got = vmap(lambda x, h: fn(x, h, w_ih, w_hh))(x, h)
+    assert fallback.fallback_note(caught) is None
+    with registry.use(record=True) as single:
+        vmap(lambda x, h: fn(x, h, w_ih, w_hh))(x[:1], h[:1])
+    assert [d.composite for d in run.decisions if d.op == op] == ["functional"]
+    assert [d.composite for d in single.decisions if d.op == op] == ["native"]
+    for b in range(4):
+        torch.testing.assert_close(got[b], fn(x[b], h[b], w_ih, w_hh))
+
+
+def test_lstm_cell_composite_rejects_what_pytorch_rejects() -> None:
+    x, h = torch.randn(2, 3), torch.zeros(1, 5)
+    w_ih, w_hh = torch.randn(20, 3), torch.randn(20, 5)
+    with pytest.raises(RuntimeError) as native:
+        torch.lstm_cell(x, [h], w_ih, w_hh)
+    with registry.use(), pytest.raises(RuntimeError) as routed:
+        vmap(lambda x: torch.lstm_cell(x, [h], w_ih, w_hh))(x[:, None])
+    assert str(routed.value) == str(native.value) == "lstm_cell expects two hidden states"

@@ -132,6 +132,45 @@ bool is_default(const Argument& argument, const c10::IValue& value) {
   return argument.default_value.has_value() && c10::_fastEqualsForContainer(value, *argument.default_value);
 }
 
+// One tensor argument at position i into tls_key; false when the call must go to Python whole (symbolic shapes).
+bool push_tensor(const at::Tensor& tensor, size_t i, bool* wrapped) {
+  auto& key = tls_key;
+  if (!tensor.defined()) {
+    return true;
+  }
+  const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  if (impl->is_wrapped_number()) {
+    *wrapped = true;
+    return true;
+  }
+  if (impl->has_symbolic_sizes_strides()) {
+    return false;
+  }
+  key.push_back(-16 - static_cast<int64_t>(i));
+  key.push_back((static_cast<int64_t>(tensor.scalar_type()) << 16) |
+                (static_cast<int64_t>(tensor.device().type()) << 1) | (tensor.requires_grad() ? 1 : 0));
+  key.push_back(bit_length(tensor.numel()));
+  // The size bucket (registry.core.context.size_key): each per-sample dimension's bit length, and below each
+  // vmap level its batch size's; decisions by cost (registry.core.cost) differ between buckets.
+  for (int64_t size : tensor.sizes()) {
+    key.push_back(-1024 - bit_length(size));
+  }
+  const at::Tensor* current = &tensor;
+  while (true) {
+    if (auto* batched = at::functorch::maybeGetBatchedImpl(*current)) {
+      key.push_back(batched->level() * 2);
+      key.push_back(-2048 - bit_length(batched->value().size(batched->bdim())));
+      current = &batched->value();
+    } else if (auto* wrapper = at::functorch::maybeGetTensorWrapper(*current)) {
+      key.push_back(wrapper->level().value_or(-1) * 2 + 1);
+      current = &wrapper->value();
+    } else {
+      break;
+    }
+  }
+  return true;
+}
+
 // The key of this call into tls_key; false when the call must go to Python whole (symbolic shapes).
 // wrapped: a wrapped number (the 0-d tensor C++ makes of a Python scalar) is an argument: PyTorch's kernel.
 bool build_key(const Overload& o, const c10::IValue* args, size_t count, bool* wrapped) {
@@ -144,46 +183,31 @@ bool build_key(const Overload& o, const c10::IValue* args, size_t count, bool* w
   }
   key.push_back(at::GradMode::is_enabled() ? -2 : -3);
   for (size_t i = 0; i < count; ++i) {
-    if (!args[i].isTensor()) {
-      // An argument away from its default (memory_format): rules may read it (Context.given).
-      if (!is_default(o.arguments[i], args[i])) {
-        key.push_back(-4096 - static_cast<int64_t>(i));
+    if (args[i].isTensor()) {
+      if (!push_tensor(args[i].toTensor(), i, wrapped)) {
+        return false;
+      }
+      if (*wrapped) {
+        return true;
       }
       continue;
     }
-    const at::Tensor& tensor = args[i].toTensor();
-    if (!tensor.defined()) {
+    if (args[i].isTensorList()) {
+      // NOTE: each tensor of a Tensor[] (lstm_cell's hx = [h, c]) is in the key as a tensor argument is: a rule may
+      // read whether h is batched (routing.py's _tensor_args), and a decision kept for one must not serve the other.
+      for (const c10::IValue& element : args[i].toListRef()) {
+        if (!push_tensor(element.toTensor(), i, wrapped)) {
+          return false;
+        }
+      }
+      if (*wrapped) {
+        return true;
+      }
       continue;
     }
-    const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
-    if (impl->is_wrapped_number()) {
-      *wrapped = true;
-      return true;
-    }
-    if (impl->has_symbolic_sizes_strides()) {
-      return false;
-    }
-    key.push_back(-16 - static_cast<int64_t>(i));
-    key.push_back((static_cast<int64_t>(tensor.scalar_type()) << 16) |
-                  (static_cast<int64_t>(tensor.device().type()) << 1) | (tensor.requires_grad() ? 1 : 0));
-    key.push_back(bit_length(tensor.numel()));
-    // The size bucket (registry.core.context.size_key): each per-sample dimension's bit length, and below each
-    // vmap level its batch size's; decisions by cost (registry.core.cost) differ between buckets.
-    for (int64_t size : tensor.sizes()) {
-      key.push_back(-1024 - bit_length(size));
-    }
-    const at::Tensor* current = &tensor;
-    while (true) {
-      if (auto* batched = at::functorch::maybeGetBatchedImpl(*current)) {
-        key.push_back(batched->level() * 2);
-        key.push_back(-2048 - bit_length(batched->value().size(batched->bdim())));
-        current = &batched->value();
-      } else if (auto* wrapper = at::functorch::maybeGetTensorWrapper(*current)) {
-        key.push_back(wrapper->level().value_or(-1) * 2 + 1);
-        current = &wrapper->value();
-      } else {
-        break;
-      }
+    // An argument away from its default (memory_format): rules may read it (Context.given).
+    if (!is_default(o.arguments[i], args[i])) {
+      key.push_back(-4096 - static_cast<int64_t>(i));
     }
   }
   return true;
