@@ -90,7 +90,7 @@ def _size_runners(grid: SizeGrid, at: dict[str, int], fixed: dict[str, Any], wor
     from registry.core.cost import NATIVE_BATCH_RULES
 
     forward, inputs, differentiable = grid.inputs(at, fixed, torch.Generator().manual_seed(0))
-    run = runnable(forward, differentiable, workload)
+    run = runnable(forward, differentiable, workload, grid.shared, len(inputs))
 
     def routed(composite: str) -> Any:
         # Native too inside use(), with policy native (nothing routed, its derivative ops included, PyTorch's own

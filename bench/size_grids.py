@@ -33,6 +33,9 @@ class SizeGrid:
     variants: tuple[dict[str, bool | int | str], ...]
     inputs: Inputs
     too_large: Callable[[Point], bool]
+    # Positions of the inputs every sample shares (vmap's in_dims None: a layer's weight under per-sample gradients);
+    # the others are batched along their first dimension.
+    shared: tuple[int, ...] = ()
 
 
 # --- scaled_dot_product_attention: per-sample (1, heads, length, head_dim) queries, keys and values -----------------
@@ -108,12 +111,54 @@ PDIST = SizeGrid(
 )
 
 
-GRIDS: dict[str, SizeGrid] = {grid.op: grid for grid in (ATTENTION, CTC_LOSS, PDIST)}
+# --- multi_margin_loss: per-sample (rows, classes) scores and (rows,) targets -------------------------------------
+
+
+def _multi_margin_inputs(at: Point, fixed: Fixed, g: torch.Generator) -> Case:
+    batch, rows, classes = at["batch"], at["rows"], at["classes"]
+    scores = torch.randn(batch, rows, classes, generator=g)
+    targets = torch.randint(0, classes, (batch, rows), generator=g)
+    return torch.nn.functional.multi_margin_loss, (scores, targets), (0,)
+
+
+MULTI_MARGIN_LOSS = SizeGrid(
+    op="multi_margin_loss",
+    axes={"batch": (1, 4, 16, 64, 256), "rows": (1, 16), "classes": (4, 32, 256)},
+    variants=({},),
+    inputs=_multi_margin_inputs,
+    too_large=lambda at: False,
+)
+
+
+# --- bilinear: per-sample (rows, features) inputs, a shared (out, features, features) weight and (out,) bias --------
+
+
+def _bilinear_inputs(at: Point, fixed: Fixed, g: torch.Generator) -> Case:
+    batch, rows, features, out = at["batch"], at["rows"], at["features"], at["out"]
+    x1, x2 = (torch.randn(batch, rows, features, generator=g) for _ in range(2))
+    weight, bias = torch.randn(out, features, features, generator=g), torch.randn(out, generator=g)
+    return torch.nn.functional.bilinear, (x1, x2, weight, bias), (0, 1, 2, 3)
+
+
+BILINEAR = SizeGrid(
+    op="bilinear",
+    axes={"batch": (1, 4, 16, 64, 256), "rows": (1, 16), "features": (8, 64), "out": (4, 32)},
+    variants=({},),
+    inputs=_bilinear_inputs,
+    # each sample's weight gradient: batch x out x features^2 elements
+    too_large=lambda at: at["batch"] * at["out"] * at["features"] ** 2 > 3e7,
+    shared=(2, 3),  # per-sample gradients of the layer's own weight and bias
+)
+
+
+GRIDS: dict[str, SizeGrid] = {grid.op: grid for grid in (ATTENTION, CTC_LOSS, PDIST, MULTI_MARGIN_LOSS, BILINEAR)}
 
 
 def runnable(forward: Callable[..., torch.Tensor], differentiable: tuple[int, ...], workload: str,
-             ) -> Callable[..., Any]:
-    """``forward`` over the batch under ``workload``: vmap, or vmap(grad) of its squared sum."""
+             shared: tuple[int, ...] = (), count: int | None = None) -> Callable[..., Any]:
+    """``forward`` over the batch under ``workload``: vmap, or vmap(grad) of its squared sum; of its ``count``
+    inputs, those at ``shared`` are shared by the samples (unbatched)."""
+    in_dims = tuple(None if i in shared else 0 for i in range(count or 0)) if shared else 0
     if workload == "vmap":
-        return func.vmap(forward)
-    return func.vmap(func.grad(lambda *t: forward(*t).square().sum(), argnums=differentiable))
+        return func.vmap(forward, in_dims=in_dims)
+    return func.vmap(func.grad(lambda *t: forward(*t).square().sum(), argnums=differentiable), in_dims=in_dims)

@@ -1,5 +1,6 @@
-"""composites/losses.py: ctc_loss and pdist decided by their cost at the call's sizes (the reference costs shipped with
-the package), and cdist's derivative kernel, each equal to the per-sample loop outside any transform."""
+"""composites/losses.py: ctc_loss, pdist, multi_margin_loss and bilinear decided by their cost at the call's sizes
+(the reference costs shipped with the package), and cdist's derivative kernel, each equal to the per-sample loop
+outside any transform."""
 
 from __future__ import annotations
 
@@ -44,6 +45,22 @@ def test_the_size_signatures_name_what_the_costs_depend_on() -> None:
                    shapes=((100, 3),), batch_size=64)
     assert _bucket("pdist", rows) == {"batch": 64, "rows": 64, "features": 2}
     assert _bucket("pdist", Context(stack=("vmap",), tensors=("self",), shapes=((5, 4, 3),), batch_size=2)) is None
+    scores = Context(stack=("vmap", "grad"), batched=("self", "target"), dtype=torch.float32, device="cpu",
+                     tensors=("self", "target"), shapes=((3, 10), (3,)), batch_size=20)
+    assert _bucket("multi_margin_loss", scores) == {"batch": 16, "rows": 2, "classes": 8}
+    one_row = Context(stack=("vmap",), batched=("self",), tensors=("self", "target"), shapes=((10,), ()),
+                      batch_size=4)
+    assert _bucket("multi_margin_loss", one_row) == {"batch": 4, "rows": 1, "classes": 8}
+    weighted = Context(stack=("vmap",), batched=("self", "weight"), tensors=("self", "target", "weight"),
+                       shapes=((10,), (), (10,)), batch_size=4)
+    assert _bucket("multi_margin_loss", weighted) is None  # batched class weights: not measured, the rules decide
+    layer = Context(stack=("vmap", "grad"), batched=("input1", "input2"), dtype=torch.float32, device="cpu",
+                    tensors=("input1", "input2", "weight", "bias"), shapes=((2, 5, 20), (2, 5, 20), (6, 20, 20), (6,)),
+                    batch_size=64)
+    assert _bucket("bilinear", layer) == {"batch": 64, "rows": 8, "features": 16, "out": 4}
+    ensemble = Context(stack=("vmap",), batched=("input1", "weight"), tensors=("input1", "input2", "weight"),
+                       shapes=((20,), (20,), (6, 20, 20)), batch_size=4)
+    assert _bucket("bilinear", ensemble) is None
 
 
 def _ctc_case(batch: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,3 +143,49 @@ def test_cdist_per_sample_gradients(x2_batched: bool) -> None:
     expected = loop(lambda pair: autograd_grad(lambda a: loss(a, pair[1]), pair[0]),
                     [(a, b if x2_batched else other) for a, b in zip(x1, x2, strict=True)])
     torch.testing.assert_close(got, expected)
+
+
+def _decided(op: str, run: object) -> str:
+    chosen = {d.composite for d in run.decisions if d.op == op}
+    assert len(chosen) == 1
+    return chosen.pop()
+
+
+@pytest.mark.parametrize(("batch", "rows", "classes", "expected"), [(4, 16, 32, "native"), (256, 1, 4, "functional")])
+def test_multi_margin_loss_by_cost(batch: int, rows: int, classes: int, expected: str) -> None:
+    """A few samples: vmap's loop over PyTorch's kernel (the composite's dozen batched ops cost more there, in the
+    shipped costs); many samples of a few classes: the composite. Per-sample gradients equal the loop either way."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(batch, rows, classes, dtype=torch.float64, generator=g)
+    targets = torch.randint(0, classes, (batch, rows), generator=g)
+
+    def loss(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.multi_margin_loss(s, t, p=2, margin=0.5)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vmap's loop, where cost chose it
+        with registry.use(record=True) as block:
+            got = func.vmap(func.grad(loss))(scores, targets)
+    assert _decided("multi_margin_loss", block) == expected
+    torch.testing.assert_close(got, loop(lambda pair: autograd_grad(lambda s: loss(s, pair[1]), pair[0]),
+                                         list(zip(scores, targets, strict=True))))
+
+
+@pytest.mark.parametrize(("batch", "expected"), [(1, "native"), (64, "functional")])
+def test_bilinear_per_sample_weight_gradients_by_cost(batch: int, expected: str) -> None:
+    """Per-sample gradients of a bilinear layer's own weight: one sample is one call of PyTorch's kernel, faster than
+    the einsum in the shipped costs; at 64 samples the einsum is. Both equal the loop."""
+    g = torch.Generator().manual_seed(1)
+    x1, x2 = (torch.randn(batch, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    weight, bias = torch.randn(4, 8, 8, dtype=torch.float64, generator=g), torch.randn(4, dtype=torch.float64)
+
+    def loss(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.bilinear(a, b, w, bias).square().sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with registry.use(record=True) as block:
+            got = func.vmap(func.grad(loss), in_dims=(None, 0, 0))(weight, x1, x2)
+    assert _decided("bilinear", block) == expected
+    torch.testing.assert_close(got, loop(lambda pair: autograd_grad(lambda w: loss(w, *pair), weight),
+                                         list(zip(x1, x2, strict=True))))
