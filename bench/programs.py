@@ -5,9 +5,9 @@ a physics-informed network's residual (jacrev of jacrev under vmap, then grad), 
 vmapped over tasks), an ensemble by ``stack_module_state``, a neural ODE's Jacobian through an RK4 solver, input
 Hessians and Jacobians, per-sample gradients through attention with key padding, a decoder layer, CTC, distances
 (``cdist``, ``pdist``), a bidirectional LSTM, losses, resampling, linear algebra, index writes and mean/max
-aggregation in user code, an EmbeddingBag, and six that PyTorch's own transforms fail on (a GRU's jvp, an Elman
-RNN, an unrolled LSTMCell and GRUCell, one-hot targets, and a ``transformers`` BERT over differently padded
-sequences, which needs the ``models`` extra).
+aggregation in user code, an EmbeddingBag, a bilinear scorer with a multi-class hinge loss, and six that PyTorch's
+own transforms fail on (a GRU's jvp, an Elman RNN, an unrolled LSTMCell and GRUCell, one-hot targets, and a
+``transformers`` BERT over differently padded sequences, which needs the ``models`` extra).
 
 Each is built once (fixed weights and data), run natively (outside ``use()``) and inside ``registry.use()`` (an
 empty store, policy auto); use()'s result is checked against native's first, or, where native fails, against the
@@ -365,6 +365,18 @@ def one_hot_targets() -> Built:
     return Built(lambda: vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y), loop=_loop_grads(loss, params, x, y))
 
 
+def bilinear_hinge() -> Built:
+    """Per-sample gradients of a bilinear scorer trained with a multi-class hinge loss (batch 16, 32 features, 10
+    classes): nn.Bilinear and F.multi_margin_loss both loop under vmap natively."""
+    scorer = nn.Bilinear(32, 32, 10)
+    x, context, y, params = torch.randn(16, 32), torch.randn(16, 32), torch.randint(0, 10, (16,)), _params(scorer)
+
+    def loss(p: dict[str, torch.Tensor], s: torch.Tensor, c: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        return F.multi_margin_loss(functional_call(scorer, p, (s[None], c[None])), label[None])
+
+    return Built(lambda: vmap(grad(loss), in_dims=(None, 0, 0, 0))(params, x, context, y))
+
+
 def graph_mean_max() -> Built:
     """Per-graph gradients of mean and max neighbour aggregation (index_reduce, scatter_reduce), 32 graphs."""
     x, index = torch.randn(32, 60, 16), torch.randint(0, 12, (60,))
@@ -416,7 +428,7 @@ PROGRAMS: dict[str, Callable[[], Built]] = {fn.__name__.replace("_", "-"): fn fo
     mha_key_padding, decoder_layer, pinn_burgers, maml, ensemble, neural_ode, input_hessians, conv_jacobians,
     embedding_padding_idx, ctc_per_sample, linear_algebra, gru_jvp, resampling, sorting_and_scans, point_distances,
     graph_scatter, bidirectional_lstm, batchnorm_eval, conv1d_autoencoder, losses, rnn_tanh, lstm_cell_loop,
-    gru_cell_loop, one_hot_targets, graph_mean_max, embedding_bag, bert_padded)}
+    gru_cell_loop, one_hot_targets, graph_mean_max, embedding_bag, bert_padded, bilinear_hinge)}
 
 
 def build(name: str) -> Built:
