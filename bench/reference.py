@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import func
 
-from bench.size_grids import GRIDS, SizeGrid, runnable
+from bench.size_grids import GRIDS, OPINFO_GRID_OPS, SizeGrid, grid_of, runnable
 
 OPS = ("masked_scatter", "masked_fill", "index_fill", "index_add", "index_copy", "contiguous", "to")
 CHECKED = ("masked_scatter", "masked_fill", "index_fill")
@@ -145,18 +145,18 @@ def measure_sizes(path: Path, min_run_time: float, rounds: int, ops: list[str] |
 
     load()
     torch.set_num_threads(1)
-    wanted = list(GRIDS) if ops is None else ops
-    unknown = [op for op in wanted if op not in GRIDS]
+    wanted = [*GRIDS, *OPINFO_GRID_OPS] if ops is None else ops
+    unknown = [op for op in wanted if op not in GRIDS and op not in OPINFO_GRID_OPS]
     if unknown:
         raise ValueError(f"bench.reference sizes: no size grid for {', '.join(unknown)}; the grids are "
-                         f"{', '.join(GRIDS)} (bench/size_grids.py)")
+                         f"{', '.join([*GRIDS, *OPINFO_GRID_OPS])} (bench/size_grids.py)")
     machine = machine_name()
     previous = json.loads(path.read_text()) if path.exists() else {}
     kept = [dict(g, machine=g.get("machine", previous.get("machine", ""))) for g in previous.get("grids", [])
             if g["op"] not in wanted]
     grids = []
     for op in wanted:
-        grid = GRIDS[op]
+        grid = grid_of(op)
         composites = list(COMPOSITES[op])
         if op in SIZES_RULES:
             if ROUTER.routing_backend() == "cpp":
@@ -167,6 +167,8 @@ def measure_sizes(path: Path, min_run_time: float, rounds: int, ops: list[str] |
                       file=sys.stderr)
         axes = list(grid.axes)
         for workload, stack in SIZES_WORKLOADS.items():
+            if workload not in grid.workloads:
+                continue
             for fixed in grid.variants:
                 points = []
                 for values in product(*grid.axes.values()):

@@ -36,6 +36,7 @@ class SizeGrid:
     # Positions of the inputs every sample shares (vmap's in_dims None: a layer's weight under per-sample gradients);
     # the others are batched along their first dimension.
     shared: tuple[int, ...] = ()
+    workloads: tuple[str, ...] = ("vmap", "vmap(grad)")  # what it is timed under (bench.reference's SIZES_WORKLOADS)
 
 
 # --- scaled_dot_product_attention: per-sample (1, heads, length, head_dim) queries, keys and values -----------------
@@ -152,6 +153,69 @@ BILINEAR = SizeGrid(
 
 
 GRIDS: dict[str, SizeGrid] = {grid.op: grid for grid in (ATTENTION, CTC_LOSS, PDIST, MULTI_MARGIN_LOSS, BILINEAR)}
+
+
+# --- the generic grid: an op on its OpInfo sample, at each batch size (registry.core.cost.batch_and_numel) -----------
+
+# The ops whose signature is the generic one (define_op(..., sizes=cost.batch_and_numel)): their composites cost
+# more than vmap's loop over a few of OpInfo's small samples, and less over many.
+OPINFO_GRID_OPS = (
+    "histc", "histogram", "isin", "nonzero_static", "renorm", "special_airy_ai",
+    *(f"special_{kind}_polynomial_{letter}" for kind in ("chebyshev", "shifted_chebyshev") for letter in "tuvw"),
+    "special_hermite_polynomial_h", "special_hermite_polynomial_he", "special_laguerre_polynomial_l",
+    "special_legendre_polynomial_p",
+)
+OPINFO_BATCHES = (1, 4, 16, 64, 256)
+
+
+def opinfo_grid(op: str) -> SizeGrid:
+    """``op`` on OpInfo's samples, its input batched, at each of ``OPINFO_BATCHES``: the ``numel`` axis holds the
+    smallest and the largest per-sample input among its samples (each rounded down to a power of two, what
+    ``batch_and_numel`` reads), each timed on the first sample of that size; the variant names the batched argument,
+    so its costs decide only calls batched the same way and no larger (``registry.core.cost.MEASURED_ONLY_AXES``);
+    under vmap(grad) only where every chosen sample has something to differentiate."""
+    from registry.core.registration import OPS, load
+    from registry.harness import opinfo
+    from registry.harness import opinfo_cases as cases
+
+    load()
+    entry = opinfo.entries(op)[0]
+    by_size: dict[int, tuple[Any, Any]] = {}  # numel bucket -> the first (sample, probe case) of that size
+    for sample in cases.pick_samples(entry, torch.float32, cases.ALL_SAMPLES):
+        probe = cases.SurveyCase(entry, sample, "input", 2)
+        if not probe.batched or cases.static_reason(probe, "vmap", torch.float32) is not None:
+            continue
+        numel = probe.per_sample[0][0].numel()
+        if numel:
+            by_size.setdefault(1 << (numel.bit_length() - 1), (sample, probe))
+    if not by_size:
+        raise ValueError(f"opinfo_grid({op}): no OpInfo sample of {cases.entry_id(entry)} batches its input")
+    sizes = sorted({min(by_size), max(by_size)})
+    samples = {size: by_size[size][0] for size in sizes}
+    differentiable = all(
+        probe.diff and cases.static_reason(probe, "vmap(grad)", torch.float32) is None
+        and probe.differentiable_outputs(probe.call(probe.per_sample[0]))
+        for probe in (by_size[size][1] for size in sizes))
+
+    def inputs(at: Point, fixed: Fixed, g: torch.Generator) -> Case:
+        case = cases.SurveyCase(entry, samples[at["numel"]], "input", at["batch"])
+        batched = tuple(torch.stack([values[j] for values in case.per_sample]) for j in range(len(case.batched)))
+
+        def forward(*values: torch.Tensor) -> Any:
+            out = case.call(values)
+            floating = case.differentiable_outputs(out)
+            return floating[0] if floating else out
+
+        return forward, batched, tuple(j for j, leaf in enumerate(case.batched) if leaf in case.diff)
+
+    return SizeGrid(op=op, axes={"batch": OPINFO_BATCHES, "numel": tuple(sizes)},
+                    variants=({"batched": OPS[op].tensor_args[0]},), inputs=inputs, too_large=lambda at: False,
+                    workloads=("vmap", "vmap(grad)") if differentiable else ("vmap",))
+
+
+def grid_of(op: str) -> SizeGrid:
+    """``op``'s grid: its own in ``GRIDS``, or the generic one for ``OPINFO_GRID_OPS``."""
+    return GRIDS[op] if op in GRIDS else opinfo_grid(op)
 
 
 def runnable(forward: Callable[..., torch.Tensor], differentiable: tuple[int, ...], workload: str,

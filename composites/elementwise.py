@@ -22,6 +22,7 @@ from torch.autograd import Function
 from composites.checks import check_dim
 from registry.core import rules
 from registry.core.context import vmap_active
+from registry.core.cost import batch_and_numel
 from registry.core.kinds import LazyCustomOp
 from registry.core.primitive import apply, batch_first
 from registry.core.registration import define_op, register
@@ -191,13 +192,15 @@ POLYNOMIALS = (
 for _polynomial in POLYNOMIALS:
     define_op(f"special_{_polynomial}", "", tensors=("x", "n"), doc=f"the {_polynomial.replace('_', ' ')} of degree "
               "n at x, elementwise", opinfo=(f"special.{_polynomial}",), inplace=False,
-              rules={"native": rules.no_batching_rule(f"aten::special_{_polynomial}")})
+              rules={"native": rules.no_batching_rule(f"aten::special_{_polynomial}")},
+              sizes=batch_and_numel)  # NOTE: vmap's loop beats the primitive over a few small samples: by cost
     # The public function, not the aten packet: the packet resolves a Python-number n by trying the Tensor overload
     # first, and the failed match formats every argument into its error message (30 ms for 64,000 elements).
     register_broadcasting(f"special_{_polynomial}", "", getattr(torch.special, _polynomial))
 
 define_op("special_airy_ai", "", tensors=("x",), doc="the Airy function Ai at x, elementwise",
-          opinfo=("special.airy_ai",), inplace=False, rules={"native": rules.no_batching_rule("aten::special_airy_ai")})
+          opinfo=("special.airy_ai",), inplace=False, rules={"native": rules.no_batching_rule("aten::special_airy_ai")},
+          sizes=batch_and_numel)  # NOTE: vmap's loop beats the primitive over a few small samples: by cost
 register_broadcasting("special_airy_ai", "", aten.special_airy_ai)
 
 define_op("special_log_ndtr", "", tensors=("self",), doc="log of the standard normal CDF at self, elementwise",
@@ -317,7 +320,8 @@ class IsIn(Function):
 
 define_op("isin", "Tensor_Tensor", tensors=("elements", "test_elements"),
           doc="whether each of elements is among test_elements", opinfo=("isin",), inplace=False,
-          rules={"native": rules.no_batching_rule("aten::isin")})
+          rules={"native": rules.no_batching_rule("aten::isin")},
+          sizes=batch_and_numel)  # NOTE: vmap's loop beats the primitive over a few small samples: by cost
 
 
 @register("isin", "primitive", function=IsIn)
@@ -344,7 +348,8 @@ def chalf_functional(self, *, memory_format=None):
 
 
 define_op("renorm", "", tensors=("self",), doc="self with each slice along dim rescaled to p-norm at most maxnorm",
-          opinfo=("renorm",), inplace=False, rules={"native": rules.no_batching_rule("aten::renorm")})
+          opinfo=("renorm",), inplace=False, rules={"native": rules.no_batching_rule("aten::renorm")},
+          sizes=batch_and_numel)  # NOTE: vmap's loop beats the composite over a few small samples: by cost
 
 
 @register("renorm", "functional")

@@ -10,6 +10,7 @@ import torch
 from composites.embedding import with_recorded_renorms
 from composites.statistics import every_sample
 from registry.core import inplace_under_jvp, rules
+from registry.core.cost import batch_and_numel
 from registry.core.ops import overloads
 from registry.core.registration import define_op, register
 
@@ -140,6 +141,7 @@ def _max_indices(rows: torch.Tensor, output: torch.Tensor, indices: torch.Tensor
 define_op(
     "nonzero_static", "", tensors=("self",), doc="the indices of self's first size nonzero elements, fill_value after",
     opinfo=("nonzero_static",), inplace=False, rules={"native": rules.no_batching_rule("aten::nonzero_static")},
+    sizes=batch_and_numel,  # NOTE: vmap's loop beats the composite over a few small samples: by cost
 )
 
 

@@ -27,6 +27,7 @@ from torch.autograd import Function
 from composites.checks import check_dim
 from registry.core import rules
 from registry.core.context import vmap_levels
+from registry.core.cost import batch_and_numel
 from registry.core.disagree import SamplesDisagreeError, level_values
 from registry.core.frames import calling_user_frame
 from registry.core.ops import overloads as ops_overloads
@@ -131,7 +132,8 @@ def nanquantile_functional(self, q, dim=None, keepdim=False, *, interpolation="l
 # --- histc -------------------------------------------------------------------------------------------------------
 
 define_op("histc", "", tensors=("self",), doc="a histogram of self with bins equal-width bins over [min, max]",
-          opinfo=("histc",), inplace=False, rules={"native": rules.no_batching_rule("aten::histc")})
+          opinfo=("histc",), inplace=False, rules={"native": rules.no_batching_rule("aten::histc")},
+          sizes=batch_and_numel)  # NOTE: vmap's loop beats the primitive over a few small samples: by cost
 
 
 def _histc_rows(rows: torch.Tensor, bins: int, low: float, high: float) -> torch.Tensor:
@@ -208,7 +210,8 @@ define_op("histogram", "bin_ct", tensors=("self", "weight"),
           opinfo=("histogram",), inplace=False,
           # bins_tensor passes (self, bins, *, weight, density) as they are: the bin_ct composite takes a tensor bins.
           overloads=ops_overloads("histogram", inplace=False, only=("histogram.bin_ct", "histogram.bins_tensor")),
-          rules={"native": rules.no_batching_rule("aten::histogram")})
+          rules={"native": rules.no_batching_rule("aten::histogram")},
+          sizes=batch_and_numel)  # NOTE: vmap's loop beats the composite over a few small samples: by cost
 
 
 def _linspace(start: torch.Tensor, end: torch.Tensor, steps: int) -> torch.Tensor:

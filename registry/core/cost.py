@@ -20,6 +20,11 @@ two), never by "native loops" alone:
    measure takes its nearest measured neighbour's ratio;
 3. with nothing known at that bucket, native runs: it is correct, and it is what the call does without use().
 
+An op may declare the generic signature ``batch_and_numel`` (the samples, and the first tensor's elements per
+sample) with reference costs measured on OpInfo's own samples (bench/size_grids.py's ``opinfo_grid``): such costs
+decide only within what was measured (up to the measured elements per sample, ``MEASURED_ONLY_AXES``); above it, and
+where no grid was measured, the rules decide, as for an op without a signature.
+
 A composite replaces native only where it is faster by more than ``ratios.MIN_NOISE``: a tie keeps PyTorch's op.
 The decision's reason names the ratio and the bucket. Ops without a size signature are decided as before.
 """
@@ -53,6 +58,20 @@ Sizes = Mapping[str, "int | bool | str"]
 SizeSignature = Callable[[Context], "Sizes | None"]
 
 
+def batch_and_numel(ctx: Context) -> Sizes | None:
+    """The generic size signature: the samples, the first tensor's elements per sample and which arguments are
+    batched (its cost grids, measured on OpInfo's samples, decide only within the measured elements and batching:
+    ``Signatures.measured_only``)."""
+    if ctx.numel is None:
+        return None
+    return {"batch": ctx.batch_size, "numel": ctx.numel, "batched": ",".join(ctx.batched)}
+
+
+# The axes of a generic grid (batch_and_numel's) beyond whose measured values its costs do not reach: measured at
+# OpInfo's sample sizes, they say nothing of a sample many times larger. Along the batch the nearest edge holds.
+MEASURED_ONLY_AXES = ("numel",)
+
+
 class CostError(ValueError):
     """The shipped reference costs cannot be read, or a size signature is declared twice: said with what to do."""
 
@@ -70,6 +89,10 @@ class Signatures:
         if op in self.by_op:
             raise CostError(f"define_op({op}): a size signature is already declared for {op}")
         self.by_op[op] = signature
+
+    def measured_only(self, op: str) -> bool:
+        """Whether ``op``'s costs decide only within their measured sizes (the generic ``batch_and_numel``)."""
+        return self.by_op.get(op) is batch_and_numel
 
     def bucket(self, op: str, ctx: Context) -> Bucket | None:
         """The size bucket of ``op`` in ``ctx`` by its signature, or None (no signature, or it does not apply)."""
@@ -133,6 +156,10 @@ class Grid:
                     totals[composite] = totals.get(composite, 0.0) + weight * math.log(us / native)
                     weights[composite] = weights.get(composite, 0.0) + weight
         return {c: math.exp(totals[c] / weights[c]) for c in totals if weights[c] > 0}
+
+    def covers(self, at: Mapping[str, int]) -> bool:
+        """Whether ``at`` is within the measured values of the grid's ``MEASURED_ONLY_AXES``."""
+        return all(at[name] <= values[-1] for name, values in self.axes if name in MEASURED_ONLY_AXES)
 
     def timed(self, name: str) -> bool:
         """Whether any point of the grid timed ``name`` (a composite, or one of native's BASELINES)."""
@@ -211,12 +238,13 @@ def _where(ctx: Context, sizes: tuple[tuple[str, int | bool | str], ...]) -> str
 
 def choose(op: str, ctx: Context, judged: Iterable[tuple[Any, Any]], policy: str, sizes: Bucket | None,
            source: evidence.EvidenceSource, tensor_args: tuple[str, ...],
-           costs: ReferenceCosts | None = None) -> Costed | None:
+           costs: ReferenceCosts | None = None, *, measured_only: bool = False) -> Costed | None:
     """The choice between native and the valid composites by their cost at ``ctx``'s size bucket (``sizes``: the
     op's ``Signatures.bucket``), where native is correct and only loops (its problem is ``slow``) and ``op`` has a
     size signature; None leaves the choice to the rules and profiles as before. ``judged``: (composite, problem or
     None) of every composite of ``op``; ``source``: the registry's evidence; ``tensor_args``: the op's tensor
-    parameters."""
+    parameters; ``measured_only``: the costs decide only within the sizes they measured (``Signatures``), else
+    None."""
     if policy not in ("auto", "fastest"):
         return None
     if sizes is None:
@@ -240,6 +268,8 @@ def choose(op: str, ctx: Context, judged: Iterable[tuple[Any, Any]], policy: str
     grid = table.grid(op, ctx.stack, named)
     if grid is not None and not all(isinstance(named.get(name), int) for name, _ in grid.axes):
         grid = None
+    if grid is not None and measured_only and not grid.covers(named):
+        grid = None
     # NOTE: where the C++ batching rule folds the batch, native is no loop: weighing the loop's time there picked
     # the folded composite at sizes where PyTorch's kernel with the rule is faster (1.3-1.5x at batch 16-64, length
     # 32). A local profile times native outside use(), in the loop, so there only the reference costs, which time
@@ -254,6 +284,8 @@ def choose(op: str, ctx: Context, judged: Iterable[tuple[Any, Any]], policy: str
         said = (f"the reference costs shipped with the package, interpolated between measured sizes; thread CPU "
                 f"time, one thread, measured on {grid.machine or table.machine}")
     if not ratios:
+        if measured_only:
+            return None  # nothing measured at these sizes: the rules decide, as without a signature
         return Costed(native.name, f"PyTorch's own {op} runs under {where}: it is correct here (vmap's per-sample "
                                    "loop), and no cost of a composite is known at this size", None)
     best = min(ratios, key=ratios.__getitem__)

@@ -387,7 +387,8 @@ class Selector:
                 "functional or primitive composite, or run this op outside the transform"
             )
         costed = cost.choose(op, ctx, judged, policy, table.signatures.bucket(op, ctx), self.evidence.source,
-                             table.ops[op].tensor_args)  # native or a composite by cost at the call's sizes
+                             table.ops[op].tensor_args, measured_only=table.signatures.measured_only(op))
+        # (native or a composite by cost at the call's sizes)
         if costed is not None:
             return Choice(**base, chosen=table.composites[op][costed.composite], basis=COST, costed=costed,
                           speedup=costed.speedup)

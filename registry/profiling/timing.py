@@ -183,7 +183,7 @@ def _seed_context(op: str, workload: str, numel: int, batch: int, dtype: torch.d
     return stack, seen_numel, calls, reference
 
 
-def _opinfo_sample(op: str, workload: str, dtype: torch.dtype) -> tuple[Any, Any]:
+def opinfo_sample(op: str, workload: str, dtype: torch.dtype) -> tuple[Any, Any]:
     """(op_db entry, sample) a workload of ``op`` is profiled on: OpInfo's first sample that vmap does not call
     random. A random one (rrelu in training; OpInfo seeds it, so only vmap's randomness check tells) cannot be
     compared with a per-sample loop under vmap (rrelu's eval sample is timed instead)."""
@@ -203,7 +203,7 @@ def _opinfo_sample(op: str, workload: str, dtype: torch.dtype) -> tuple[Any, Any
 
 def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype,
                     chosen: dict[tuple[str, str, torch.dtype], tuple[Any, Any] | _NoCase]) -> Context:
-    """The same from OpInfo's sample (``_opinfo_sample``, found once per op, workload and dtype in ``chosen``)
+    """The same from OpInfo's sample (``opinfo_sample``, found once per op, workload and dtype in ``chosen``)
     through the survey's interpreter: native outside ``use()``, every other composite pinned inside it (so the
     router's own cost is in its time); the reference is the per-sample loop of native outside any transform."""
     from registry.harness import case_stacks
@@ -212,7 +212,7 @@ def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype,
     key = (op, workload, dtype)
     if key not in chosen:
         try:
-            chosen[key] = _opinfo_sample(op, workload, dtype)
+            chosen[key] = opinfo_sample(op, workload, dtype)
         except _NoCase as why:
             chosen[key] = why
     found = chosen[key]

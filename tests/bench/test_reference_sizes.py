@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import reference, size_grids
 from registry.core import cost
@@ -41,3 +42,32 @@ def test_an_op_without_a_grid_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no size grid for masked_fill; the grids are scaled_dot_product_attention, "
                                          "ctc_loss, pdist"):
         reference.measure_sizes(tmp_path / "costs.json", min_run_time=0.01, rounds=1, ops=["masked_fill"])
+
+
+def test_the_generic_grids_are_the_ops_with_the_generic_signature() -> None:
+    from registry.core.routing import ROUTER
+
+    signatures = ROUTER.table.signatures
+    assert sorted(op for op in signatures.by_op if signatures.measured_only(op)) == sorted(size_grids.OPINFO_GRID_OPS)
+
+
+@pytest.mark.parametrize("op", size_grids.OPINFO_GRID_OPS)
+def test_a_generic_grid_runs_its_samples_under_its_workloads(op: str) -> None:
+    """Each numel of the grid is its sample's input (bucketed), the input batched: native and every composite run
+    it under each workload, and agree."""
+    import registry
+    from registry.core.registration import COMPOSITES
+
+    grid = size_grids.opinfo_grid(op)
+    assert grid.variants == ({"batched": registry.OPS[op].tensor_args[0]},)
+    for numel in grid.axes["numel"]:
+        forward, inputs, differentiable = grid.inputs({"batch": 3, "numel": numel}, grid.variants[0], None)
+        assert 1 << (inputs[0][0].numel().bit_length() - 1) == numel
+        for workload in grid.workloads:
+            run = size_grids.runnable(forward, differentiable, workload, grid.shared, len(inputs))
+            results = []
+            for composite in COMPOSITES[op]:
+                with registry.use(pins={op: composite}):
+                    results.append(run(*inputs))
+            for result in results[1:]:
+                torch.testing.assert_close(result, results[0], equal_nan=True)

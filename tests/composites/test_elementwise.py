@@ -20,15 +20,31 @@ def _fallbacks(caught: list) -> list[str]:
 
 @pytest.mark.parametrize("name", POLYNOMIALS)
 def test_polynomials_batch_without_fallback(name: str, fallback_warnings: list) -> None:
+    """Over 64 samples the primitive runs (faster than vmap's loop in the shipped costs), with no fallback."""
     op = getattr(torch.special, name)
-    x = torch.linspace(-0.9, 0.9, 12, dtype=torch.float64).reshape(3, 4)
+    x = torch.linspace(-0.9, 0.9, 256, dtype=torch.float64).reshape(64, 4)
     n = torch.tensor([[0.0, 1.0, 2.0, 5.0]], dtype=torch.float64)
     with registry.use():
         batched = func.vmap(op, in_dims=(0, None))(x, n)
-        both = func.vmap(op, in_dims=(0, 1))(x, n.T.expand(4, 3))
+        both = func.vmap(op, in_dims=(0, 1))(x, n.T.expand(4, 64))
     assert _fallbacks(fallback_warnings) == []
     assert torch.equal(batched, torch.stack([op(row, n) for row in x]))
-    assert torch.equal(both, torch.stack([op(x[b], n.T.expand(4, 3)[:, b]) for b in range(3)]))
+    assert torch.equal(both, torch.stack([op(x[b], n.T.expand(4, 64)[:, b]) for b in range(64)]))
+
+
+@pytest.mark.parametrize("name", POLYNOMIALS)
+def test_polynomials_over_a_few_small_samples_keep_vmaps_loop(name: str) -> None:
+    """Over 3 samples of 4 elements vmap's loop over PyTorch's kernel is faster than the primitive in the shipped
+    costs (measured on OpInfo's samples): it runs, by cost, and equals the loop."""
+    op = getattr(torch.special, name)
+    x = torch.linspace(-0.9, 0.9, 12, dtype=torch.float64).reshape(3, 4)
+    n = torch.tensor([[0.0, 1.0, 2.0, 5.0]], dtype=torch.float64)
+    with registry.use(record=True) as block:
+        got = func.vmap(op, in_dims=(0, None))(x, n)
+    [decision] = [d for d in block.decisions if d.op == f"special_{name}"]
+    assert (decision.composite, decision.native_loops) == ("native", True)
+    assert "slower than native at this size" in decision.reason
+    assert torch.equal(got, torch.stack([op(row, n) for row in x]))
 
 
 def test_batched_zero_dim_argument_promotes_as_a_zero_dim_tensor() -> None:
@@ -93,8 +109,9 @@ def test_isin_with_batched_test_elements(fallback_warnings: list) -> None:
 
 
 def test_histc_ranges_per_sample_under_vmap(fallback_warnings: list) -> None:
+    # The primitive pinned: over 3 samples auto runs vmap's loop, which the shipped costs measured faster there.
     x = torch.tensor([[0.0, 1.0, 2.0, 3.0], [5.0, 5.0, 5.0, 5.0], [-1.0, 10.0, 4.0, 4.5]])
-    with registry.use():
+    with registry.use(pins={"histc": "primitive"}):
         own_range = func.vmap(lambda v: torch.histc(v, bins=4))(x)
         given = func.vmap(lambda v: torch.histc(v, bins=3, min=0, max=4))(x)
     assert _fallbacks(fallback_warnings) == []

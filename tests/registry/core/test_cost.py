@@ -263,3 +263,34 @@ def test_select_refuses_sizes_it_cannot_read(shapes: dict, batch_size: int, mess
     with pytest.raises(selector.SelectionError, match=message):
         registry.select(OP, stack="vmap", batched=["query"], shapes=shapes, batch_size=batch_size,
                         tensors=list(SAMPLE))
+
+
+# --- the generic signature: costs measured on OpInfo's samples decide only within what they measured -----------------
+
+HISTC_TIMES = {1: {"native": 100.0, "primitive": 200.0}, 256: {"native": 8000.0, "primitive": 400.0}}
+
+
+def _histc_context(batch: int, numel: int, *, batched: tuple[str, ...] = ("self",),
+                   stack: tuple[str, ...] = ("vmap",)) -> Context:
+    return Context(stack=stack, batched=batched, dtype=torch.float32, device="cpu", numel=numel, tensors=("self",),
+                   shapes=((numel,),), batch_size=batch)
+
+
+def test_generic_costs_decide_only_within_the_measured_sizes(_synthetic_table: Path) -> None:
+    _synthetic_table.write_text(json.dumps({"machine": "a test machine", "grids": [
+        {"op": "histc", "stack": ["vmap"], "fixed": {"batched": "self"}, "axes": {"batch": [1, 256], "numel": [64]},
+         "points": [{"at": {"batch": b, "numel": 64}, "times_us": t} for b, t in HISTC_TIMES.items()]}]}))
+    cost._load.cache_clear()
+    selector.clear_cache()
+    rules_choice = selector.decide("histc", _histc_context(1, 64), policy="rules").composite
+    assert rules_choice == "primitive"
+    one = selector.decide("histc", _histc_context(1, 64))
+    assert (one.composite, one.native_loops) == ("native", True)
+    assert "primitive is 2.00x slower than native at this size" in one.reason
+    assert selector.decide("histc", _histc_context(256, 40)).composite == "primitive"  # 32 elements: measured up to 64
+    # Larger samples than measured, another batching, a stack with no grid: the rules, as without a signature.
+    for unmeasured in (_histc_context(1, 1000), _histc_context(1, 64, batched=("self", "weight")),
+                       _histc_context(1, 64, stack=("vmap", "vmap"))):
+        decision = selector.decide("histc", unmeasured)
+        assert decision.composite == rules_choice
+        assert "at this size" not in decision.reason
