@@ -62,9 +62,9 @@ def batch_and_numel(ctx: Context) -> Sizes | None:
     """The generic size signature: the samples, the first tensor's elements per sample and which arguments are
     batched (its cost grids, measured on OpInfo's samples, decide only within the measured elements and batching:
     ``Signatures.measured_only``)."""
-    if ctx.numel is None:
+    if not ctx.shapes:
         return None
-    return {"batch": ctx.batch_size, "numel": ctx.numel, "batched": ",".join(ctx.batched)}
+    return {"batch": ctx.batch_size, "numel": math.prod(ctx.shapes[0]), "batched": ",".join(ctx.batched)}
 
 
 # The axes of a generic grid (batch_and_numel's) beyond whose measured values its costs do not reach: measured at

@@ -288,6 +288,8 @@ def test_generic_costs_decide_only_within_the_measured_sizes(_synthetic_table: P
     assert (one.composite, one.native_loops) == ("native", True)
     assert "primitive is 2.00x slower than native at this size" in one.reason
     assert selector.decide("histc", _histc_context(256, 40)).composite == "primitive"  # 32 elements: measured up to 64
+    described = registry.select("histc", stack="vmap", batched=["self"], shapes={"self": (8, 8)}, batch_size=1)
+    assert (described.composite, described.reason) == ("native", one.reason)
     # Larger samples than measured, another batching, a stack with no grid: the rules, as without a signature.
     for unmeasured in (_histc_context(1, 1000), _histc_context(1, 64, batched=("self", "weight")),
                        _histc_context(1, 64, stack=("vmap", "vmap"))):
