@@ -131,6 +131,45 @@ MULTI_MARGIN_LOSS = SizeGrid(
 )
 
 
+# --- multilabel_margin_loss: per-sample (rows, classes) scores and -1-terminated label lists --------------------------
+
+
+def _multilabel_margin_inputs(at: Point, fixed: Fixed, g: torch.Generator) -> Case:
+    batch, rows, classes = at["batch"], at["rows"], at["classes"]
+    scores = torch.randn(batch, rows, classes, generator=g)
+    labels = torch.randint(0, classes, (batch, rows, classes), generator=g)
+    labels[..., max(classes // 4, 1):] = -1  # a quarter of the classes listed, then the terminator
+    return torch.nn.functional.multilabel_margin_loss, (scores, labels), (0,)
+
+
+MULTILABEL_MARGIN_LOSS = SizeGrid(
+    op="multilabel_margin_loss",
+    axes={"batch": (1, 4, 16, 64, 256), "rows": (1, 16), "classes": (4, 32)},
+    variants=({},),
+    inputs=_multilabel_margin_inputs,
+    # the composite's (rows, labels, classes) comparisons per sample
+    too_large=lambda at: at["batch"] * at["rows"] * at["classes"] ** 2 > 3e7,
+)
+
+
+# --- ormqr: per-sample (rows, rows) reflectors, their (rows,) scales and a (rows, columns) matrix ------------------
+
+
+def _ormqr_inputs(at: Point, fixed: Fixed, g: torch.Generator) -> Case:
+    batch, rows, columns = at["batch"], at["rows"], at["columns"]
+    reflectors, scales = torch.geqrf(torch.randn(batch, rows, rows, generator=g))
+    return torch.ormqr, (reflectors, scales, torch.randn(batch, rows, columns, generator=g)), (0, 1, 2)
+
+
+ORMQR = SizeGrid(
+    op="ormqr",
+    axes={"batch": (1, 4, 16, 64, 256), "rows": (4, 32), "columns": (4, 32)},
+    variants=({},),
+    inputs=_ormqr_inputs,
+    too_large=lambda at: False,
+)
+
+
 # --- bilinear: per-sample (rows, features) inputs, a shared (out, features, features) weight and (out,) bias --------
 
 
@@ -152,7 +191,8 @@ BILINEAR = SizeGrid(
 )
 
 
-GRIDS: dict[str, SizeGrid] = {grid.op: grid for grid in (ATTENTION, CTC_LOSS, PDIST, MULTI_MARGIN_LOSS, BILINEAR)}
+GRIDS: dict[str, SizeGrid] = {grid.op: grid for grid in (ATTENTION, CTC_LOSS, PDIST, MULTI_MARGIN_LOSS,
+                                                           MULTILABEL_MARGIN_LOSS, ORMQR, BILINEAR)}
 
 
 # --- the generic grid: an op on its OpInfo sample, at each batch size (registry.core.cost.batch_and_numel) -----------

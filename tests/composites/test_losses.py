@@ -189,3 +189,40 @@ def test_bilinear_per_sample_weight_gradients_by_cost(batch: int, expected: str)
     assert _decided("bilinear", block) == expected
     torch.testing.assert_close(got, loop(lambda pair: autograd_grad(lambda w: loss(w, *pair), weight),
                                          list(zip(x1, x2, strict=True))))
+
+
+@pytest.mark.parametrize(("batch", "rows", "classes", "expected"), [(4, 16, 32, "native"), (256, 1, 4, "functional")])
+def test_multilabel_margin_loss_by_cost(batch: int, rows: int, classes: int, expected: str) -> None:
+    """The composite's comparisons over (rows, labels, classes) cost more than vmap's loop except over many samples
+    of a few classes, in the shipped costs; per-sample gradients equal the loop either way."""
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(batch, rows, classes, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, classes, (batch, rows, classes), generator=g)
+    labels[..., max(classes // 4, 1):] = -1
+
+    def loss(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.multilabel_margin_loss(s, t)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with registry.use(record=True) as block:
+            got = func.vmap(func.grad(loss))(scores, labels)
+    assert _decided("multilabel_margin_loss", block) == expected
+    torch.testing.assert_close(got, loop(lambda pair: autograd_grad(lambda s: loss(s, pair[1]), pair[0]),
+                                         list(zip(scores, labels, strict=True))))
+
+
+@pytest.mark.parametrize(("batch", "rows", "expected"), [(4, 32, "native"), (256, 4, "functional")])
+def test_ormqr_by_cost(batch: int, rows: int, expected: str) -> None:
+    """vmap's loop over PyTorch's kernel beats the composite's reflector products except over many small samples
+    (in the shipped costs); both equal the loop."""
+    g = torch.Generator().manual_seed(3)
+    reflectors, scales = torch.geqrf(torch.randn(batch, rows, rows, dtype=torch.float64, generator=g))
+    other = torch.randn(batch, rows, 4, dtype=torch.float64, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with registry.use(record=True) as block:
+            got = func.vmap(torch.ormqr)(reflectors, scales, other)
+    assert _decided("ormqr", block) == expected
+    torch.testing.assert_close(got, torch.stack([torch.ormqr(a, t, c) for a, t, c in zip(reflectors, scales, other,
+                                                                                         strict=True)]))
