@@ -1,10 +1,11 @@
 """The grids of sizes ``python -m bench.reference sizes`` measures (``registry/core/reference_costs.json``): one per op
 with a size signature (``define_op(..., sizes=...)``), each naming its numeric axes, the values of its categorical
-sizes (one grid each), and how to build a batch of per-sample inputs at a point.
+sizes (one grid each), and how to build a batch of per-sample inputs at a point; the ops with the generic signature
+(``registry.core.cost.batch_and_numel``) get theirs from OpInfo's samples (``opinfo_grid``).
 
-Every point is timed under vmap (``forward`` over the batch) and vmap(grad) (the gradient of
-``forward(...).square().sum()`` with respect to the ``differentiable`` inputs), natively and with each composite
-pinned, in the same interleaved rounds.
+Every point is timed under vmap (``forward`` over the batch) and, where the grid differentiates, vmap(grad) (the
+gradient of ``forward(...).square().sum()`` with respect to the ``differentiable`` inputs; the ``shared`` inputs
+unbatched), natively and with each composite pinned, in the same interleaved rounds.
 """
 
 from __future__ import annotations
