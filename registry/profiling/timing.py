@@ -146,7 +146,10 @@ def _random_under_vmap(op: str, workload: str, case: Any) -> bool:
     from registry.harness import case_stacks
 
     if workload != "vmap":
-        case.weights()  # the loss's weights are drawn on first use: here, outside vmap
+        try:
+            case.weights()  # the loss's weights are drawn on first use: here, outside vmap
+        except Exception:  # the op fails on this sample outside any transform: the profile's to say, not random
+            return False
     for name in COMPOSITES[op]:
         try:
             with warnings.catch_warnings(), use(pins={op: name}):

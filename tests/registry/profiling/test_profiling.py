@@ -144,6 +144,13 @@ def test_opinfo_profiles_skip_random_samples_and_say_why_a_workload_has_none() -
     assert profile(ops=["chalf"], workloads=["vmap(grad)"], batch_sizes=(4,), refused=refused) == []
     assert refused == ["chalf vmap(grad) b=4: not profiled, no real floating output to differentiate (complex or "
                        "integer outputs only)"]
+    refused.clear()
+    # bincount's kernel refuses float32, the profile's dtype: said under every workload, not a traceback.
+    assert profile(ops=["bincount"], workloads=["vmap", "vmap(grad)"], batch_sizes=(4,), refused=refused) == []
+    assert refused == ["bincount vmap b=4: not profiled, no reference outside the transform (NotImplementedError: "
+                       "\"bincount_cpu\" not implemented for 'Float')",
+                       "bincount vmap(grad) b=4: not profiled, the survey cannot check it: op does not support "
+                       "autograd"]
 
 
 def test_killed_profiling_run_leaves_a_consistent_store(tmp_path) -> None:
