@@ -228,11 +228,13 @@ def _opinfo_context(op: str, workload: str, batch: int, dtype: torch.dtype,
     why_not = cases.static_reason(case, workload, dtype)  # no float output, random under vmap, ...
     if why_not is not None:
         raise _NoCase(f"the survey cannot check it: {why_not}")
-    if workload == "vmap(grad)" and not case.differentiable_outputs(case.call(case.per_sample[0])):
-        raise _NoCase("no real floating output to differentiate (complex or integer outputs only)")
     try:
+        if workload == "vmap(grad)" and not case.differentiable_outputs(case.call(case.per_sample[0])):
+            raise _NoCase("no real floating output to differentiate (complex or integer outputs only)")
         reference = case_stacks.reference(workload, case_stacks.Reference(case))
-    except Exception as error:  # e.g. an integer output (hash_tensor) has no gradient to compare under vmap(grad)
+    except _NoCase:
+        raise
+    except Exception as error:  # the op refuses the sample (one_hot of floats), or an integer output (hash_tensor)
         raise _NoCase(f"no reference outside the transform ({described(error)})") from None
 
     def calls(composite: Composite) -> Callable[[], Any]:

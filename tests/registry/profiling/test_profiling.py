@@ -151,6 +151,10 @@ def test_opinfo_profiles_skip_random_samples_and_say_why_a_workload_has_none() -
                        "\"bincount_cpu\" not implemented for 'Float')",
                        "bincount vmap(grad) b=4: not profiled, the survey cannot check it: op does not support "
                        "autograd"]
+    refused.clear()
+    assert profile(ops=["one_hot"], workloads=["vmap(grad)"], batch_sizes=(4,), refused=refused) == []
+    assert refused == ["one_hot vmap(grad) b=4: not profiled, no reference outside the transform (RuntimeError: "
+                       "one_hot is only applicable to index tensor of type LongTensor.)"]
 
 
 def test_killed_profiling_run_leaves_a_consistent_store(tmp_path) -> None:
