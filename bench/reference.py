@@ -106,7 +106,15 @@ def _size_runners(grid: SizeGrid, at: dict[str, int], fixed: dict[str, Any], wor
                 return run(*inputs)
         return call
 
-    return {c: routed(c) for c in composites}
+    runners = {c: routed(c) for c in composites}
+    for composite, run_it in list(runners.items()):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # vmap's loop, natively
+                run_it()
+        except registry.SelectionError:  # not valid in this context (a custom_op under grad): nothing to time
+            del runners[composite]
+    return runners
 
 
 def _measure_point(runners: dict[str, Any], rounds: int, min_run_time: float) -> tuple[float, dict[str, Any]]:

@@ -10,6 +10,7 @@ unbatched), natively and with each composite pinned, in the same interleaved rou
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -201,7 +202,8 @@ GRIDS: dict[str, SizeGrid] = {grid.op: grid for grid in (ATTENTION, CTC_LOSS, PD
 # The ops whose signature is the generic one (define_op(..., sizes=cost.batch_and_numel)): their composites cost
 # more than vmap's loop over a few of OpInfo's small samples, and less over many.
 OPINFO_GRID_OPS = (
-    "histc", "histogram", "isin", "nonzero_static", "renorm", "special_airy_ai",
+    "histc", "histogram", "index_reduce", "isin", "max_unpool2d", "max_unpool3d", "nonzero_static", "put", "renorm",
+    "segment_reduce", "special_airy_ai", "special_log_ndtr",
     *(f"special_{kind}_polynomial_{letter}" for kind in ("chebyshev", "shifted_chebyshev") for letter in "tuvw"),
     "special_hermite_polynomial_h", "special_hermite_polynomial_he", "special_laguerre_polynomial_l",
     "special_legendre_polynomial_p",
@@ -233,10 +235,6 @@ def opinfo_grid(op: str) -> SizeGrid:
         raise ValueError(f"opinfo_grid({op}): no OpInfo sample of {cases.entry_id(entry)} batches its input")
     sizes = sorted({min(by_size), max(by_size)})
     samples = {size: by_size[size][0] for size in sizes}
-    differentiable = all(
-        probe.diff and cases.static_reason(probe, "vmap(grad)", torch.float32) is None
-        and probe.differentiable_outputs(probe.call(probe.per_sample[0]))
-        for probe in (by_size[size][1] for size in sizes))
 
     def inputs(at: Point, fixed: Fixed, g: torch.Generator) -> Case:
         case = cases.SurveyCase(entry, samples[at["numel"]], "input", at["batch"])
@@ -249,9 +247,29 @@ def opinfo_grid(op: str) -> SizeGrid:
 
         return forward, batched, tuple(j for j, leaf in enumerate(case.batched) if leaf in case.diff)
 
+    differentiable = all(
+        probe.diff and cases.static_reason(probe, "vmap(grad)", torch.float32) is None
+        and probe.differentiable_outputs(probe.call(probe.per_sample[0]))
+        and _native_runs(inputs({"batch": 2, "numel": size}, {}, torch.Generator()), "vmap(grad)")
+        for size, probe in ((size, by_size[size][1]) for size in sizes))
     return SizeGrid(op=op, axes={"batch": OPINFO_BATCHES, "numel": tuple(sizes)},
                     variants=({"batched": OPS[op].tensor_args[0]},), inputs=inputs, too_large=lambda at: False,
                     workloads=("vmap", "vmap(grad)") if differentiable else ("vmap",))
+
+
+def _native_runs(case: Case, workload: str) -> bool:
+    """Whether PyTorch's own op runs ``case`` under ``workload`` (index_reduce's prod raises under vmap(grad): there
+    the rules, not costs, decide)."""
+    import registry
+
+    forward, batched, differentiable = case
+    try:
+        with warnings.catch_warnings(), registry.use(policy="native"):
+            warnings.simplefilter("ignore")  # vmap's loop
+            runnable(forward, differentiable, workload)(*batched)
+    except Exception:
+        return False
+    return True
 
 
 def grid_of(op: str) -> SizeGrid:

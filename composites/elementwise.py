@@ -205,7 +205,8 @@ register_broadcasting("special_airy_ai", "", aten.special_airy_ai)
 
 define_op("special_log_ndtr", "", tensors=("self",), doc="log of the standard normal CDF at self, elementwise",
           opinfo=("special.log_ndtr",), inplace=False,
-          rules={"native": rules.no_batching_rule("aten::special_log_ndtr")})
+          rules={"native": rules.no_batching_rule("aten::special_log_ndtr")},
+          sizes=batch_and_numel)  # NOTE: vmap's loop beats the primitive over a few small samples: by cost
 # derivatives.yaml: grad / sqrt(2 pi) * exp(-(result + self^2 / 2))
 register_broadcasting("special_log_ndtr", "", aten.special_log_ndtr, partials={
     0: lambda args, out: (out + args[0].pow(2) / 2).neg().exp() / math.sqrt(2 * math.pi)})

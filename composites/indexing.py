@@ -40,6 +40,7 @@ define_op(
     # put has no batching rule, and its backward calls put and take (source's gradient), which have none either.
     rules={"native": rules.first_of(rules.no_batching_rule("aten::put"),
                                     rules.backward_without_batching_rule("aten::take"))},
+    sizes=batch_and_numel,  # NOTE: vmap's loop beats the composite over a few small samples: by cost
 )
 
 

@@ -14,6 +14,7 @@ import torch
 
 from composites.checks import check_dim
 from registry.core import rules
+from registry.core.cost import batch_and_numel
 from registry.core.registration import define_op, register
 
 aten = torch.ops.aten
@@ -34,6 +35,7 @@ define_op(
         rules.fails_when(_vmap_of_grad, "error", "aten::index_reduce has no batching rule (vmap runs a per-sample "
                                                  f"loop), and for prod {_PROD_ITEM}"),
         rules.no_batching_rule("aten::index_reduce"))},
+    sizes=batch_and_numel,  # NOTE: vmap's loop beats the composite over a few small samples: by cost
 )
 
 define_op(
@@ -118,6 +120,7 @@ define_op(
     opinfo=("_segment_reduce.lengths", "_segment_reduce.offsets"), inplace=False,
     rules={"native": rules.first_of(rules.no_batching_rule("aten::segment_reduce"),
                                     rules.backward_without_batching_rule("aten::_segment_reduce_backward"))},
+    sizes=batch_and_numel,  # NOTE: vmap's loop beats the composite over a few small samples: by cost
 )
 
 

@@ -53,8 +53,8 @@ def test_the_generic_grids_are_the_ops_with_the_generic_signature() -> None:
 
 @pytest.mark.parametrize("op", size_grids.OPINFO_GRID_OPS)
 def test_a_generic_grid_runs_its_samples_under_its_workloads(op: str) -> None:
-    """Each numel of the grid is its sample's input (bucketed), the input batched: native and every composite run
-    it under each workload, and agree."""
+    """Each numel of the grid is its sample's input (bucketed), the input batched: native and every composite valid
+    there run it under each workload, and agree."""
     import registry
     from registry.core.registration import COMPOSITES
 
@@ -67,7 +67,10 @@ def test_a_generic_grid_runs_its_samples_under_its_workloads(op: str) -> None:
             run = size_grids.runnable(forward, differentiable, workload, grid.shared, len(inputs))
             results = []
             for composite in COMPOSITES[op]:
-                with registry.use(pins={op: composite}):
-                    results.append(run(*inputs))
+                try:
+                    with registry.use(pins={op: composite}):
+                        results.append(run(*inputs))
+                except registry.SelectionError:  # not valid here (a custom_op under grad): not timed either
+                    continue
             for result in results[1:]:
                 torch.testing.assert_close(result, results[0], equal_nan=True)

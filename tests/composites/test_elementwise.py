@@ -86,8 +86,9 @@ def test_entr_jacfwd_is_diagonal_below_zero() -> None:
 
 
 def test_log_ndtr_grad_under_vmap(fallback_warnings: list) -> None:
+    # The primitive pinned: over 3 samples auto runs vmap's loop, which the shipped costs measured faster there.
     x = torch.linspace(-30, 5, 12, dtype=torch.float64).reshape(3, 4)
-    with registry.use():
+    with registry.use(pins={"special_log_ndtr": "primitive"}):
         grads = func.vmap(func.grad(lambda v: torch.special.log_ndtr(v).sum()))(x)
     assert _fallbacks(fallback_warnings) == []
     expected = torch.func.vmap(func.grad(lambda v: torch.special.log_ndtr(v).sum()))(x)
