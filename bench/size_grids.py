@@ -193,8 +193,27 @@ BILINEAR = SizeGrid(
 )
 
 
+# --- _upsample_nearest_exact{1,2,3}d: per-sample (1, channels, *spatial) inputs doubled (the generic signature) -----
+
+
+def _upsample_grid(spatial: int) -> SizeGrid:
+    """F.interpolate(mode="nearest-exact") doubling a per-sample (1, 2, side, ...) input: OpInfo's one entry serves
+    the three ops, so each gets a grid of its own over the generic signature's axes (batch, elements per sample)."""
+    sides = {1: (8, 512), 2: (4, 32), 3: (2, 8)}[spatial]  # about 16 and 1,000-2,000 elements per sample
+
+    def inputs(at: Point, fixed: Fixed, g: torch.Generator) -> Case:
+        side = next(s for s in sides if 1 << ((2 * s ** spatial).bit_length() - 1) == at["numel"])
+        x = torch.randn(at["batch"], 1, 2, *(side,) * spatial, generator=g)
+        return (lambda t: torch.nn.functional.interpolate(t, scale_factor=2, mode="nearest-exact")), (x,), (0,)
+
+    numels = tuple(1 << ((2 * s ** spatial).bit_length() - 1) for s in sides)
+    return SizeGrid(op=f"_upsample_nearest_exact{spatial}d", axes={"batch": (1, 4, 16, 64, 256), "numel": numels},
+                    variants=({"batched": "input"},), inputs=inputs, too_large=lambda at: False)
+
+
 GRIDS: dict[str, SizeGrid] = {grid.op: grid for grid in (ATTENTION, CTC_LOSS, PDIST, MULTI_MARGIN_LOSS,
-                                                           MULTILABEL_MARGIN_LOSS, ORMQR, BILINEAR)}
+                                                           MULTILABEL_MARGIN_LOSS, ORMQR, BILINEAR,
+                                                           *(_upsample_grid(spatial) for spatial in (1, 2, 3)))}
 
 
 # --- the generic grid: an op on its OpInfo sample, at each batch size (registry.core.cost.batch_and_numel) -----------

@@ -13,6 +13,7 @@ import math
 import torch
 
 from registry.core import rules
+from registry.core.cost import batch_and_numel
 from registry.core.ops import overloads
 from registry.core.registration import define_op, register
 
@@ -54,6 +55,7 @@ for _spatial in (1, 2, 3):
         opinfo=_OPINFO, overloads=overloads(_name, inplace=False, only=(f"{_name}.vec",)),
         rules={"native": rules.first_of(rules.no_batching_rule(f"aten::{_name}"),
                                         rules.backward_without_batching_rule(f"aten::{_name}_backward"))},
+        sizes=batch_and_numel,  # NOTE: vmap's loop beats the composite over a few small samples: by cost
     )
 
 
