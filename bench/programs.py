@@ -281,7 +281,7 @@ def bidirectional_lstm() -> Built:
 def batchnorm_eval() -> Built:
     """Per-sample gradients of a CNN with BatchNorm in eval mode (batch 64)."""
     model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(8 * 6 * 6, 10)).eval()
+                          nn.Linear(8 * 6 * 6, 10)).train(False)
     return Built(_per_sample(model, F.cross_entropy, torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))))
 
 
@@ -411,7 +411,7 @@ def bert_padded() -> Built:
     config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
                                      attention_probs_dropout_prob=0.0, num_labels=3)
-    model = transformers.BertForSequenceClassification(config).eval()
+    model = transformers.BertForSequenceClassification(config).train(False)
     ids, labels = torch.randint(0, 100, (16, 16)), torch.randint(0, 3, (16,))
     mask = (torch.arange(16) < torch.randint(4, 17, (16, 1))).long()
     params = _params(model)

@@ -193,6 +193,11 @@ BILINEAR = SizeGrid(
 )
 
 
+def bucket(numel: int) -> int:
+    """A positive element count rounded down to a power of two: the generic signature's bucket of it."""
+    return 1 << (numel.bit_length() - 1)
+
+
 # --- _upsample_nearest_exact{1,2,3}d: per-sample (1, channels, *spatial) inputs doubled (the generic signature) -----
 
 
@@ -202,11 +207,11 @@ def _upsample_grid(spatial: int) -> SizeGrid:
     sides = {1: (8, 512), 2: (4, 32), 3: (2, 8)}[spatial]  # about 16 and 1,000-2,000 elements per sample
 
     def inputs(at: Point, fixed: Fixed, g: torch.Generator) -> Case:
-        side = next(s for s in sides if 1 << ((2 * s ** spatial).bit_length() - 1) == at["numel"])
+        side = next(s for s in sides if bucket(2 * s ** spatial) == at["numel"])
         x = torch.randn(at["batch"], 1, 2, *(side,) * spatial, generator=g)
         return (lambda t: torch.nn.functional.interpolate(t, scale_factor=2, mode="nearest-exact")), (x,), (0,)
 
-    numels = tuple(1 << ((2 * s ** spatial).bit_length() - 1) for s in sides)
+    numels = tuple(bucket(2 * s ** spatial) for s in sides)
     return SizeGrid(op=f"_upsample_nearest_exact{spatial}d", axes={"batch": (1, 4, 16, 64, 256), "numel": numels},
                     variants=({"batched": "input"},), inputs=inputs, too_large=lambda at: False)
 
@@ -249,7 +254,7 @@ def opinfo_grid(op: str) -> SizeGrid:
             continue
         numel = probe.per_sample[0][0].numel()
         if numel:
-            by_size.setdefault(1 << (numel.bit_length() - 1), (sample, probe))
+            by_size.setdefault(bucket(numel), (sample, probe))
     if not by_size:
         raise ValueError(f"opinfo_grid({op}): no OpInfo sample of {cases.entry_id(entry)} batches its input")
     sizes = sorted({min(by_size), max(by_size)})

@@ -59,13 +59,18 @@ define_op(
     doc="max(0, -target * (input1 - input2) + margin), reduced", opinfo=("nn.functional.margin_ranking_loss",),
     inplace=False, rules={"native": _decomposed_without_batching_rule("aten::margin_ranking_loss")},
 )
-def _multi_margin_sizes(ctx: Context) -> dict[str, int] | None:
-    """What vmap's loop over PyTorch's kernel (one call per sample) and the composite's dozen batched ops cost: the
-    samples, each sample's rows and classes; None where the class weights are batched (not measured)."""
-    if not ctx.shapes or len(ctx.shapes[0]) not in (1, 2) or "weight" in ctx.batched:
+def _scores_sizes(ctx: Context) -> dict[str, int] | None:
+    """The samples, each sample's rows and classes of a (C,) or (N, C) scores tensor (the first argument)."""
+    if not ctx.shapes or len(ctx.shapes[0]) not in (1, 2):
         return None
     scores = ctx.shapes[0]
     return {"batch": ctx.batch_size, "rows": scores[0] if len(scores) == 2 else 1, "classes": scores[-1]}
+
+
+def _multi_margin_sizes(ctx: Context) -> dict[str, int] | None:
+    """What vmap's loop over PyTorch's kernel (one call per sample) and the composite's dozen batched ops cost
+    (``_scores_sizes``); None where the class weights are batched (not measured)."""
+    return None if "weight" in ctx.batched else _scores_sizes(ctx)
 
 
 define_op(
@@ -79,12 +84,9 @@ define_op(
     sizes=_multi_margin_sizes,
 )
 def _multilabel_margin_sizes(ctx: Context) -> dict[str, int] | None:
-    """What vmap's loop over PyTorch's kernel and the composite's (rows, labels, classes) comparisons cost: the
-    samples, each sample's rows and classes; None unless the scores and the label lists are batched (measured so)."""
-    if not ctx.shapes or len(ctx.shapes[0]) not in (1, 2) or set(ctx.batched) != {"self", "target"}:
-        return None
-    scores = ctx.shapes[0]
-    return {"batch": ctx.batch_size, "rows": scores[0] if len(scores) == 2 else 1, "classes": scores[-1]}
+    """What vmap's loop over PyTorch's kernel and the composite's (rows, labels, classes) comparisons cost
+    (``_scores_sizes``); None unless the scores and the label lists are batched (measured so)."""
+    return _scores_sizes(ctx) if set(ctx.batched) == {"self", "target"} else None
 
 
 define_op(
