@@ -108,6 +108,9 @@ class Composite:
     fn: Callable[..., Any]
     doc: str
     where: str  # "file:line" of the registration, for duplicate errors and the API
+    # A cpp_op composite that is its C++ op applied to the call's own arguments: the name of that op
+    # ("multicomposite::linear"), which the C++ routing calls without entering Python (register(..., redirect=)).
+    redirect: str | None = None
 
     @property
     def source(self) -> str:

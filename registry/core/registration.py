@@ -166,11 +166,13 @@ class OpTable:
         return definition
 
     def register(self, op: str, kind: str, *, name: str | None = None, function: object = None,
-                 ) -> Callable[[F], F]:
+                 redirect: str | None = None) -> Callable[[F], F]:
         """Declare ``fn`` as a composite of ``op``; returns ``fn`` unchanged.
 
         ``name`` defaults to the kind and must be unique per op. A ``primitive`` names its
-        ``torch.autograd.Function``, a ``custom_op`` its ``torch.library.custom_op`` (``function=``).
+        ``torch.autograd.Function``, a ``custom_op`` its ``torch.library.custom_op`` (``function=``). A ``cpp_op``
+        whose ``fn`` only calls its C++ op with the call's own arguments may name that op (``redirect=``,
+        "multicomposite::linear"): the C++ routing then calls it without Python where a decision picks it.
         """
         if op not in self.ops:
             self.load()  # the op may be one of the families' that are not imported yet
@@ -189,6 +191,9 @@ class OpTable:
             _check_signature(definition, fn, where)
             if check is not None:
                 check(op, fn, function, where)
+            if redirect is not None and kind != kinds.CPP_OP.name:
+                raise RegistrationError(f"{where}: redirect={redirect!r} names a C++ op; only a cpp_op composite "
+                                        f"is one, not a {kind}")
             earlier = composites.get(composite_name)
             if earlier is not None:
                 raise RegistrationError(
@@ -197,7 +202,8 @@ class OpTable:
                 )
             doc = (inspect.getdoc(fn) or "").strip().splitlines()
             composites[composite_name] = Composite(
-                op=op, name=composite_name, kind=kind, fn=fn, doc=doc[0] if doc else "", where=where
+                op=op, name=composite_name, kind=kind, fn=fn, doc=doc[0] if doc else "", where=where,
+                redirect=redirect,
             )
             self.changed()
             return fn

@@ -22,7 +22,9 @@ from registry.core.context import DISPATCH_KEY, vmap_active
 from registry.core.model import Op, Overload
 from registry.core.runners import InplaceRefusalError, batches_in_place, inplace_message, records_autograd, runner
 
-PASS, NATIVE = 0, 1  # the codes kernels/routing.cpp knows; anything else a decider returns is what to call
+# The codes kernels/routing.cpp knows; a decider returns one of them, the name of a C++ op to call with the call's
+# arguments as they are (a cpp_op composite's redirect), or the Python callable to call.
+PASS, NATIVE = 0, 1
 
 
 class PythonRouting(Protocol):
@@ -48,6 +50,11 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
     packet = overload.name.partition(".")[0]
     runners: dict[Callable[..., Any], Callable[..., Any]] = {}  # composite -> its runner, made once
     local, decide_call = router.local, router.decide
+    # composite -> the C++ op that takes this overload's arguments as they are (Composite.redirect): the kernel calls
+    # it without Python. Not where the overload is in place or its arguments are adapted.
+    redirects: dict[Callable[..., Any], str] = {}
+    if adapt is None and not inplace:
+        redirects = {c.fn: c.redirect for c in router.table.composites.get(op.name, {}).values() if c.redirect}
 
     def decide(*args: Any, **kwargs: Any) -> Any:
         frame = local.frames[-1]  # the kernel calls only inside use()
@@ -62,6 +69,9 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
         # the kind's entry says (registry.core.kinds); in place too where functorch batches it (batches_in_place)
         if native_runs[inplace] or (native_in_place and native_runs[False]):
             return NATIVE
+        redirect = redirects.get(composite)
+        if redirect is not None:
+            return redirect
         run = runners.get(composite)
         if run is None:
             run = runners[composite] = runner(composite, overload)

@@ -6,8 +6,9 @@
 //   - no use() frame on this thread, or this thread is inside a call a kernel already decided: PyTorch's own kernel;
 //   - otherwise a decision key (overload, frame, functorch layers, grad mode, and per tensor argument its position,
 //     dtype, device, requires_grad, size bucket and wrapper levels) is looked up in one table: a native decision runs
-//     PyTorch's own kernel. Only a miss (Python decides and the answer is stored) or a composite decision (the
-//     composite is Python) takes the GIL.
+//     PyTorch's own kernel, and a decision for an op of ours in C++ that takes the call's arguments as they are (a
+//     cpp_op composite declared with ``redirect``) calls that op. Only a miss (Python decides and the answer is
+//     stored) or a composite decision (the composite is Python) takes the GIL.
 //   - while something traces (a Python dispatch mode or subclass is in the keyset: torch.compile, make_fx) or shapes
 //     are symbolic, the whole call goes to the Python kernel, which records what torch.compile baked in.
 // The frame is an int that use() sets on enter and exit; Python keeps the frames themselves.
@@ -43,6 +44,7 @@ enum Code : int64_t {
   kNative = 1,  // decided native: PyTorch's own kernel with the busy flag set
   kRun = 2,     // a Python callable (the composite, or what adapts the call to it)
   kMiss = 3,
+  kOp = 4,  // an op of our own in C++ taking the overload's arguments as they are (a cpp_op composite): no Python
 };
 
 thread_local int64_t tls_frame = 0;  // the id of the innermost use() frame of this thread; 0 outside use()
@@ -97,7 +99,20 @@ struct KeyHash {
 struct Entry {
   int64_t code;
   PyObject* run;  // a strong reference for kRun, released (with the GIL) when the table is cleared
+  const c10::OperatorHandle* op = nullptr;  // for kOp: the op the call goes to (op_handle: never freed)
 };
+
+// The handle of the op named `name` ("multicomposite::linear"), kept for the process: an entry points at it.
+const c10::OperatorHandle* op_handle(const std::string& name) {
+  static std::mutex mutex;
+  static auto* handles = new std::unordered_map<std::string, std::unique_ptr<c10::OperatorHandle>>();
+  std::lock_guard<std::mutex> guard(mutex);
+  auto& handle = (*handles)[name];
+  if (!handle) {
+    handle = std::make_unique<c10::OperatorHandle>(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), ""));
+  }
+  return handle.get();
+}
 
 std::mutex table_mutex;
 std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table;
@@ -339,7 +354,8 @@ void call_python(const Overload& o, const py::object& fn, const c10::OperatorHan
 }
 
 // Called holding the GIL.
-void store(std::vector<int64_t> key, int64_t code, PyObject* run, uint64_t seen) {
+void store(std::vector<int64_t> key, int64_t code, PyObject* run, uint64_t seen,
+           const c10::OperatorHandle* redirect = nullptr) {
   std::vector<PyObject*> released;
   {
     std::lock_guard<std::mutex> guard(table_mutex);
@@ -352,7 +368,7 @@ void store(std::vector<int64_t> key, int64_t code, PyObject* run, uint64_t seen)
     if (run != nullptr) {
       Py_INCREF(run);
     }
-    auto [it, inserted] = table.emplace(std::move(key), Entry{code, run});
+    auto [it, inserted] = table.emplace(std::move(key), Entry{code, run, redirect});
     if (!inserted && run != nullptr) {
       released.push_back(run);
     }
@@ -403,6 +419,10 @@ class RoutingKernel final : public c10::OperatorKernel {
       BusyGuard busy;
       return o.native->callBoxed(op, keyset, stack);
     }
+    if (entry.code == kOp) {
+      BusyGuard busy;
+      return entry.op->callBoxed(stack);
+    }
     decide_and_run(op, keyset, stack, entry, seen);
   }
 
@@ -412,6 +432,7 @@ class RoutingKernel final : public c10::OperatorKernel {
     Overload& o = *overload_;
     const size_t count = o.arguments.size();
     int64_t code;
+    const c10::OperatorHandle* redirect = nullptr;
     {
       py::gil_scoped_acquire gil;
       PythonArguments arguments(o, &(*stack)[stack->size() - count], nullptr);
@@ -426,6 +447,10 @@ class RoutingKernel final : public c10::OperatorKernel {
           code = decided.cast<int64_t>();
           TORCH_CHECK(code == kPass || code == kNative, "multicomposite: a decision returned the code ", code);
           store(std::move(key), code, nullptr, seen);
+        } else if (PyUnicode_Check(decided.ptr())) {  // the name of an op of ours that takes the call as it is
+          code = kOp;
+          redirect = op_handle(decided.cast<std::string>());
+          store(std::move(key), code, nullptr, seen, redirect);
         } else {
           code = kRun;
           run = decided;
@@ -447,6 +472,9 @@ class RoutingKernel final : public c10::OperatorKernel {
       return o.native->callBoxed(op, keyset, stack);
     }
     BusyGuard busy;
+    if (code == kOp) {
+      return redirect->callBoxed(stack);
+    }
     o.native->callBoxed(op, keyset, stack);
   }
 

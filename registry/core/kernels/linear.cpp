@@ -1,0 +1,221 @@
+// multicomposite::linear: aten::linear as one op with one autograd node and one batching rule (the cpp_op composite
+// of linear, with its op and its rules, in composites/linear.py).
+//
+// NOTE: why an op of our own. aten::linear is CompositeImplicitAutograd: under torch.func's grad it decomposes at
+// the grad level into t, view (or reshape), addmm or matmul and add, each recorded as a node of its own and each
+// batched on its own one level below, forward and backward. Under vmap(grad) a per-sample-gradient step of a
+// LoRA-adapted decoder makes about 20 such calls a layer. This op records one node (LinearBackward below) and folds
+// the batch into the rows in one call of PyTorch's linear where only the input is batched (an ensemble's batched
+// weight runs aten's linear on the batched tensors, as without the op). The node's backward is aten ops (matmul,
+// mm, sum_to_size), so it differentiates again where autograd records it; the forward-AD tangent is aten's
+// linear of the tangents.
+//
+// NOTE: the backward where nothing records it (first-order grad: registry/core/first_order_grad.py). The input's
+// gradient is this op again (the output gradient's rows times the weight, folded under vmap as the forward is), and
+// the weight's is multicomposite::linear_weight_grad, whose batching rule forms each sample's gradient as one
+// batched product, or as a broadcasting multiply where a sample is one row (an outer product: bmm with a contracted
+// size of 1 runs a general matrix product per sample). linear_weight_grad has no derivative: where grad mode is on
+// (create_graph, something differentiates the backward again) the node uses aten's mm instead.
+
+#include <ATen/ATen.h>
+#include <ATen/functorch/BatchedTensorImpl.h>
+#include <ATen/functorch/DynamicLayer.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using torch::autograd::variable_list;
+
+bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
+
+Tensor linear_aten(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
+  return at::linear(input, weight, bias);
+}
+
+const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>& linear_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::linear", "")
+                                 .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>();
+  return handle;
+}
+
+// The number of rows of `t` taken as (rows, t.size(-1)): every dimension but the last (one for a 1-d input). The
+// size is spelled out: an empty input has no -1 to infer.
+int64_t rows_of(const Tensor& t) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  return rows;
+}
+
+void check_shapes(const Tensor& input, const Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && input.dim() >= 1,
+              "multicomposite::linear takes a 2-d weight and an input of at least one dimension (got weight of ",
+              weight.dim(), " and input of ", input.dim(), " dimensions); call torch.nn.functional.linear for others");
+}
+
+// Every row's output gradient times its input, summed over the rows: (out, rows) x (rows, in).
+Tensor weight_grad_aten(const Tensor& grad, const Tensor& input) {
+  const int64_t rows = rows_of(input);
+  return at::mm(grad.reshape({rows, grad.size(-1)}).t(), input.reshape({rows, input.size(-1)}));
+}
+
+const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)>& weight_grad_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::linear_weight_grad", "")
+                                 .typed<Tensor(const Tensor&, const Tensor&)>();
+  return handle;
+}
+
+// Called only where grad mode is off (LinearBackward's NOTE): nothing records, so there is no node to make.
+Tensor weight_grad_autograd(const Tensor& grad, const Tensor& input) {
+  TORCH_CHECK(!(at::GradMode::is_enabled() && torch::autograd::compute_requires_grad(grad, input)),
+              "multicomposite::linear_weight_grad has no derivative; differentiate aten::mm instead");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return weight_grad_op().call(grad, input);
+}
+
+// Under vmap with both batched at this level (per-sample weight gradients): each sample's (out, rows) x (rows, in)
+// as one bmm, or where a sample is one row, each sample's outer product as one broadcasting multiply. Elsewhere
+// aten's mm of the batched tensors.
+Tensor weight_grad_batched(const Tensor& grad, const Tensor& input) {
+  const auto layer = at::functorch::maybeCurrentDynamicLayer();
+  TORCH_INTERNAL_ASSERT(layer.has_value(), "multicomposite::linear_weight_grad's batching rule ran outside vmap");
+  const int64_t level = layer->layerId();
+  const auto* grad_batched = at::functorch::maybeGetBatchedImpl(grad);
+  const auto* input_batched = at::functorch::maybeGetBatchedImpl(input);
+  if (grad_batched == nullptr || grad_batched->level() != level || input_batched == nullptr ||
+      input_batched->level() != level || grad.scalar_type() != input.scalar_type()) {
+    return weight_grad_aten(grad, input);
+  }
+  const int64_t rows = rows_of(input), out = grad.size(-1), in = input.size(-1);
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  const Tensor g = grad_batched->value().movedim(grad_batched->bdim(), 0);
+  const Tensor x = input_batched->value().movedim(input_batched->bdim(), 0);
+  const int64_t batch = g.size(0);
+  const Tensor g_rows = g.reshape({batch, rows, out}), x_rows = x.reshape({batch, rows, in});
+  const Tensor product = rows == 1 ? g_rows.transpose(1, 2) * x_rows : at::bmm(g_rows.transpose(1, 2), x_rows);
+  return at::functorch::makeBatched(product, 0, level);
+}
+
+struct LinearBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable input, weight;
+  std::vector<int64_t> bias_sizes;
+  bool has_bias = false;
+
+  variable_list apply(variable_list&& grads) override {
+    const Tensor& grad = grads[0];
+    const bool want_input = task_should_compute_output(0);
+    const bool want_weight = task_should_compute_output(1);
+    const bool want_bias = has_bias && task_should_compute_output(2);
+    if (!grad.defined() || !(want_input || want_weight || want_bias)) return {Tensor(), Tensor(), Tensor()};
+    Tensor grad_input, grad_weight, grad_bias;
+    const Tensor w = weight.unpack();
+    // The output gradient's rows times the weight: this op again (one node where autograd records, one folded call
+    // under vmap).
+    if (want_input) grad_input = linear_op().call(grad, w.t(), std::nullopt);
+    if (want_weight) {
+      const Tensor x = input.unpack();
+      grad_weight = at::GradMode::is_enabled() ? weight_grad_aten(grad, x) : weight_grad_op().call(grad, x);
+    }
+    if (want_bias) grad_bias = grad.sum_to_size(bias_sizes);
+    return {grad_input, grad_weight, grad_bias};
+  }
+  std::string name() const override { return "multicomposite::LinearBackward"; }
+  void release_variables() override {
+    input.reset_data();
+    weight.reset_data();
+  }
+};
+
+Tensor tangent_of(const Tensor& t) { return t._fw_grad(/*level=*/0); }
+
+// The forward-AD tangent of linear(x, w, b): linear(dx, w) + linear(x, dw) + db, in aten ops (so that it batches and
+// differentiates as they do), from the primals (a tangent computed from a tensor that has one would carry one itself).
+void set_tangent(const Tensor& out, const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
+                 const Tensor& dx, const Tensor& dw, const Tensor& db) {
+  const Tensor x = input._fw_primal(/*level=*/0), w = weight._fw_primal(/*level=*/0);
+  Tensor tangent;
+  if (dx.defined()) tangent = at::linear(dx, w);
+  if (dw.defined()) {
+    const Tensor term = at::linear(x, dw);
+    tangent = tangent.defined() ? tangent + term : term;
+  }
+  if (db.defined()) tangent = tangent.defined() ? tangent + db : db;
+  out._set_fw_grad(tangent.expand(out.sizes()).contiguous(), /*level=*/0, false);
+}
+
+Tensor linear_autograd(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
+  check_shapes(input, weight);
+  c10::intrusive_ptr<LinearBackward> node;
+  if (torch::autograd::compute_requires_grad(input, weight, bias)) {
+    node = c10::make_intrusive<LinearBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
+    node->has_bias = present(bias);
+    if (node->has_bias) node->bias_sizes = bias->sizes().vec();
+  }
+  Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    out = linear_op().call(input, weight, bias);
+  }
+  if (node) {
+    node->input = torch::autograd::SavedVariable(input, /*is_output=*/false);
+    node->weight = torch::autograd::SavedVariable(weight, /*is_output=*/false);
+    torch::autograd::set_history(out, node);
+  }
+  const Tensor dx = tangent_of(input), dw = tangent_of(weight), db = present(bias) ? tangent_of(*bias) : Tensor();
+  if (dx.defined() || dw.defined() || db.defined()) set_tangent(out, input, weight, bias, dx, dw, db);
+  return out;
+}
+
+// Under vmap: where the input alone is batched at this level, its batch dimension goes in front and PyTorch's linear
+// runs once on the physical tensor (the batch is more rows); elsewhere aten's linear on the batched tensors, whose
+// decomposition batches as it does without this op.
+Tensor linear_batched(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
+  const auto layer = at::functorch::maybeCurrentDynamicLayer();
+  TORCH_INTERNAL_ASSERT(layer.has_value(), "multicomposite::linear's batching rule ran outside vmap");
+  const int64_t level = layer->layerId();
+  const auto* batched = at::functorch::maybeGetBatchedImpl(input);
+  const auto at_level = [level](const Tensor& t) {
+    const auto* impl = at::functorch::maybeGetBatchedImpl(t);
+    return impl != nullptr && impl->level() == level;
+  };
+  if (batched == nullptr || batched->level() != level || at_level(weight) || (present(bias) && at_level(*bias))) {
+    return at::linear(input, weight, bias);
+  }
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  const Tensor rows = batched->value().movedim(batched->bdim(), 0);
+  return at::functorch::makeBatched(at::linear(rows, weight, bias), 0, level);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias) -> Tensor");
+  // The weight gradient of linear: grad (..., out) and input (..., in) over the same rows -> (out, in).
+  m.def("linear_weight_grad(Tensor grad, Tensor input) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(multicomposite, CompositeExplicitAutograd, m) {
+  m.impl("linear", linear_aten);
+  m.impl("linear_weight_grad", weight_grad_aten);
+}
+
+TORCH_LIBRARY_IMPL(multicomposite, Autograd, m) {
+  m.impl("linear", linear_autograd);
+  m.impl("linear_weight_grad", weight_grad_autograd);
+}
+
+TORCH_LIBRARY_IMPL(multicomposite, FuncTorchBatched, m) {
+  m.impl("linear", linear_batched);
+  m.impl("linear_weight_grad", weight_grad_batched);
+}

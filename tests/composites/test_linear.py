@@ -1,0 +1,216 @@
+"""linear's C++ op (composites/linear.py, registry/core/kernels/linear.cpp): chosen under vmap(grad), equal to
+PyTorch's linear and to the per-sample loop under every stack it may be pinned to, and reached from the C++ routing
+without entering Python."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.func import functional_call, functionalize, grad, hessian, jacfwd, jacrev, vmap
+from torch.utils._pytree import tree_leaves  # noqa: PLC2701 - PyTorch's pytree
+
+import composites.linear
+import registry
+from registry.core import routing
+from registry.core.registration import RegistrationError, register
+from registry.core.selector import SelectionError
+from tests.composites.test_reduce import no_vmap_fallback
+
+BATCH = 5
+
+
+@pytest.fixture
+def cpp_routing() -> Iterator[None]:
+    """The C++ routing backend (the only one with the redirect and the first-order backward), then the one before."""
+    before = routing.routing_backend()
+    routing.set_routing_backend("cpp")
+    yield
+    routing.set_routing_backend(before)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return (torch.randn(BATCH, 3, 4, generator=generator, dtype=torch.float64),
+            torch.randn(6, 4, generator=generator, dtype=torch.float64),
+            torch.randn(6, generator=generator, dtype=torch.float64))
+
+
+def _f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return (F.linear(x, w, b).tanh() ** 2).sum()
+
+
+def _linear_decisions(run: Any) -> set[tuple[tuple[str, ...], str]]:
+    return {(d.stack, d.kind) for d in run.decisions if d.op == "linear"}
+
+
+class _Adapted(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update (LoRA), over 3-d inputs: what the op serves most."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(4, 6).double().requires_grad_(False)
+        self.down, self.up = nn.Linear(4, 2, bias=False).double(), nn.Linear(2, 6).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_per_sample_gradients_run_the_cpp_op_and_equal_the_loop() -> None:
+    torch.manual_seed(0)
+    model = _Adapted()
+    params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    x, _, _ = _data()
+
+    def loss(p: dict[str, torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (sample.unsqueeze(0),)).sin().sum()
+
+    loop = [torch.autograd.grad(model(x[b:b + 1]).sin().sum(), [model.down.weight, model.up.weight, model.up.bias])
+            for b in range(BATCH)]
+    with no_vmap_fallback(), registry.use(record=True) as run:
+        got = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    assert _linear_decisions(run) == {(("vmap", "grad"), "cpp_op")}
+    for i, name in enumerate(("down.weight", "up.weight", "up.bias")):
+        torch.testing.assert_close(got[name], torch.stack([each[i] for each in loop]))
+
+
+def test_plain_vmap_and_grad_keep_pytorchs_linear() -> None:
+    x, w, b = _data()
+    with registry.use(record=True) as run:
+        vmap(F.linear, in_dims=(0, None, None))(x, w, b)
+        grad(_f, argnums=1)(x[0], w, b)
+    assert {kind for _, kind in _linear_decisions(run)} == {"native"}
+
+
+_STACKS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]] = {
+    "vmap(grad)": lambda x, w, b: vmap(grad(_f, argnums=(0, 1, 2)), in_dims=(0, None, None))(x, w, b),
+    "vmap(grad) ensemble": lambda x, w, b: vmap(grad(_f, argnums=(1, 2)), in_dims=(None, 0, 0))(
+        x[0], w.expand(3, 6, 4).clone(), b.expand(3, 6).clone()),
+    "vmap(grad) 1-d input": lambda x, w, b: vmap(grad(_f, argnums=(0, 1, 2)), in_dims=(0, None, None))(x[:, 0], w, b),
+    "vmap(grad) no bias": lambda x, w, _: vmap(grad(_f, argnums=(0, 1)), in_dims=(0, None, None))(x, w, None),
+    "vmap(vmap(grad))": lambda x, w, b: vmap(vmap(grad(_f, argnums=(1, 2)), in_dims=(0, None, None)),
+                                             in_dims=(0, None, None))(x, w, b),
+    "vmap(jacrev)": lambda x, w, b: vmap(jacrev(lambda *a: F.linear(*a).sin(), argnums=(1, 2)),
+                                         in_dims=(0, None, None))(x, w, b),
+    "vmap(jacfwd)": lambda x, w, b: vmap(jacfwd(_f, argnums=(0, 1, 2)), in_dims=(0, None, None))(x, w, b),
+    "hessian": lambda x, w, b: hessian(_f, argnums=1)(x[0], w, b),
+    "vmap(hessian)": lambda x, w, b: vmap(hessian(_f, argnums=1), in_dims=(0, None, None))(x, w, b),
+    "grad(grad)": lambda x, w, b: grad(lambda v: grad(_f, argnums=1)(x[0], v, b).sum())(w),
+    "vmap(functionalize(grad))": lambda x, w, b: vmap(functionalize(grad(_f, argnums=1)), in_dims=(0, None, None))(
+        x, w, b),
+}
+
+
+@pytest.mark.parametrize("stack", list(_STACKS))
+def test_pinned_cpp_op_equals_pytorch_and_the_loop(stack: str) -> None:
+    """Pinned, the op runs under every stack (its backward differentiates again, its tangent is aten ops) and gives
+    PyTorch's linear's values; the per-sample ones equal a loop over the batch outside any transform."""
+    x, w, b = _data()
+    native = _STACKS[stack](x, w, b)
+    with registry.use(pins={"linear": "cpp_op"}, record=True) as run:
+        got = _STACKS[stack](x, w, b)
+    assert {kind for _, kind in _linear_decisions(run)} == {"cpp_op"}
+    for mine, theirs in zip(tree_leaves(got), tree_leaves(native), strict=True):
+        torch.testing.assert_close(mine, theirs)
+    if stack == "vmap(grad)":
+        for i, sample in enumerate(x):
+            leaves = [sample.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()]
+            expected = torch.autograd.grad(_f(*leaves), leaves)
+            for mine, theirs in zip(got, expected, strict=True):
+                torch.testing.assert_close(mine[i], theirs)
+
+
+def test_eager_autograd_through_per_sample_gradients() -> None:
+    """A weight that requires grad outside the transforms: eager autograd differentiates the op's backward."""
+    x, w, b = _data()
+
+    def outer(weight: torch.Tensor) -> torch.Tensor:
+        per_sample = vmap(grad(_f, argnums=1), in_dims=(0, None, None))(x, weight, b)
+        return torch.autograd.grad(per_sample.square().sum(), weight)[0]
+
+    native = outer(w.clone().requires_grad_())
+    with registry.use(pins={"linear": "cpp_op"}):
+        got = outer(w.clone().requires_grad_())
+    torch.testing.assert_close(got, native)
+
+
+@pytest.mark.usefixtures("cpp_routing")
+def test_the_routing_calls_the_op_without_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The composite is the op on the call's own arguments (register(..., redirect=)): the C++ routing calls the
+    op, and the composite's Python function runs only where the Python routing does."""
+    calls: list[int] = []
+    real = composites.linear.CPP_OPS.get
+
+    def counted() -> Any:
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(composites.linear.CPP_OPS, "get", counted)
+    x, w, b = _data()
+    with registry.use(record=False):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            vmap(grad(_f, argnums=1), in_dims=(0, None, None))(x, w, b)
+    assert "multicomposite::linear" in {event.key for event in profile.key_averages()}
+    assert calls == []
+
+
+def test_redirect_is_for_cpp_op_composites_only() -> None:
+    with pytest.raises(RegistrationError, match="only a cpp_op composite"):
+        register("linear", "functional", name="not_a_cpp_op", redirect="multicomposite::linear")(
+            lambda input, weight, bias=None: F.linear(input, weight, bias))
+
+
+def test_the_op_refuses_a_1d_weight_and_the_rule_keeps_pytorchs_linear() -> None:
+    x, w, _ = _data()
+    with pytest.raises(RuntimeError, match="takes a 2-d weight"):
+        composites.linear.CPP_OPS.get().linear(x.clone().requires_grad_(), w[0], None)
+    with registry.use(pins={"linear": "cpp_op"}), pytest.raises(SelectionError, match="2-d weight"):
+        vmap(grad(lambda v, u: F.linear(v, u).sum()), in_dims=(0, None))(x.detach(), w[0])
+    with registry.use(record=True) as run:
+        got = vmap(grad(lambda v, u: F.linear(v, u).sum()), in_dims=(0, None))(x.detach(), w[0])
+    assert {kind for _, kind in _linear_decisions(run)} == {"native"}
+    torch.testing.assert_close(got, w[0].expand_as(x))
+
+
+def test_a_decision_for_a_2d_weight_never_serves_a_1d_one() -> None:
+    """The selector's cache keys each per-sample dimension's bit length (as the C++ routing's key does): a decision
+    kept for the adapter's (2, 4) weight over a (1, 3, 4) input must not serve a (4,) weight over a (3, 4) input,
+    where the op's rule refuses (the same number of elements, the same stack and batching)."""
+    test_per_sample_gradients_run_the_cpp_op_and_equal_the_loop()
+    x, w, _ = _data()
+    with registry.use(pins={"linear": "cpp_op"}), pytest.raises(SelectionError, match="2-d weight"):
+        vmap(grad(lambda v, u: F.linear(v, u).sum()), in_dims=(0, None))(x, w[0])
+    with registry.use(record=True) as run:
+        got = vmap(grad(lambda v, u: F.linear(v, u).sum()), in_dims=(0, None))(x, w[0])
+    assert {kind for _, kind in _linear_decisions(run)} == {"native"}
+    torch.testing.assert_close(got, w[0].expand_as(x))
+
+
+@pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_per_sample_weight_gradients_equal_the_loop(rows: int) -> None:
+    """Where nothing differentiates the backward again, each sample's weight gradient is multicomposite's
+    linear_weight_grad: a broadcasting multiply where a sample is one row (no bmm with a contracted size of 1), one
+    bmm over the samples' rows otherwise."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(BATCH, rows, 4, generator=generator, dtype=torch.float64)
+    w, b = torch.randn(6, 4, generator=generator, dtype=torch.float64), torch.randn(6, generator=generator,
+                                                                                    dtype=torch.float64)
+    step = vmap(grad(_f, argnums=(1, 2)), in_dims=(0, None, None))
+    with no_vmap_fallback(), registry.use(record=True) as run:
+        got = step(x, w, b)
+    assert _linear_decisions(run) == {(("vmap", "grad"), "cpp_op")}
+    with registry.use(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        step(x, w, b)
+    ran = {event.key for event in profile.key_averages()}
+    assert "multicomposite::linear_weight_grad" in ran
+    assert ("aten::bmm" in ran) == (rows > 1)
+    for i in range(BATCH):
+        leaves = [w.clone().requires_grad_(), b.clone().requires_grad_()]
+        expected = torch.autograd.grad(_f(x[i], *leaves), leaves)
+        torch.testing.assert_close(got[0][i], expected[0])
+        torch.testing.assert_close(got[1][i], expected[1])
