@@ -37,6 +37,12 @@ using torch::autograd::variable_list;
 
 bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
 
+// A batched tensor's physical value with its batch dimension in front (a movedim is two dispatched calls: skipped
+// where the dimension is in front already, as it mostly is).
+Tensor batch_first(const at::functorch::BatchedTensorImpl& batched) {
+  return batched.bdim() == 0 ? batched.value() : batched.value().movedim(batched.bdim(), 0);
+}
+
 Tensor linear_aten(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
   return at::linear(input, weight, bias);
 }
@@ -98,8 +104,7 @@ Tensor weight_grad_batched(const Tensor& grad, const Tensor& input) {
   }
   const int64_t rows = rows_of(input), out = grad.size(-1), in = input.size(-1);
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
-  const Tensor g = grad_batched->value().movedim(grad_batched->bdim(), 0);
-  const Tensor x = input_batched->value().movedim(input_batched->bdim(), 0);
+  const Tensor g = batch_first(*grad_batched), x = batch_first(*input_batched);
   const int64_t batch = g.size(0);
   const Tensor g_rows = g.reshape({batch, rows, out}), x_rows = x.reshape({batch, rows, in});
   const Tensor product = rows == 1 ? g_rows.transpose(1, 2) * x_rows : at::bmm(g_rows.transpose(1, 2), x_rows);
@@ -193,7 +198,7 @@ Tensor linear_batched(const Tensor& input, const Tensor& weight, const std::opti
     return at::linear(input, weight, bias);
   }
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
-  const Tensor rows = batched->value().movedim(batched->bdim(), 0);
+  const Tensor rows = batch_first(*batched);
   return at::functorch::makeBatched(at::linear(rows, weight, bias), 0, level);
 }
 
