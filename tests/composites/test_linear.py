@@ -214,3 +214,67 @@ def test_per_sample_weight_gradients_equal_the_loop(rows: int) -> None:
         expected = torch.autograd.grad(_f(x[i], *leaves), leaves)
         torch.testing.assert_close(got[0][i], expected[0])
         torch.testing.assert_close(got[1][i], expected[1])
+
+
+def _elman(wi: torch.Tensor, wh: torch.Tensor, b: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+    """An Elman recurrence written with F.linear, one sample (T, in): both weights used at every step."""
+    h = torch.zeros(1, wh.shape[0], dtype=xs.dtype)
+    for t in range(xs.shape[0]):
+        h = torch.tanh(F.linear(xs[t:t + 1], wi, b) + F.linear(h, wh))
+    return h.square().sum()
+
+
+def _recurrence_data() -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(5)
+    return tuple(torch.randn(*shape, generator=generator, dtype=torch.float64)
+                 for shape in ((BATCH, 6, 3), (4, 3), (4, 4), (4,)))
+
+
+@pytest.mark.usefixtures("cpp_routing")
+def test_a_weight_used_at_every_step_gets_one_product_per_sample() -> None:
+    """A weight used at T steps: its per-sample gradient is formed once from the T steps' rows (one linear_weight_grad
+    call per weight), not T products summed by autograd; equal to the per-sample loop."""
+    x, wi, wh, b = _recurrence_data()
+    step = vmap(grad(_elman, argnums=(0, 1, 2)), in_dims=(None, None, None, 0))
+    with registry.use(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = step(wi, wh, b, x)
+    calls = {event.key: event.count for event in profile.key_averages()}
+    assert calls["multicomposite::linear_weight_grad"] == 2  # wi's and wh's, each over the 6 steps
+    for i in range(BATCH):
+        leaves = [wi.clone().requires_grad_(), wh.clone().requires_grad_(), b.clone().requires_grad_()]
+        expected = torch.autograd.grad(_elman(*leaves, x[i]), leaves)
+        for mine, theirs in zip(got, expected, strict=True):
+            torch.testing.assert_close(mine[i], theirs)
+
+
+@pytest.mark.parametrize("stack", ["vmap(hessian)", "grad(grad)", "vmap(jacrev)"])
+def test_a_recurrence_differentiated_again_equals_pytorch(stack: str) -> None:
+    """Where the backward is differentiated again, the weight's gradient node uses aten's ops (cat, mm): its own
+    derivative is PyTorch's."""
+    x, wi, wh, b = _recurrence_data()
+    run = {
+        "vmap(hessian)": lambda: vmap(hessian(_elman, argnums=1), in_dims=(None, None, None, 0))(wi, wh, b, x),
+        "grad(grad)": lambda: grad(lambda v: grad(_elman, argnums=1)(wi, v, b, x[0]).sum())(wh),
+        "vmap(jacrev)": lambda: vmap(jacrev(_elman, argnums=(0, 1)), in_dims=(None, None, None, 0))(wi, wh, b, x),
+    }[stack]
+    native = run()
+    with registry.use(pins={"linear": "cpp_op"}):
+        got = run()
+    for mine, theirs in zip(tree_leaves(got), tree_leaves(native), strict=True):
+        torch.testing.assert_close(mine, theirs)
+
+
+def test_a_use_off_the_backwards_path_gives_no_rows() -> None:
+    """The weight feeds the loss and an auxiliary output: only the loss's calls reach the weight's gradient node, whose
+    other input stays empty; the gradient is the loss's alone."""
+    x, w, b = _data()
+
+    def loss(weight: torch.Tensor, sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.linear(sample, weight, b).sin().sum(), F.linear(sample.cos(), weight)
+
+    step = vmap(grad(loss, has_aux=True), in_dims=(None, 0))
+    native = step(w, x)
+    with registry.use(pins={"linear": "cpp_op"}):
+        got = step(w, x)
+    torch.testing.assert_close(got[0], native[0])
+    torch.testing.assert_close(got[1], native[1])

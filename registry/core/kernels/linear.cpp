@@ -15,7 +15,16 @@
 // the weight's is multicomposite::linear_weight_grad, whose batching rule forms each sample's gradient as one
 // batched product, or as a broadcasting multiply where a sample is one row (an outer product: bmm with a contracted
 // size of 1 runs a general matrix product per sample). linear_weight_grad has no derivative: where grad mode is on
-// (create_graph, something differentiates the backward again) the node uses aten's mm instead.
+// (create_graph, something differentiates the backward again) aten's mm runs instead.
+//
+// NOTE: a weight used by several calls (a recurrence: opacus's DPLSTM applies its gate layers at every time step).
+// Autograd sums the gradients a tensor gets from several nodes, and out of place under torch.func: the engine adds in
+// place only into tensors that are not "subclass-like", and functorch's wrappers are. Under vmap(grad) a weight used
+// at T steps got T per-sample gradients (B, out, in) and T - 1 sums of them (half of the DPLSTM's step at batch 64).
+// So the weight's gradient is formed by one node per weight and graph (WeightGradient below): every call's node
+// hands it the call's output gradient, and it forms the weight's gradient once from all the calls' rows, one
+// product per sample over the T steps. The engine runs it after every node that feeds it (its dependencies), and a
+// call whose node did not run (not on the path of this backward) gives no rows.
 
 #include <ATen/ATen.h>
 #include <ATen/functorch/BatchedTensorImpl.h>
@@ -26,8 +35,11 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <functional>
+#include <iterator>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -111,8 +123,82 @@ Tensor weight_grad_batched(const Tensor& grad, const Tensor& input) {
   return at::functorch::makeBatched(product, 0, level);
 }
 
+// `t` as (rows, t.size(-1)); as it is where it is that already (a reshape is a dispatched call at every level).
+Tensor as_rows(const Tensor& t) { return t.dim() == 2 ? t : t.reshape({rows_of(t), t.size(-1)}); }
+
+// The weight's gradient from the output gradient's rows and the input's: linear_weight_grad, or aten's mm where
+// grad mode is on (the NOTE above).
+Tensor weight_grad(const Tensor& grad, const Tensor& input) {
+  return at::GradMode::is_enabled() ? weight_grad_aten(grad, input) : weight_grad_op().call(grad, input);
+}
+
+// The weight's gradient over every call of the op that uses it in one graph (the NOTE above): input k is call k's
+// output gradient, and call k's input is kept here (the call's own node does not need it).
+struct WeightGradient : public torch::autograd::Node {
+  std::vector<torch::autograd::SavedVariable> inputs;
+  std::vector<size_t> consumed;  // the inputs the last run read: what release_variables may free
+
+  variable_list apply(variable_list&& grads) override {
+    std::vector<Tensor> grad_rows, input_rows;
+    consumed.clear();
+    for (size_t k = 0; k < grads.size(); ++k) {
+      if (!grads[k].defined()) continue;
+      consumed.push_back(k);
+      grad_rows.push_back(grads[k]);
+      input_rows.push_back(inputs[k].unpack());
+    }
+    if (grad_rows.empty()) return {Tensor()};
+    if (grad_rows.size() == 1) return {weight_grad(grad_rows[0], input_rows[0])};  // one call: its rows as they are
+    for (size_t k = 0; k < grad_rows.size(); ++k) {  // every call's rows, (rows, out) and (rows, in), one after another
+      grad_rows[k] = as_rows(grad_rows[k]);
+      input_rows[k] = as_rows(input_rows[k]);
+    }
+    return {weight_grad(at::cat(grad_rows, 0), at::cat(input_rows, 0))};
+  }
+  std::string name() const override { return "multicomposite::LinearWeightGradient"; }
+  // Only the calls this run read: a call of another graph that shares this node (the same weight, a graph not yet
+  // differentiated) keeps its input for that graph's backward.
+  void release_variables() override {
+    for (size_t k : consumed) inputs[k].reset_data();
+  }
+};
+
+// The weight gradient nodes of this thread's graphs, by the edge they feed (the weight's own gradient edge): a call
+// whose weight has a live node joins it. A node lives as long as the graph that holds it; an entry whose node is gone
+// is replaced.
+struct EdgeKey {
+  const torch::autograd::Node* function;
+  uint32_t input_nr;
+  bool operator==(const EdgeKey& other) const { return function == other.function && input_nr == other.input_nr; }
+};
+struct EdgeKeyHash {
+  size_t operator()(const EdgeKey& key) const noexcept {
+    return std::hash<const void*>()(key.function) ^ (static_cast<size_t>(key.input_nr) << 1);
+  }
+};
+thread_local std::unordered_map<EdgeKey, c10::weak_intrusive_ptr<WeightGradient>, EdgeKeyHash> weight_gradients;
+
+// The weight gradient node that `edge` (a weight's gradient edge) gets its gradient from in this graph, made where
+// there is none.
+c10::intrusive_ptr<WeightGradient> weight_gradient_for(const torch::autograd::Edge& edge) {
+  const EdgeKey key{edge.function.get(), edge.input_nr};
+  auto found = weight_gradients.find(key);
+  if (found != weight_gradients.end()) {
+    if (auto live = found->second.lock()) return live;  // alive: it holds the edge, so the key is that edge still
+  }
+  if (weight_gradients.size() >= 4096) {  // forget the nodes that are gone
+    for (auto it = weight_gradients.begin(); it != weight_gradients.end();) {
+      it = it->second.expired() ? weight_gradients.erase(it) : std::next(it);
+    }
+  }
+  auto made = c10::make_intrusive<WeightGradient>();
+  made->set_next_edges({edge});
+  weight_gradients.insert_or_assign(key, c10::weak_intrusive_ptr<WeightGradient>(made));
+  return made;
+}
+
 struct LinearBackward : public torch::autograd::Node {
-  torch::autograd::SavedVariable input, weight;
+  torch::autograd::SavedVariable weight;
   std::vector<int64_t> bias_sizes;
   bool has_bias = false;
 
@@ -127,18 +213,12 @@ struct LinearBackward : public torch::autograd::Node {
     // The output gradient's rows times the weight: this op again (one node where autograd records, one folded call
     // under vmap).
     if (want_input) grad_input = linear_op().call(grad, w.t(), std::nullopt);
-    if (want_weight) {
-      const Tensor x = input.unpack();
-      grad_weight = at::GradMode::is_enabled() ? weight_grad_aten(grad, x) : weight_grad_op().call(grad, x);
-    }
+    if (want_weight) grad_weight = grad;  // to the weight's WeightGradient node, which forms the gradient
     if (want_bias) grad_bias = grad.sum_to_size(bias_sizes);
     return {grad_input, grad_weight, grad_bias};
   }
   std::string name() const override { return "multicomposite::LinearBackward"; }
-  void release_variables() override {
-    input.reset_data();
-    weight.reset_data();
-  }
+  void release_variables() override { weight.reset_data(); }
 };
 
 Tensor tangent_of(const Tensor& t) { return t._fw_grad(/*level=*/0); }
@@ -173,8 +253,14 @@ Tensor linear_autograd(const Tensor& input, const Tensor& weight, const std::opt
     out = linear_op().call(input, weight, bias);
   }
   if (node) {
-    node->input = torch::autograd::SavedVariable(input, /*is_output=*/false);
     node->weight = torch::autograd::SavedVariable(weight, /*is_output=*/false);
+    const torch::autograd::Edge& weight_edge = node->next_edge(1);
+    if (weight_edge.is_valid()) {  // the weight's gradient goes through its WeightGradient node (the NOTE above)
+      auto gradient = weight_gradient_for(weight_edge);
+      const uint32_t slot = gradient->add_input_metadata(out);
+      gradient->inputs.emplace_back(input, /*is_output=*/false);
+      node->set_next_edge(1, torch::autograd::Edge(std::move(gradient), slot));
+    }
     torch::autograd::set_history(out, node);
   }
   const Tensor dx = tangent_of(input), dw = tangent_of(weight), db = present(bias) ? tangent_of(*bias) : Tensor();
