@@ -6,9 +6,9 @@
 // batched on its own one level below, forward and backward. Under vmap(grad) a per-sample-gradient step of a
 // LoRA-adapted decoder makes about 20 such calls a layer. This op records one node (LinearBackward below) and folds
 // the batch into the rows in one call of PyTorch's linear where only the input is batched (an ensemble's batched
-// weight runs aten's linear on the batched tensors, as without the op). The node's backward is aten ops (matmul,
-// mm, sum_to_size), so it differentiates again where autograd records it; the forward-AD tangent is aten's
-// linear of the tangents.
+// weight runs aten's linear on the batched tensors, as without the op). Where grad mode is on, the backward is this
+// op again and aten ops (cat, mm, sum_to_size), so it differentiates again where autograd records it; the
+// forward-AD tangent is aten's linear of the tangents.
 //
 // NOTE: the backward where nothing records it (first-order grad: registry/core/first_order_grad.py). The input's
 // gradient is this op again (the output gradient's rows times the weight, folded under vmap as the forward is), and
