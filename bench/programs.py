@@ -5,9 +5,10 @@ a physics-informed network's residual (jacrev of jacrev under vmap, then grad), 
 vmapped over tasks), an ensemble by ``stack_module_state``, a neural ODE's Jacobian through an RK4 solver, input
 Hessians and Jacobians, per-sample gradients through attention with key padding, a decoder layer, CTC, distances
 (``cdist``, ``pdist``), a bidirectional LSTM, losses, resampling, linear algebra, index writes and mean/max
-aggregation in user code, an EmbeddingBag, a bilinear scorer with a multi-class hinge loss, and six that PyTorch's
-own transforms fail on (a GRU's jvp, an Elman RNN, an unrolled LSTMCell and GRUCell, one-hot targets, and a
-``transformers`` BERT over differently padded sequences, which needs the ``models`` extra).
+aggregation in user code, an EmbeddingBag, a bilinear scorer with a multi-class hinge loss, an Elman RNN written
+with ``nn.Linear`` in user code, and six that PyTorch's own transforms fail on (a GRU's jvp, an Elman RNN, an
+unrolled LSTMCell and GRUCell, one-hot targets, and a ``transformers`` BERT over differently padded sequences, which
+needs the ``models`` extra).
 
 Each is built once (fixed weights and data), run natively (outside ``use()``) and inside ``registry.use()`` (an
 empty store, policy auto); use()'s result is checked against native's first, or, where native fails, against the
@@ -377,6 +378,34 @@ def bilinear_hinge() -> Built:
     return Built(lambda: vmap(grad(loss), in_dims=(None, 0, 0, 0))(params, x, context, y))
 
 
+class _LinearRecurrence(nn.Module):
+    """An Elman RNN written with two nn.Linear layers applied at every step (as opacus's DPLSTM writes its gates),
+    and a linear head on the last state."""
+
+    def __init__(self, features: int = 16, hidden: int = 64, classes: int = 4) -> None:
+        super().__init__()
+        self.input, self.hidden, self.head = nn.Linear(features, hidden), nn.Linear(hidden, hidden), nn.Linear(
+            hidden, classes)
+
+    def forward(self, sequence: torch.Tensor) -> torch.Tensor:
+        state = sequence.new_zeros(sequence.shape[0], self.hidden.out_features)
+        for step in sequence.unbind(1):
+            state = torch.tanh(self.input(step) + self.hidden(state))
+        return self.head(state)
+
+
+def linear_recurrence() -> Built:
+    """Per-sample gradients of an Elman RNN written with nn.Linear in user code (batch 32, 24 steps, hidden 64): each
+    weight used at every step."""
+    model = _LinearRecurrence()
+    x, y, params = torch.randn(32, 24, 16), torch.randint(0, 4, (32,)), _params(model)
+
+    def loss(p: dict[str, torch.Tensor], s: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(functional_call(model, p, (s[None],)), label[None])
+
+    return Built(lambda: vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y))
+
+
 def graph_mean_max() -> Built:
     """Per-graph gradients of mean and max neighbour aggregation (index_reduce, scatter_reduce), 32 graphs."""
     x, index = torch.randn(32, 60, 16), torch.randint(0, 12, (60,))
@@ -428,7 +457,7 @@ PROGRAMS: dict[str, Callable[[], Built]] = {fn.__name__.replace("_", "-"): fn fo
     mha_key_padding, decoder_layer, pinn_burgers, maml, ensemble, neural_ode, input_hessians, conv_jacobians,
     embedding_padding_idx, ctc_per_sample, linear_algebra, gru_jvp, resampling, sorting_and_scans, point_distances,
     graph_scatter, bidirectional_lstm, batchnorm_eval, conv1d_autoencoder, losses, rnn_tanh, lstm_cell_loop,
-    gru_cell_loop, one_hot_targets, graph_mean_max, embedding_bag, bert_padded, bilinear_hinge)}
+    gru_cell_loop, one_hot_targets, graph_mean_max, embedding_bag, bert_padded, bilinear_hinge, linear_recurrence)}
 
 
 def build(name: str) -> Built:
