@@ -4,7 +4,7 @@ PyTorch's ``aten::linear`` is CompositeImplicitAutograd: under torch.func's grad
 ``t``, ``view`` or ``reshape``, ``addmm`` or ``matmul`` and ``add``, each recorded as its own node and batched on its
 own one level below, forward and backward; a per-sample-gradient step pays that machinery on every linear layer.
 The ``cpp_op`` composite is ``multicomposite::linear`` (``registry/core/kernels/linear.cpp``): one node whose
-backward is aten ops (so it differentiates again), a forward-AD tangent in aten ops, and a batching rule that folds
+backward differentiates again, a forward-AD tangent in aten ops, and a batching rule that folds
 the batch into the rows in one call of PyTorch's linear. It takes the call's own arguments, so the C++ routing calls
 it without entering Python (``redirect``).
 
@@ -20,23 +20,27 @@ thread): a LoRA-adapted decoder's per-sample-gradient step at batch 4 5.61 -> 4.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 from composites.cpp_ops import OPS as CPP_OPS
-from registry.core import rules
+from registry.core import kernels, rules
 from registry.core.context import Context
 from registry.core.registration import define_op, register
-
-aten = torch.ops.aten
 
 _SHAPES_EVIDENCE = ("multicomposite::linear takes a 2-d weight and an input of at least one dimension; PyTorch's "
                     "linear takes a 1-d weight too")
 
 
+def _takes(input_rank: int, weight_rank: int) -> bool:
+    """Whether the C++ op takes an input and a weight of these ranks (it checks the same itself)."""
+    return weight_rank == 2 and input_rank >= 1
+
+
 def _shapes_outside_the_op(ctx: Context) -> bool:
     """Whether the call's per-sample shapes, where the context has them, are ones the C++ op refuses."""
     shapes = dict(zip(ctx.tensors, ctx.shapes, strict=False))
-    weight, input_ = shapes.get("weight"), shapes.get("input")
-    return (weight is not None and len(weight) != 2) or (input_ is not None and len(input_) == 0)
+    weight, input_ = shapes.get("weight"), shapes.get("input")  # either may be unknown (select() without sizes)
+    return not _takes(1 if input_ is None else len(input_), 2 if weight is None else len(weight))
 
 
 def _per_sample_gradients(ctx: Context) -> rules.Order | None:
@@ -65,3 +69,16 @@ def linear_cpp_op(input, weight, bias=None):
     """multicomposite::linear (registry/core/kernels/linear.cpp): one node with a differentiable backward, a forward-AD
     tangent, and a batching rule that folds the batch into the rows."""
     return CPP_OPS.get().linear.default(input, weight, bias)
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, as the C++ op wherever it takes the call: for composites that compute linear maps themselves.
+
+    Inside a composite the routing passes every call to PyTorch's own kernel, so ``F.linear`` there is PyTorch's
+    linear; a recurrence's cells (``composites/recurrent.py``) use each weight at every step, whose per-sample
+    gradients the op's weight-gradient node forms once over the steps. The same conditions as the composite's: the
+    ranks the op takes, not while torch.compile traces and only where the op is built (the cpp_op kind's rule).
+    """
+    if _takes(input.dim(), weight.dim()) and not torch.compiler.is_compiling() and kernels.fused_ops_available():
+        return CPP_OPS.get().linear.default(input, weight, bias)
+    return F.linear(input, weight, bias)

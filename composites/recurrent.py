@@ -35,11 +35,10 @@ from itertools import pairwise
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 from torch.autograd import Function
 
-from composites.cpp_ops import OPS as CPP_OPS
-from registry.core import kernels, rules
+from composites import linear as linear_maps
+from registry.core import rules
 from registry.core.ops import overloads
 from registry.core.primitive import apply, batch_first
 from registry.core.registration import define_op, register, register_derivative
@@ -118,17 +117,9 @@ define_op("lstm", "input", tensors=("input",), doc="a long short-term memory (ga
 # --- cells: PyTorch's formulas (aten/src/ATen/native/RNN.cpp), out of place ----------------------------------------
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, as linear's C++ op where it is built (``composites/linear.py``).
-
-    Inside a composite the routing passes every call to PyTorch's own kernel, so ``F.linear`` here would be
-    PyTorch's linear: a cell stepped T times (a user's loop, or the unrolled layers) uses its hidden weight T times,
-    and autograd would sum the T per-sample gradients out of place. The op's weight-gradient node forms them once
-    over the steps (``registry/core/kernels/linear.cpp``). Not while torch.compile traces (the cpp_op kind's rule).
-    """
-    if weight.dim() == 2 and x.dim() >= 1 and not torch.compiler.is_compiling() and kernels.fused_ops_available():
-        return CPP_OPS.get().linear.default(x, weight, bias)
-    return F.linear(x, weight, bias)
+# A cell stepped T times (a user's loop, or the unrolled layers) uses its hidden weight T times: linear's C++ op
+# forms the T per-sample gradients once over the steps, where autograd would sum them out of place.
+_linear = linear_maps.linear
 
 
 def _elman(activation: Callable[[torch.Tensor], torch.Tensor]) -> Cell:

@@ -294,7 +294,7 @@ class Selector:
         # The batch size's bit length: a rule may read it (a loop over one sample is one call of PyTorch's kernel).
         # Each per-sample dimension's bit length, as the C++ routing key holds them: a rule may read the ranks and
         # which sizes are 1 (linear's weight must be 2-d; mm's outer products contract over one element).
-        shapes = tuple(tuple(size.bit_length() for size in shape) for shape in ctx.shapes)
+        shapes = tuple(tuple(dim.bit_length() for dim in shape) for shape in ctx.shapes)
         key = (op, ctx.stack, ctx.batched, ctx.dtype, ctx.device, ctx.self_covers_batching, ctx.tensors, size,
                ctx.batch_size.bit_length(), policy, pin, self.table.signatures.bucket(op, ctx), ctx.given,
                ctx.native_batch_rules, shapes)

@@ -55,6 +55,12 @@ Tensor batch_first(const at::functorch::BatchedTensorImpl& batched) {
   return batched.bdim() == 0 ? batched.value() : batched.value().movedim(batched.bdim(), 0);
 }
 
+// `t`'s batched implementation at vmap level `level`, or null where `t` is not batched there.
+const at::functorch::BatchedTensorImpl* batched_at(const Tensor& t, int64_t level) {
+  const auto* batched = at::functorch::maybeGetBatchedImpl(t);
+  return batched != nullptr && batched->level() == level ? batched : nullptr;
+}
+
 Tensor linear_aten(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
   return at::linear(input, weight, bias);
 }
@@ -108,10 +114,9 @@ Tensor weight_grad_batched(const Tensor& grad, const Tensor& input) {
   const auto layer = at::functorch::maybeCurrentDynamicLayer();
   TORCH_INTERNAL_ASSERT(layer.has_value(), "multicomposite::linear_weight_grad's batching rule ran outside vmap");
   const int64_t level = layer->layerId();
-  const auto* grad_batched = at::functorch::maybeGetBatchedImpl(grad);
-  const auto* input_batched = at::functorch::maybeGetBatchedImpl(input);
-  if (grad_batched == nullptr || grad_batched->level() != level || input_batched == nullptr ||
-      input_batched->level() != level || grad.scalar_type() != input.scalar_type()) {
+  const auto* grad_batched = batched_at(grad, level);
+  const auto* input_batched = batched_at(input, level);
+  if (grad_batched == nullptr || input_batched == nullptr || grad.scalar_type() != input.scalar_type()) {
     return weight_grad_aten(grad, input);
   }
   const int64_t rows = rows_of(input), out = grad.size(-1), in = input.size(-1);
@@ -275,12 +280,8 @@ Tensor linear_batched(const Tensor& input, const Tensor& weight, const std::opti
   const auto layer = at::functorch::maybeCurrentDynamicLayer();
   TORCH_INTERNAL_ASSERT(layer.has_value(), "multicomposite::linear's batching rule ran outside vmap");
   const int64_t level = layer->layerId();
-  const auto* batched = at::functorch::maybeGetBatchedImpl(input);
-  const auto at_level = [level](const Tensor& t) {
-    const auto* impl = at::functorch::maybeGetBatchedImpl(t);
-    return impl != nullptr && impl->level() == level;
-  };
-  if (batched == nullptr || batched->level() != level || at_level(weight) || (present(bias) && at_level(*bias))) {
+  const auto* batched = batched_at(input, level);
+  if (batched == nullptr || batched_at(weight, level) != nullptr || (present(bias) && batched_at(*bias, level))) {
     return at::linear(input, weight, bias);
   }
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
