@@ -191,21 +191,24 @@ def test_a_decision_for_a_2d_weight_never_serves_a_1d_one() -> None:
 
 
 @pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("batch_last", [False, True], ids=["batch-first", "batch-last"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_per_sample_weight_gradients_equal_the_loop(rows: int) -> None:
+def test_per_sample_weight_gradients_equal_the_loop(rows: int, batch_last: bool) -> None:
     """Where nothing differentiates the backward again, each sample's weight gradient is multicomposite's
     linear_weight_grad: a broadcasting multiply where a sample is one row (no bmm with a contracted size of 1), one
-    bmm over the samples' rows otherwise."""
+    bmm over the samples' rows otherwise; also where the batch is the input's innermost dimension in memory (vmap
+    over its last dimension), which the one-row product copies to contiguous operands first."""
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(BATCH, rows, 4, generator=generator, dtype=torch.float64)
     w, b = torch.randn(6, 4, generator=generator, dtype=torch.float64), torch.randn(6, generator=generator,
                                                                                     dtype=torch.float64)
-    step = vmap(grad(_f, argnums=(1, 2)), in_dims=(0, None, None))
+    step = vmap(grad(_f, argnums=(1, 2)), in_dims=(2 if batch_last else 0, None, None))
+    batched_x = x.permute(1, 2, 0).contiguous() if batch_last else x
     with no_vmap_fallback(), registry.use(record=True) as run:
-        got = step(x, w, b)
+        got = step(batched_x, w, b)
     assert _linear_decisions(run) == {(("vmap", "grad"), "cpp_op")}
     with registry.use(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        step(x, w, b)
+        step(batched_x, w, b)
     ran = {event.key for event in profile.key_averages()}
     assert "multicomposite::linear_weight_grad" in ran
     assert ("aten::bmm" in ran) == (rows > 1)

@@ -124,7 +124,12 @@ Tensor weight_grad_batched(const Tensor& grad, const Tensor& input) {
   const Tensor g = batch_first(*grad_batched), x = batch_first(*input_batched);
   const int64_t batch = g.size(0);
   const Tensor g_rows = g.reshape({batch, rows, out}), x_rows = x.reshape({batch, rows, in});
-  const Tensor product = rows == 1 ? g_rows.transpose(1, 2) * x_rows : at::bmm(g_rows.transpose(1, 2), x_rows);
+  // NOTE: one-row samples multiply contiguous operands. The batch often is not the outermost dimension in memory
+  // here (the output gradient comes out of movedim), and TensorIterator then orders the broadcast's loops by the
+  // operands' strides: the (B, out, in) product ran 10x slower than over contiguous copies of the two small operands
+  // (3.7 ms against 0.37 ms at 64 x 256 x 256).
+  const Tensor product = rows == 1 ? g_rows.transpose(1, 2).contiguous() * x_rows.contiguous()
+                                   : at::bmm(g_rows.transpose(1, 2), x_rows);
   return at::functorch::makeBatched(product, 0, level);
 }
 
@@ -286,7 +291,16 @@ Tensor linear_batched(const Tensor& input, const Tensor& weight, const std::opti
   }
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
   const Tensor rows = batch_first(*batched);
-  return at::functorch::makeBatched(at::linear(rows, weight, bias), 0, level);
+  if (rows.dim() <= 2 || rows.is_contiguous()) {
+    return at::functorch::makeBatched(at::linear(rows, weight, bias), 0, level);
+  }
+  // NOTE: a batch that is not outermost in memory (vmap over a later dimension) leaves `rows` a permuted view, and
+  // PyTorch's linear then multiplies it as a bmm of one-row products against the expanded weight. Its rows copied
+  // into one (rows, in) matrix make it one addmm.
+  std::vector<int64_t> sizes = rows.sizes().vec();
+  sizes.back() = weight.size(0);
+  return at::functorch::makeBatched(at::linear(rows.reshape({-1, rows.size(-1)}), weight, bias).view(sizes), 0,
+                                    level);
 }
 
 }  // namespace
