@@ -9,7 +9,8 @@
      vs outside ``use()`` (target >= 0.98x native)
 (r3) a routed op over its composite called directly: masked_scatter, batch 8, 5 x 4, inside ``use()`` (functional
      pinned) vs the functional composite under the same transform outside, under vmap and vmap(grad) (target
-     <= 5 us added)
+     <= 5 us added); on the C++ backend also masked_fill's cpp_op, which the routing redirects to its entry op
+     without Python, routed vs that entry op called directly outside ``use()``
 (r4) eager, no transform: a covered op (index_add) and an uncovered one (add) inside vs outside ``use()``
      (targets <= 0.5 us and 0 added)
 (r5) the per-sample-gradient steps of ``bench.models`` (transformers with SDPA, attention, LSTM) inside
@@ -44,7 +45,7 @@ from torch import func
 from torch.utils.benchmark import Timer
 
 import registry
-from registry.core import routing
+from registry.core import kernels, routing
 
 BACKENDS = ("cpp", "python")
 
@@ -165,6 +166,26 @@ def bench_routed_over_composite(rounds: int, min_run_time: float) -> dict[str, d
                                      rounds, min_run_time, pins=pins)
         results[stack] = {"composite_us": direct_us, "routed_us": routed_us, "added_us": routed_us - direct_us}
     return results
+
+
+def bench_redirected(rounds: int, min_run_time: float) -> dict[str, dict[str, float]] | None:
+    """(r3) for a composite the C++ routing redirects to (masked_fill's cpp_op, its entry op
+    ``multicomposite::masked_fill``): the routed op inside ``use()`` vs the entry op called directly outside, under
+    vmap(grad), batch 8, 5 x 4. None where the C++ ops are not built."""
+    if not kernels.fused_ops_available():
+        return None
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 5, 4, generator=generator)
+    mask, value = torch.rand(8, 5, 4, generator=generator) > 0.5, torch.randn(8, generator=generator)
+    entry = torch.ops.multicomposite.masked_fill.Tensor
+    direct = func.vmap(func.grad(lambda s, m, v: entry(s, m, v).pow(2).sum(), argnums=(0, 2)))
+    routed = func.vmap(func.grad(lambda s, m, v: s.masked_fill(m, v).pow(2).sum(), argnums=(0, 2)))
+    pins = {"masked_fill": "cpp_op"}
+    with registry.use(pins=pins):
+        torch.testing.assert_close(routed(x, mask, value), direct(x, mask, value))
+    direct_us, routed_us = _pair(lambda: direct(x, mask, value), lambda: routed(x, mask, value), rounds,
+                                 min_run_time, pins=pins)
+    return {"vmap(grad)": {"composite_us": direct_us, "routed_us": routed_us, "added_us": routed_us - direct_us}}
 
 
 def _python_calls(call: Callable[[], object]) -> int:
@@ -293,6 +314,8 @@ def measure(rounds: int, min_run_time: float, backend: str, outside: bool = True
     results["enter_exit"] = bench_enter_exit(rounds, min_run_time)
     results["vmap_grad_native"] = bench_vmap_grad_native(rounds, min_run_time)
     results["routed_over_composite"] = bench_routed_over_composite(rounds, min_run_time)
+    if backend == "cpp":  # the redirect is the C++ routing's
+        results["redirected"] = bench_redirected(rounds, min_run_time)
     results["eager"] = bench_eager(rounds, min_run_time)
     if models_batch is not None:
         results["models_native"] = bench_models_native(rounds, min_run_time, models_batch)
@@ -321,6 +344,10 @@ def print_results(backend: str, results: dict[str, Any]) -> None:
         print(f"  (r3) masked_scatter under {stack}, batch 8, 5 x 4: functional composite {r['composite_us']:.1f} us, "
               f"routed inside use() {r['routed_us']:.1f} us -> {r['added_us']:+.2f} us (target <= 5 us) "
               f"{_verdict(r['added_us'] <= 5.0)}")
+    for stack, r in (results.get("redirected") or {}).items():
+        print(f"  (r3) masked_fill's cpp_op under {stack}, batch 8, 5 x 4 (redirected: no Python): its entry op "
+              f"called directly {r['composite_us']:.1f} us, routed inside use() {r['routed_us']:.1f} us -> "
+              f"{r['added_us']:+.2f} us (target <= 5 us) {_verdict(r['added_us'] <= 5.0)}")
     r = results["eager"]
     print(f"  (r4) eager inside use(): covered index_add {r['covered_added_us']:+.2f} us (native "
           f"{r['covered_native_us']:.2f} us; target <= 0.5 us) {_verdict(r['covered_added_us'] <= 0.5)}, "

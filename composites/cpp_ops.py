@@ -9,6 +9,11 @@ call runs no Python between the composite's entry and its result, where the ``pr
 ``torch.autograd.Function`` runs its Python ``setup_context``, ``backward`` and ``vmap`` at every level. The
 composites below make the same checks and the same argument adaptations as the primitives (composites/masked.py,
 composites/index.py); where the C++ build is missing the kind's rule makes them invalid.
+
+masked_fill's and index_fill's composites are their entry ops (``multicomposite::masked_fill.Scalar``/``.Tensor``,
+``index_fill.int_Scalar``/``.int_Tensor``, registry/core/kernels/entries.cpp), which take aten's arguments, check and
+adapt them in C++: declared with ``redirect=``, the C++ routing calls them where a decision picks the composite, so
+such a routed call never enters Python.
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ from typing import Any
 
 import torch
 
+import composites.index  # noqa: F401 - defines index_fill, whose composite this module adds (define_op first)
+import composites.masked  # noqa: F401 - defines masked_fill and masked_scatter
 from composites import fused
-from composites.checks import check_index_fill, check_masked_fill, check_masked_scatter
-from composites.index import rank1_view
-from composites.masked import laid_out_like, scalar_or_tensor
+from composites.checks import check_masked_scatter
 from registry.core.registration import register
 
 
@@ -46,11 +51,12 @@ class CppOps:
 OPS = CppOps()
 
 
-@register("masked_fill", "cpp_op")
+@register("masked_fill", "cpp_op", redirect="multicomposite::masked_fill")
 def masked_fill_cpp_op(self, mask, value):
-    """multicomposite::fill: forward, backward, tangent and batching rule in C++."""
-    check_masked_fill(self, mask, value)
-    return OPS.get().fill.default(self, mask, scalar_or_tensor(value, self))
+    """multicomposite::fill: forward, backward, tangent and batching rule in C++, entered through
+    multicomposite::masked_fill (aten's arguments, PyTorch's checks; registry/core/kernels/entries.cpp)."""
+    entry = OPS.get().masked_fill
+    return (entry.Tensor if isinstance(value, torch.Tensor) else entry.Scalar)(self, mask, value)
 
 
 @register("masked_scatter", "cpp_op")
@@ -61,12 +67,10 @@ def masked_scatter_cpp_op(self, mask, source):
     return OPS.get().masked_scatter.default(self.expand(shape), mask.expand(shape), source, 0)
 
 
-@register("index_fill", "cpp_op")
+@register("index_fill", "cpp_op", redirect="multicomposite::index_fill")
 def index_fill_cpp_op(self, dim, index, value):
     """multicomposite::index_fill: fill at the index's mask (multicomposite::index_mask checks the bounds native
     checks, [-size, size), and folds negative indices, in C++ under vmap too); forward, backward, tangent and
-    batching rule in C++."""
-    check_index_fill(self, dim, index, value)
-    flat, dim_, index_, _ = rank1_view(self, dim, index, None)
-    filled = OPS.get().index_fill.default(flat, dim_, index_, scalar_or_tensor(value, self))
-    return laid_out_like(filled.reshape(self.shape), self)
+    batching rule in C++, entered through aten's arguments and PyTorch's checks (entries.cpp)."""
+    entry = OPS.get().index_fill
+    return (entry.int_Tensor if isinstance(value, torch.Tensor) else entry.int_Scalar)(self, dim, index, value)

@@ -43,6 +43,20 @@ class PythonRouting(Protocol):
                                ) -> Callable[..., Any]: ...
 
 
+def redirect_target(redirect: str, overload: Overload) -> str | None:
+    """``redirect``'s overload named as ``overload``'s ("multicomposite::masked_fill" for aten::masked_fill.Scalar:
+    "multicomposite::masked_fill.Scalar"), or None where it has none whose arguments are the aten overload's."""
+    _, _, name = overload.name.partition(".")
+    namespace, _, packet_name = redirect.partition("::")
+    packet = getattr(getattr(torch.ops, namespace), packet_name, None)
+    if packet is None or (name or "default") not in packet.overloads():
+        return None
+    ours, theirs = getattr(packet, name or "default")._schema, overload.op_overload._schema
+    if [str(a.type) for a in ours.arguments] != [str(a.type) for a in theirs.arguments]:
+        return None
+    return f"{redirect}.{name}" if name else redirect
+
+
 def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autograd: bool) -> Callable[..., Any]:
     adapt = overload.adapt
     inplace = overload.inplace
@@ -50,11 +64,13 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
     packet = overload.name.partition(".")[0]
     runners: dict[Callable[..., Any], Callable[..., Any]] = {}  # composite -> its runner, made once
     local, decide_call = router.local, router.decide
-    # composite -> the C++ op that takes this overload's arguments as they are (Composite.redirect): the kernel calls
-    # it without Python. Not where the overload is in place or its arguments are adapted.
+    # composite -> the C++ op that takes this overload's arguments as they are (Composite.redirect, with this
+    # overload's name): the kernel calls it without Python. Not where the overload is in place or its arguments are
+    # adapted.
     redirects: dict[Callable[..., Any], str] = {}
     if adapt is None and not inplace:
-        redirects = {c.fn: c.redirect for c in router.table.composites.get(op.name, {}).values() if c.redirect}
+        redirects = {c.fn: target for c in router.table.composites.get(op.name, {}).values()
+                     if c.redirect and (target := redirect_target(c.redirect, overload)) is not None}
 
     def decide(*args: Any, **kwargs: Any) -> Any:
         frame = local.frames[-1]  # the kernel calls only inside use()

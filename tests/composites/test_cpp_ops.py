@@ -238,3 +238,104 @@ def test_zero_size_inputs_equal_native(case: int) -> None:
     assert grads.shape == float_args[0].shape
     assert torch.equal(grads, torch.stack([loop_grad(*sample) for sample in zip(*args, strict=True)]))
     assert {d.composite for d in run.decisions if d.op == op} == {"cpp_op"}
+
+
+# --- the entry ops: masked_fill's and index_fill's composites called by the C++ routing without Python ----------
+
+ENTRIES = ("masked_fill.Scalar", "masked_fill.Tensor", "index_fill.int_Scalar", "index_fill.int_Tensor")
+
+
+def _filled(entry: str) -> Any:
+    """One sample's loss through ``entry``'s aten overload: x (3, 8) filled with v (a 0-d tensor) or 2.5, squared."""
+    op, _, overload = entry.partition(".")
+    mask = torch.tensor([True, False, True, True, False, False, True, False]).expand(3, 8)
+    index = torch.tensor([0, 5, 7])  # not -1: PyTorch's own backward of index_fill's value rejects it (the loop's)
+
+    def loss(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        value = v if overload.endswith("Tensor") else 2.5
+        filled = x.masked_fill(mask, value) if op == "masked_fill" else x.index_fill(1, index, value)
+        return (filled ** 2 * v).sum()
+
+    return loss
+
+
+@pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_routed_call_runs_the_entry_op_without_python(entry: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """masked_fill's and index_fill's composites are their entry ops (register(..., redirect=)): under vmap(grad) the
+    C++ routing calls the entry of the call's own overload, the composite's Python function never runs, and the
+    per-sample gradients equal the loop's."""
+    import composites.cpp_ops
+
+    calls: list[int] = []
+    real = composites.cpp_ops.OPS.get
+
+    def counted() -> Any:
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(composites.cpp_ops.OPS, "get", counted)
+    loss, op = _filled(entry), entry.partition(".")[0]
+    g = torch.Generator().manual_seed(6)
+    x, v = torch.randn(5, 3, 8, generator=g, dtype=torch.float64), torch.randn(5, generator=g, dtype=torch.float64)
+    step = func.vmap(func.grad(loss, argnums=(0, 1)))
+    with registry.use(pins={op: "cpp_op"}, record=True) as run:
+        step(x, v)
+    assert {(d.op, d.composite) for d in run.decisions} == {(op, "cpp_op")}
+    calls.clear()
+    with registry.use(pins={op: "cpp_op"}), \
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = step(x, v)
+    assert f"multicomposite::{op}" in {event.key for event in profile.key_averages()}
+    assert calls == []
+    for i in range(x.shape[0]):
+        leaves = (x[i].clone().requires_grad_(), v[i].clone().requires_grad_())
+        want = torch.autograd.grad(loss(*leaves), leaves)
+        torch.testing.assert_close(got[0][i], want[0])
+        torch.testing.assert_close(got[1][i], want[1])
+
+
+_REJECTED = {  # what PyTorch rejects, one sample (3, 8) and its batch of 4
+    "uint8 mask": lambda x: x.masked_fill(torch.ones(3, 8, dtype=torch.uint8), 1.0),
+    "1-d value": lambda x: x.masked_fill(torch.ones(3, 8, dtype=torch.bool), torch.ones(2)),
+    "mask does not broadcast": lambda x: x.masked_fill(torch.ones(4, dtype=torch.bool), 1.0),
+    "complex scalar": lambda x: x.masked_fill(torch.ones(3, 8, dtype=torch.bool), 1 + 2j),
+    "int32 index": lambda x: x.index_fill(1, torch.tensor([0, 1], dtype=torch.int32), 1.0),
+    "dim out of range": lambda x: x.index_fill(5, torch.tensor([0]), 1.0),
+    "2-d index": lambda x: x.index_fill(1, torch.zeros(2, 2, dtype=torch.long), 1.0),
+    "complex value tensor": lambda x: x.index_fill(1, torch.tensor([0]), torch.tensor(1 + 1j)),
+}
+
+
+def _error(f: Any, *args: Any) -> tuple[type, str]:
+    with pytest.raises((RuntimeError, IndexError, ValueError)) as caught:
+        f(*args)
+    return type(caught.value), str(caught.value).splitlines()[0]
+
+
+@pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("case", list(_REJECTED))
+def test_arguments_pytorch_rejects_raise_its_own_error(case: str) -> None:
+    """The entry ops pass what PyTorch rejects to PyTorch's own op: under vmap the routed call raises native vmap's
+    error, type and message, and eagerly the composite raises native's."""
+    f = _REJECTED[case]
+    op = "masked_fill" if "masked_fill" in f.__code__.co_names else "index_fill"
+    x = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # native's per-sample loop
+        want_batched = _error(func.vmap(f), x)
+        with registry.use(pins={op: "cpp_op"}):
+            assert _error(func.vmap(f), x) == want_batched
+    want = _error(f, x[0])
+    with registry.use(pins={op: "cpp_op"}):
+        assert _error(f, x[0]) == want
+
+
+def test_a_complex_value_without_an_imaginary_part_fills_as_native() -> None:
+    x = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(8))
+    mask = torch.rand(3, 8, generator=torch.Generator().manual_seed(9)) > 0.5
+    value = torch.tensor(2 + 0j)
+    want = torch.stack([sample.masked_fill(mask, value) for sample in x])
+    with registry.use(pins={"masked_fill": "cpp_op"}), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(func.vmap(lambda s: s.masked_fill(mask, value))(x), want)

@@ -4,7 +4,7 @@ without entering Python."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,21 +16,11 @@ from torch.utils._pytree import tree_leaves  # noqa: PLC2701 - PyTorch's pytree
 
 import composites.linear
 import registry
-from registry.core import routing
 from registry.core.registration import RegistrationError, register
 from registry.core.selector import SelectionError
 from tests.composites.test_reduce import no_vmap_fallback
 
 BATCH = 5
-
-
-@pytest.fixture
-def cpp_routing() -> Iterator[None]:
-    """The C++ routing backend (the only one with the redirect and the first-order backward), then the one before."""
-    before = routing.routing_backend()
-    routing.set_routing_backend("cpp")
-    yield
-    routing.set_routing_backend(before)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ import torch
 # first-order grad (``first_order.cpp``).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("routing.cpp", "fused_ops.cpp", "random_state.cpp",
                                                                 "batch_rules.cpp", "group_norm.cpp",
-                                                                "linear.cpp", "first_order.cpp"))
+                                                                "linear.cpp", "first_order.cpp", "entries.cpp"))
 CACHE_ENV = "MULTICOMPOSITE_KERNELS_DIR"
 # -O3: gcc vectorizes the fused ops' loops only there (its -O2 cost model refuses loops of unknown length).
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-w")

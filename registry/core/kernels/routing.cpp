@@ -102,14 +102,18 @@ struct Entry {
   const c10::OperatorHandle* op = nullptr;  // for kOp: the op the call goes to (op_handle: never freed)
 };
 
-// The handle of the op named `name` ("multicomposite::linear"), kept for the process: an entry points at it.
+// The handle of the op named `name`, with its overload after a dot ("multicomposite::linear",
+// "multicomposite::masked_fill.Scalar"), kept for the process: an entry points at it.
 const c10::OperatorHandle* op_handle(const std::string& name) {
   static std::mutex mutex;
   static auto* handles = new std::unordered_map<std::string, std::unique_ptr<c10::OperatorHandle>>();
   std::lock_guard<std::mutex> guard(mutex);
   auto& handle = (*handles)[name];
   if (!handle) {
-    handle = std::make_unique<c10::OperatorHandle>(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), ""));
+    const size_t dot = name.find('.');
+    const std::string base = name.substr(0, dot), overload = dot == std::string::npos ? "" : name.substr(dot + 1);
+    handle = std::make_unique<c10::OperatorHandle>(
+        c10::Dispatcher::singleton().findSchemaOrThrow(base.c_str(), overload.c_str()));
   }
   return handle.get();
 }
