@@ -10,10 +10,10 @@ call runs no Python between the composite's entry and its result, where the ``pr
 composites below make the same checks and the same argument adaptations as the primitives (composites/masked.py,
 composites/index.py); where the C++ build is missing the kind's rule makes them invalid.
 
-masked_fill's and index_fill's composites are their entry ops (``multicomposite::masked_fill.Scalar``/``.Tensor``,
-``index_fill.int_Scalar``/``.int_Tensor``, registry/core/kernels/entries.cpp), which take aten's arguments, check and
-adapt them in C++: declared with ``redirect=``, the C++ routing calls them where a decision picks the composite, so
-such a routed call never enters Python.
+The composites are their entry ops (``multicomposite::masked_fill.Scalar``/``.Tensor``,
+``index_fill.int_Scalar``/``.int_Tensor``, ``masked_scatter.entry``; registry/core/kernels/entries.cpp), which take
+aten's arguments, check and adapt them in C++: declared with ``redirect=``, the C++ routing calls them where a
+decision picks the composite, so such a routed call never enters Python.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import torch
 
 import composites.index  # noqa: F401 - defines index_fill, whose composite this module adds (define_op first)
 import composites.masked  # noqa: F401 - defines masked_fill and masked_scatter
-from composites import fused
-from composites.checks import check_masked_scatter
 from registry.core.registration import register
 
 
@@ -59,12 +57,11 @@ def masked_fill_cpp_op(self, mask, value):
     return (entry.Tensor if isinstance(value, torch.Tensor) else entry.Scalar)(self, mask, value)
 
 
-@register("masked_scatter", "cpp_op")
+@register("masked_scatter", "cpp_op", redirect="multicomposite::masked_scatter.entry")
 def masked_scatter_cpp_op(self, mask, source):
-    """multicomposite::masked_scatter: forward, backward (fill and masked_gather), tangent and batching rule in C++."""
-    check_masked_scatter(self, mask, source)
-    shape = fused.broadcast_shape(self.shape, mask.shape)
-    return OPS.get().masked_scatter.default(self.expand(shape), mask.expand(shape), source, 0)
+    """multicomposite::masked_scatter: forward, backward (fill and masked_gather), tangent and batching rule in C++,
+    entered through aten's arguments and PyTorch's checks (multicomposite::masked_scatter.entry, entries.cpp)."""
+    return OPS.get().masked_scatter.entry(self, mask, source)
 
 
 @register("index_fill", "cpp_op", redirect="multicomposite::index_fill")

@@ -45,16 +45,20 @@ class PythonRouting(Protocol):
 
 def redirect_target(redirect: str, overload: Overload) -> str | None:
     """``redirect``'s overload named as ``overload``'s ("multicomposite::masked_fill" for aten::masked_fill.Scalar:
-    "multicomposite::masked_fill.Scalar"), or None where it has none whose arguments are the aten overload's."""
-    _, _, name = overload.name.partition(".")
+    "multicomposite::masked_fill.Scalar"), or the one ``redirect`` names after a dot
+    ("multicomposite::masked_scatter.entry"); None where that overload is missing or its argument types are not the
+    aten overload's."""
     namespace, _, packet_name = redirect.partition("::")
+    packet_name, _, name = packet_name.partition(".")
+    if not name:
+        _, _, name = overload.name.partition(".")
     packet = getattr(getattr(torch.ops, namespace), packet_name, None)
     if packet is None or (name or "default") not in packet.overloads():
         return None
     ours, theirs = getattr(packet, name or "default")._schema, overload.op_overload._schema
     if [str(a.type) for a in ours.arguments] != [str(a.type) for a in theirs.arguments]:
         return None
-    return f"{redirect}.{name}" if name else redirect
+    return f"{namespace}::{packet_name}.{name}" if name else redirect
 
 
 def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autograd: bool) -> Callable[..., Any]:

@@ -242,18 +242,23 @@ def test_zero_size_inputs_equal_native(case: int) -> None:
 
 # --- the entry ops: masked_fill's and index_fill's composites called by the C++ routing without Python ----------
 
-ENTRIES = ("masked_fill.Scalar", "masked_fill.Tensor", "index_fill.int_Scalar", "index_fill.int_Tensor")
+ENTRIES = ("masked_fill.Scalar", "masked_fill.Tensor", "index_fill.int_Scalar", "index_fill.int_Tensor",
+           "masked_scatter.entry")
 
 
 def _filled(entry: str) -> Any:
-    """One sample's loss through ``entry``'s aten overload: x (3, 8) filled with v (a 0-d tensor) or 2.5, squared."""
+    """One sample's loss through ``entry``'s aten overload: x (3, 8) filled with v (a 0-d tensor) or 2.5, or
+    scattered into from x's reverse times v where a mask (broadcast to x) is True; squared."""
     op, _, overload = entry.partition(".")
-    mask = torch.tensor([True, False, True, True, False, False, True, False]).expand(3, 8)
+    mask = torch.tensor([True, False, True, True, False, False, True, False])
     index = torch.tensor([0, 5, 7])  # not -1: PyTorch's own backward of index_fill's value rejects it (the loop's)
 
     def loss(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         value = v if overload.endswith("Tensor") else 2.5
-        filled = x.masked_fill(mask, value) if op == "masked_fill" else x.index_fill(1, index, value)
+        if op == "masked_scatter":
+            filled = x.masked_scatter(mask, x.flip(0) * v)
+        else:
+            filled = x.masked_fill(mask, value) if op == "masked_fill" else x.index_fill(1, index, value)
         return (filled ** 2 * v).sum()
 
     return loss
@@ -304,6 +309,9 @@ _REJECTED = {  # what PyTorch rejects, one sample (3, 8) and its batch of 4
     "dim out of range": lambda x: x.index_fill(5, torch.tensor([0]), 1.0),
     "2-d index": lambda x: x.index_fill(1, torch.zeros(2, 2, dtype=torch.long), 1.0),
     "complex value tensor": lambda x: x.index_fill(1, torch.tensor([0]), torch.tensor(1 + 1j)),
+    "source of another dtype": lambda x: x.masked_scatter(torch.ones(3, 8, dtype=torch.bool), x.double()),
+    "uint8 mask to scatter": lambda x: x.masked_scatter(torch.ones(3, 8, dtype=torch.uint8), x),
+    "scatter mask does not broadcast": lambda x: x.masked_scatter(torch.ones(5, dtype=torch.bool), x),
 }
 
 
@@ -319,7 +327,7 @@ def test_arguments_pytorch_rejects_raise_its_own_error(case: str) -> None:
     """The entry ops pass what PyTorch rejects to PyTorch's own op: under vmap the routed call raises native vmap's
     error, type and message, and eagerly the composite raises native's."""
     f = _REJECTED[case]
-    op = "masked_fill" if "masked_fill" in f.__code__.co_names else "index_fill"
+    op = next(name for name in OPS if name in f.__code__.co_names)
     x = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(7))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # native's per-sample loop

@@ -1,22 +1,26 @@
-// The entry ops of masked_fill's and index_fill's cpp_op composites (composites/cpp_ops.py):
+// The entry ops of the fused primitives' cpp_op composites (composites/cpp_ops.py):
 // multicomposite::masked_fill.Scalar and .Tensor, multicomposite::index_fill.int_Scalar and .int_Tensor take the
-// arguments of aten's overloads of the same names. The composites are these ops, so the C++ routing calls them where
-// a decision picks the cpp_op composite (register(..., redirect=)): a routed call runs no Python.
+// arguments of aten's overloads of the same names, multicomposite::masked_scatter.entry aten::masked_scatter's. The
+// composites are these ops, so the C++ routing calls them where a decision picks the cpp_op composite
+// (register(..., redirect=)): a routed call runs no Python.
 //
 // Each does what the composite did in Python before it: the arguments of the common case are adapted (a Scalar value
-// as a 0-d tensor of self's dtype, a value tensor cast to it; a 0-d or 1-d index_fill viewed as 1-d at dim 0) and
-// passed to multicomposite::fill or index_fill (fused_ops.cpp), whose autograd and batching kernels do the work.
+// as a 0-d tensor of self's dtype, a value tensor cast to it; a 0-d or 1-d index_fill viewed as 1-d at dim 0; self
+// and mask broadcast to one shape for masked_scatter) and passed to multicomposite::fill, index_fill or
+// masked_scatter (fused_ops.cpp), whose autograd and batching kernels do the work.
 // NOTE: arguments PyTorch rejects, and the rare path of a complex value for a real tensor (refused only where its
 // imaginary part is not 0, a data check), go to PyTorch's own op instead. It raises its own error, or computes the
 // result. No second copy of its messages, and no Python: inside a routed call the routing's busy flag passes that
 // call straight to PyTorch's kernel.
 
 #include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
 #include <ATen/WrapDimUtils.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -36,6 +40,13 @@ index_fill_op() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("multicomposite::index_fill", "")
                                  .typed<Tensor(const Tensor&, int64_t, const Tensor&, const std::optional<Tensor>&)>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>& masked_scatter_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::masked_scatter", "")
+                                 .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>();
   return handle;
 }
 
@@ -123,6 +134,19 @@ Tensor index_fill_scalar(const Tensor& self, int64_t dim, const Tensor& index, c
   return index_fill_rank1(self, dim, index, value_like(value, self));
 }
 
+// --- masked_scatter ----------------------------------------------------------------------------------------------
+
+// A source with fewer elements than the mask has Trues is data: multicomposite::masked_scatter's kernels reject it.
+Tensor masked_scatter_entry(const Tensor& self, const Tensor& mask, const Tensor& source) {
+  if (self.scalar_type() != source.scalar_type() || mask.scalar_type() != at::kBool ||
+      !broadcastable(mask.sizes(), self.sizes())) {
+    return at::masked_scatter(self, mask, source);
+  }
+  if (mask.sizes() == self.sizes()) return masked_scatter_op().call(self, mask, source, 0);
+  const std::vector<int64_t> shape = at::infer_size(self.sizes(), mask.sizes());
+  return masked_scatter_op().call(self.expand(shape), mask.expand(shape), source, 0);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
@@ -130,6 +154,7 @@ TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
   m.def("masked_fill.Tensor(Tensor self, Tensor mask, Tensor value) -> Tensor");
   m.def("index_fill.int_Scalar(Tensor self, int dim, Tensor index, Scalar value) -> Tensor");
   m.def("index_fill.int_Tensor(Tensor self, int dim, Tensor index, Tensor value) -> Tensor");
+  m.def("masked_scatter.entry(Tensor self, Tensor mask, Tensor source) -> Tensor");
 }
 
 // Decomposed everywhere into the ops above, under vmap too (as index_fill itself, fused_ops.cpp): their autograd and
@@ -139,6 +164,7 @@ TORCH_LIBRARY_IMPL(multicomposite, CompositeImplicitAutograd, m) {
   m.impl("masked_fill.Tensor", masked_fill_tensor);
   m.impl("index_fill.int_Scalar", index_fill_scalar);
   m.impl("index_fill.int_Tensor", index_fill_tensor);
+  m.impl("masked_scatter.entry", masked_scatter_entry);
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, FuncTorchBatched, m) {
@@ -146,4 +172,5 @@ TORCH_LIBRARY_IMPL(multicomposite, FuncTorchBatched, m) {
   m.impl("masked_fill.Tensor", masked_fill_tensor);
   m.impl("index_fill.int_Scalar", index_fill_scalar);
   m.impl("index_fill.int_Tensor", index_fill_tensor);
+  m.impl("masked_scatter.entry", masked_scatter_entry);
 }
