@@ -3,8 +3,9 @@
 
 ``measure`` profiles the seed ops' hand-made workloads (batch 256 x 1,000 elements, float32; vmap, grad and
 vmap(grad) unless ``--workload`` names others) with
-``registry.profiling.timing.profile`` (interleaved rounds, each composite checked against the reference first, a
-disturbed context re-measured) and writes each context's valid composites' median times, with the machine's name.
+``registry.profiling.timing.profile`` in thread CPU time on one thread (interleaved rounds, each composite checked
+against the reference first, a disturbed context re-measured) and writes each context's valid composites' median
+times, with the machine's name.
 
 ``check`` is the acceptance test: on an empty store (a temporary one), masked_scatter, masked_fill (Tensor value)
 and index_fill (Tensor value) under vmap(grad) at batch 256 x 1,000, auto inside ``use()`` against every valid
@@ -54,11 +55,14 @@ def machine_name() -> str:
 
 
 def measure(path: Path, min_run_time: float, workloads: list[str]) -> dict[str, Any]:
+    """One thread, thread CPU time (as ``sizes``): what other processes' load and the machine's core count move
+    least; a context on which that load still fell is re-measured, then refused (``profile``)."""
     from registry.profiling.timing import profile
 
+    torch.set_num_threads(1)
     refused: list[str] = []
     entries = profile(ops=OPS, workloads=workloads, numels=(NUMEL,), batch_sizes=(BATCH,), dtypes=(torch.float32,),
-                      min_run_time=min_run_time, earlier=[], refused=refused)
+                      min_run_time=min_run_time, earlier=[], refused=refused, clock=time.thread_time)
     contexts: dict[tuple[str, tuple[str, ...], str, str], dict[str, Any]] = {}
     for entry in entries:
         if not entry.valid or entry.median_us is None:
@@ -69,6 +73,7 @@ def measure(path: Path, min_run_time: float, workloads: list[str]) -> dict[str, 
                                             "times_us": {}})
         context["times_us"][entry.composite] = round(entry.median_us, 2)
     document = {"machine": machine_name(), "measured_by": "python -m bench.reference measure",
+                "clock": "thread CPU time, one thread; interleaved rounds, ranked by median per-round ratio",
                 "contexts": sorted(contexts.values(), key=lambda c: (c["op"], c["workload"]))}
     path.write_text(json.dumps(document, indent=1) + "\n")
     for line in refused:

@@ -384,18 +384,21 @@ def _measure(runners: dict[str, Callable[[], Any]], native: str | None, earlier_
     notes: list[str] = []
     if not runners:
         return {}, notes
-    # The calling thread's CPU time beside each block's wall time says which share of it the composite ran; an
-    # injected clock (tests) has no CPU time to match.
+    # The calling thread's CPU time beside each block's wall time says which share of it the composite ran (timed in
+    # either); an injected clock (tests) has no CPU time to match.
     cpu_clock = time.thread_time if clock is time.perf_counter else None
+    wall_clock = time.monotonic if clock is time.thread_time else None
     for attempt in range(retries + 1):
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time, clock=clock, cpu_clock=cpu_clock)
+        timed = noise.interleaved(runners, rounds=rounds, min_run_time=min_run_time, clock=clock, cpu_clock=cpu_clock,
+                                  wall_clock=wall_clock)
         # The two fastest get as many rounds again, side by side: the ranking between them is what auto acts on.
         top = sorted(timed.values(), key=lambda t: t.median_us)[:2]
         if len(top) == 2:
             noise.interleaved({t.name: runners[t.name] for t in top}, rounds=rounds, clock=clock,
-                              cpu_clock=cpu_clock, min_run_time=min_run_time, timed={t.name: t for t in top})
+                              cpu_clock=cpu_clock, wall_clock=wall_clock, min_run_time=min_run_time,
+                              timed={t.name: t for t in top})
         # Ranked by per-round ratios (noise.relative): a load that every composite of a round shares moves none
         # of them, unless it fell unevenly on them (noise.uneven: another busy thread of this process, holding the
         # GIL, delays each call, so the composite of more calls loses more). Native far from its earlier profile is

@@ -14,6 +14,7 @@
 // Python frame; its backward reads the output gradient once (fill_backward, masked_scatter_backward).
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
 #include <ATen/functorch/BatchedTensorImpl.h>
 #include <ATen/functorch/DynamicLayer.h>
@@ -24,10 +25,12 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 // The hot loops, compiled twice (gcc's function multiversioning): for AVX2 and for any x86-64; the dynamic loader
@@ -89,6 +92,24 @@ bool bit_movable(std::initializer_list<const Tensor*> all) {
     }
   }
   return true;
+}
+
+// Rows [0, rows) of `cols` elements each, in chunks over PyTorch's intra-op threads: `run(begin, end)` per chunk, a
+// chunk at least at::internal::GRAIN_SIZE elements (as TensorIterator's loops split, so one thread takes a small
+// tensor whole). NOTE: the row kernels below were single-threaded; with two threads the aten ops of the functional
+// composites ran a 256 x 1,000 step on both cores and overtook them.
+template <typename F>
+void over_rows(int64_t rows, int64_t cols, const F& run) {
+  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, rows, grain, run);
+}
+
+// `base` advanced by `elements` elements of `size` bytes.
+template <typename P>
+P* advanced(P* base, int64_t elements, int64_t size) {
+  using Byte = std::conditional_t<std::is_const_v<P>, const char, char>;
+  return base == nullptr ? nullptr
+                         : reinterpret_cast<P*>(reinterpret_cast<Byte*>(base) + elements * size);
 }
 
 // --- the dispatcher's handles of our ops (calls go through every key: autograd, batching, the backend) ----------
@@ -400,14 +421,25 @@ Pair fill_backward_cpu(const Tensor& grad_in, const Tensor& mask_in, at::Optiona
   Tensor grad_self = want_self ? at::empty(shape, grad.options()) : Tensor();
   Tensor grad_value = want_value ? at::empty(target, grad.options()) : Tensor();
   const auto* m = reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>());
+  const auto kernel = [&](auto* g, auto* self_out, auto* sums, auto run) {
+    if (rows == 1 && sums == nullptr) {  // one row (a contiguous mask): split its elements
+      at::parallel_for(0, cols, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+        const int64_t zero = 0;
+        run(m + begin, &zero, g + begin, self_out == nullptr ? nullptr : self_out + begin, nullptr, 1, end - begin);
+      });
+      return;
+    }
+    over_rows(rows, cols, [&](int64_t begin, int64_t end) {
+      run(m, offsets.data() + begin, g + begin * cols, self_out == nullptr ? nullptr : self_out + begin * cols,
+          sums == nullptr ? nullptr : sums + begin, end - begin, cols);
+    });
+  };
   if (dtype == at::kFloat) {
-    fill_backward_f32(m, offsets.data(), grad.const_data_ptr<float>(),
-                      want_self ? grad_self.mutable_data_ptr<float>() : nullptr,
-                      want_value ? grad_value.mutable_data_ptr<float>() : nullptr, rows, cols);
+    kernel(grad.const_data_ptr<float>(), want_self ? grad_self.mutable_data_ptr<float>() : nullptr,
+           want_value ? grad_value.mutable_data_ptr<float>() : nullptr, fill_backward_f32);
   } else {
-    fill_backward_f64(m, offsets.data(), grad.const_data_ptr<double>(),
-                      want_self ? grad_self.mutable_data_ptr<double>() : nullptr,
-                      want_value ? grad_value.mutable_data_ptr<double>() : nullptr, rows, cols);
+    kernel(grad.const_data_ptr<double>(), want_self ? grad_self.mutable_data_ptr<double>() : nullptr,
+           want_value ? grad_value.mutable_data_ptr<double>() : nullptr, fill_backward_f64);
   }
   if (want_value) grad_value = grad_value.view(*value_shape);
   return {grad_self, grad_value};
@@ -650,9 +682,15 @@ Tensor scatter_cpu(const Tensor& self_in, const Tensor& mask_in, const Tensor& s
     return out;
   }
   const auto* m = reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>());
-  const int64_t bad = MC_PICK(scatter_rows, self.element_size())(m, self.const_data_ptr(), source.const_data_ptr(),
-                                                                  out.data_ptr(), rows, cols, src_cols);
-  if (bad > 0) too_few_sources();
+  const auto rows_kernel = MC_PICK(scatter_rows, self.element_size());
+  const int64_t size = self.element_size();
+  std::atomic<int64_t> bad{0};
+  over_rows(rows, cols, [&](int64_t begin, int64_t end) {
+    bad += rows_kernel(m + begin * cols, advanced(self.const_data_ptr(), begin * cols, size),
+                       advanced(source.const_data_ptr(), begin * src_cols, size),
+                       advanced(out.data_ptr(), begin * cols, size), end - begin, cols, src_cols);
+  });
+  if (bad.load() > 0) too_few_sources();
   return out;
 }
 
@@ -781,7 +819,12 @@ Tensor gather_cpu(const Tensor& values_in, const Tensor& mask_in, at::IntArrayRe
     return out.zero_();
   }
   const auto* m = reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>());
-  MC_PICK(gather_rows, values.element_size())(m, values.const_data_ptr(), out.data_ptr(), rows, cols, out_cols);
+  const auto rows_kernel = MC_PICK(gather_rows, values.element_size());
+  const int64_t size = values.element_size();
+  over_rows(rows, cols, [&](int64_t begin, int64_t end) {
+    rows_kernel(m + begin * cols, advanced(values.const_data_ptr(), begin * cols, size),
+                advanced(out.data_ptr(), begin * out_cols, size), end - begin, cols, out_cols);
+  });
   return out;
 }
 
@@ -816,8 +859,13 @@ Pair scatter_backward_cpu(const Tensor& grad_in, const Tensor& mask_in, at::IntA
   }
   const int64_t cols = grad.numel() / rows;
   const auto* m = reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>());
-  MC_PICK(scatter_backward_rows, grad.element_size())(m, grad.const_data_ptr(), grad_self.data_ptr(),
-                                                       grad_source.data_ptr(), rows, cols, out_cols);
+  const auto rows_kernel = MC_PICK(scatter_backward_rows, grad.element_size());
+  const int64_t size = grad.element_size();
+  over_rows(rows, cols, [&](int64_t begin, int64_t end) {
+    rows_kernel(m + begin * cols, advanced(grad.const_data_ptr(), begin * cols, size),
+                advanced(grad_self.data_ptr(), begin * cols, size),
+                advanced(grad_source.data_ptr(), begin * out_cols, size), end - begin, cols, out_cols);
+  });
   return {grad_self, grad_source};
 }
 

@@ -117,7 +117,7 @@ def test_a_ranking_is_unstable_only_when_the_leader_loses_rounds() -> None:
 def test_a_context_whose_ranking_stays_unstable_is_not_stored(monkeypatch: pytest.MonkeyPatch) -> None:
     from registry.profiling import timing
 
-    def flipping(runners, *, rounds, min_run_time, clock, cpu_clock=None, timed=None):
+    def flipping(runners, *, rounds, min_run_time, clock, cpu_clock=None, timed=None, wall_clock=None):
         # the first composite as a in _flipping, the others as b, each slower than the one before
         leader, others = [100.0, 100.0, 100.0, 300.0, 300.0], [120.0, 120.0, 120.0, 100.0, 100.0]
         return {name: noise.Timed(name, leader if i == 0 else [x * (1 + 0.5 * (i - 1)) for x in others])
