@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -16,3 +17,22 @@ def cpp_routing() -> Iterator[None]:
     routing.set_routing_backend("cpp")
     yield
     routing.set_routing_backend(before)
+
+
+@pytest.fixture
+def python_calls(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``count(holder)``: from then on, every ``holder.get()`` (a composite module's handle on its C++ ops, which
+    only the composite's Python function calls) is appended to the returned list."""
+
+    def count(holder: Any) -> list[int]:
+        calls: list[int] = []
+        real = holder.get
+
+        def counted() -> Any:
+            calls.append(1)
+            return real()
+
+        monkeypatch.setattr(holder, "get", counted)
+        return calls
+
+    return count

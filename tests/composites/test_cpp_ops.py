@@ -266,20 +266,13 @@ def _filled(entry: str) -> Any:
 
 @pytest.mark.usefixtures("cpp_routing")
 @pytest.mark.parametrize("entry", ENTRIES)
-def test_a_routed_call_runs_the_entry_op_without_python(entry: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """masked_fill's and index_fill's composites are their entry ops (register(..., redirect=)): under vmap(grad) the
-    C++ routing calls the entry of the call's own overload, the composite's Python function never runs, and the
+def test_a_routed_call_runs_the_entry_op_without_python(entry: str, python_calls: Any) -> None:
+    """The fused primitives' composites are their entry ops (register(..., redirect=)): under vmap(grad) the C++
+    routing calls the entry of the call's own overload, the composite's Python function never runs, and the
     per-sample gradients equal the loop's."""
     import composites.cpp_ops
 
-    calls: list[int] = []
-    real = composites.cpp_ops.OPS.get
-
-    def counted() -> Any:
-        calls.append(1)
-        return real()
-
-    monkeypatch.setattr(composites.cpp_ops.OPS, "get", counted)
+    calls = python_calls(composites.cpp_ops.OPS)
     loss, op = _filled(entry), entry.partition(".")[0]
     g = torch.Generator().manual_seed(6)
     x, v = torch.randn(5, 3, 8, generator=g, dtype=torch.float64), torch.randn(5, generator=g, dtype=torch.float64)

@@ -129,17 +129,10 @@ def test_eager_autograd_through_per_sample_gradients() -> None:
 
 
 @pytest.mark.usefixtures("cpp_routing")
-def test_the_routing_calls_the_op_without_python(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_routing_calls_the_op_without_python(python_calls: Any) -> None:
     """The composite is the op on the call's own arguments (register(..., redirect=)): the C++ routing calls the
     op, and the composite's Python function runs only where the Python routing does."""
-    calls: list[int] = []
-    real = composites.linear.CPP_OPS.get
-
-    def counted() -> Any:
-        calls.append(1)
-        return real()
-
-    monkeypatch.setattr(composites.linear.CPP_OPS, "get", counted)
+    calls = python_calls(composites.linear.CPP_OPS)
     x, w, b = _data()
     with registry.use(record=False):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:

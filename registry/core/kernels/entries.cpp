@@ -22,31 +22,27 @@
 #include <optional>
 #include <vector>
 
+namespace multicomposite_fused {  // fused_ops.cpp
+
+const c10::TypedOperatorHandle<at::Tensor(const std::optional<at::Tensor>&, const at::Tensor&,
+                                          const std::optional<at::Tensor>&)>&
+fill_op();
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>&
+scatter_op();
+
+}  // namespace multicomposite_fused
+
 namespace {
 
 using at::Tensor;
-
-const c10::TypedOperatorHandle<Tensor(const std::optional<Tensor>&, const Tensor&, const std::optional<Tensor>&)>&
-fill_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("multicomposite::fill", "")
-                                 .typed<Tensor(const std::optional<Tensor>&, const Tensor&,
-                                               const std::optional<Tensor>&)>();
-  return handle;
-}
+using multicomposite_fused::fill_op;
+using multicomposite_fused::scatter_op;
 
 const c10::TypedOperatorHandle<Tensor(const Tensor&, int64_t, const Tensor&, const std::optional<Tensor>&)>&
 index_fill_op() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("multicomposite::index_fill", "")
                                  .typed<Tensor(const Tensor&, int64_t, const Tensor&, const std::optional<Tensor>&)>();
-  return handle;
-}
-
-const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>& masked_scatter_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("multicomposite::masked_scatter", "")
-                                 .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>();
   return handle;
 }
 
@@ -142,9 +138,9 @@ Tensor masked_scatter_entry(const Tensor& self, const Tensor& mask, const Tensor
       !broadcastable(mask.sizes(), self.sizes())) {
     return at::masked_scatter(self, mask, source);
   }
-  if (mask.sizes() == self.sizes()) return masked_scatter_op().call(self, mask, source, 0);
+  if (mask.sizes() == self.sizes()) return scatter_op().call(self, mask, source, 0);
   const std::vector<int64_t> shape = at::infer_size(self.sizes(), mask.sizes());
-  return masked_scatter_op().call(self.expand(shape), mask.expand(shape), source, 0);
+  return scatter_op().call(self.expand(shape), mask.expand(shape), source, 0);
 }
 
 }  // namespace
@@ -157,9 +153,9 @@ TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
   m.def("masked_scatter.entry(Tensor self, Tensor mask, Tensor source) -> Tensor");
 }
 
-// Decomposed everywhere into the ops above, under vmap too (as index_fill itself, fused_ops.cpp): their autograd and
-// batching kernels are the entries'.
-TORCH_LIBRARY_IMPL(multicomposite, CompositeImplicitAutograd, m) {
+namespace {
+
+void impl_entries(torch::Library& m) {
   m.impl("masked_fill.Scalar", masked_fill_scalar);
   m.impl("masked_fill.Tensor", masked_fill_tensor);
   m.impl("index_fill.int_Scalar", index_fill_scalar);
@@ -167,10 +163,9 @@ TORCH_LIBRARY_IMPL(multicomposite, CompositeImplicitAutograd, m) {
   m.impl("masked_scatter.entry", masked_scatter_entry);
 }
 
-TORCH_LIBRARY_IMPL(multicomposite, FuncTorchBatched, m) {
-  m.impl("masked_fill.Scalar", masked_fill_scalar);
-  m.impl("masked_fill.Tensor", masked_fill_tensor);
-  m.impl("index_fill.int_Scalar", index_fill_scalar);
-  m.impl("index_fill.int_Tensor", index_fill_tensor);
-  m.impl("masked_scatter.entry", masked_scatter_entry);
-}
+}  // namespace
+
+// Decomposed everywhere into the ops above, under vmap too (as index_fill itself, fused_ops.cpp): their autograd and
+// batching kernels are the entries'.
+TORCH_LIBRARY_IMPL(multicomposite, CompositeImplicitAutograd, m) { impl_entries(m); }
+TORCH_LIBRARY_IMPL(multicomposite, FuncTorchBatched, m) { impl_entries(m); }

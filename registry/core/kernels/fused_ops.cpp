@@ -62,9 +62,34 @@
   MC_HOT ret name##_u64 params { return name<uint64_t> args; }
 #define MC_PICK(name, size) pick(size, name##_u8, name##_u16, name##_u32, name##_u64)
 
+// The handles of the ops that entries.cpp calls too (declared there), outside this file's anonymous namespace.
+namespace multicomposite_fused {
+
+using at::Tensor;
+
+const c10::TypedOperatorHandle<Tensor(const std::optional<Tensor>&, const Tensor&, const std::optional<Tensor>&)>&
+fill_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::fill", "")
+                                 .typed<Tensor(const std::optional<Tensor>&, const Tensor&,
+                                               const std::optional<Tensor>&)>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>& scatter_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::masked_scatter", "")
+                                 .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>();
+  return handle;
+}
+
+}  // namespace multicomposite_fused
+
 namespace {
 
 using at::Tensor;
+using multicomposite_fused::fill_op;
+using multicomposite_fused::scatter_op;
 using torch::autograd::variable_list;
 
 template <typename F>
@@ -116,28 +141,12 @@ P* advanced(P* base, int64_t elements, int64_t size) {
 
 using Pair = std::tuple<Tensor, Tensor>;
 
-const c10::TypedOperatorHandle<Tensor(const std::optional<Tensor>&, const Tensor&, const std::optional<Tensor>&)>&
-fill_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("multicomposite::fill", "")
-                                 .typed<Tensor(const std::optional<Tensor>&, const Tensor&,
-                                               const std::optional<Tensor>&)>();
-  return handle;
-}
-
 const c10::TypedOperatorHandle<Pair(const Tensor&, const Tensor&, at::OptionalIntArrayRef, std::array<bool, 2>)>&
 fill_backward_op() {
   static const auto handle =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("multicomposite::fill_backward", "")
           .typed<Pair(const Tensor&, const Tensor&, at::OptionalIntArrayRef, std::array<bool, 2>)>();
-  return handle;
-}
-
-const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>& scatter_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("multicomposite::masked_scatter", "")
-                                 .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>();
   return handle;
 }
 
