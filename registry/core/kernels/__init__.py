@@ -41,7 +41,10 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("routing.cpp", "fuse
                                                                 "linear.cpp", "first_order.cpp", "entries.cpp"))
 CACHE_ENV = "MULTICOMPOSITE_KERNELS_DIR"
 # -O3: gcc vectorizes the fused ops' loops only there (its -O2 cost model refuses loops of unknown length).
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-w")
+# -fopenmp: at::parallel_for is a header template over OpenMP (ATen/ParallelOpenMP.h); without the flag its pragma is
+# ignored and our row kernels run on one thread. The extension binds to the libgomp PyTorch has already loaded (one
+# OpenMP runtime, its thread count torch.set_num_threads's).
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp", "-w")
 HOW_TO = ("install a C++ compiler and nlohmann-json (Debian: apt-get install g++ nlohmann-json3-dev), then run "
           "`multicomposite build-kernels`")
 

@@ -35,6 +35,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <optional>
@@ -286,7 +287,8 @@ Tensor row_dots(const Tensor& dy, const Tensor& x) {
     const scalar_t* a = dy.const_data_ptr<scalar_t>();
     const scalar_t* b = x.const_data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(length, 1));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* pa = a + r * length;
         const scalar_t* pb = b + r * length;
