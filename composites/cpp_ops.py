@@ -6,13 +6,13 @@ Each op has its forward (one pass on the bits, as ``composites.fused``), its aut
 output gradient once, ``fill_backward`` and ``masked_scatter_backward``, whose own backward calls the ops again, so it
 is differentiable), its forward-AD tangent and its batching rule in C++: under vmap(grad) a
 call runs no Python between the composite's entry and its result, where the ``primitive`` kind's
-``torch.autograd.Function`` runs its Python ``setup_context``, ``backward`` and ``vmap`` at every level. The
-composites below make the same checks and the same argument adaptations as the primitives (composites/masked.py,
-composites/index.py); where the C++ build is missing the kind's rule makes them invalid.
+``torch.autograd.Function`` runs its Python ``setup_context``, ``backward`` and ``vmap`` at every level. Where the
+C++ build is missing the kind's rule makes them invalid.
 
 The composites are their entry ops (``multicomposite::masked_fill.Scalar``/``.Tensor``,
 ``index_fill.int_Scalar``/``.int_Tensor``, ``masked_scatter.entry``; registry/core/kernels/entries.cpp), which take
-aten's arguments, check and adapt them in C++: declared with ``redirect=``, the C++ routing calls them where a
+aten's arguments and adapt them in C++ as the primitives do in Python (composites/masked.py, composites/index.py),
+handing what PyTorch rejects to PyTorch's own op. Declared with ``redirect=``, the C++ routing calls them where a
 decision picks the composite, so such a routed call never enters Python.
 """
 

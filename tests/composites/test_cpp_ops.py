@@ -293,18 +293,20 @@ def test_a_routed_call_runs_the_entry_op_without_python(entry: str, python_calls
         torch.testing.assert_close(got[1][i], want[1])
 
 
-_REJECTED = {  # what PyTorch rejects, one sample (3, 8) and its batch of 4
-    "uint8 mask": lambda x: x.masked_fill(torch.ones(3, 8, dtype=torch.uint8), 1.0),
-    "1-d value": lambda x: x.masked_fill(torch.ones(3, 8, dtype=torch.bool), torch.ones(2)),
-    "mask does not broadcast": lambda x: x.masked_fill(torch.ones(4, dtype=torch.bool), 1.0),
-    "complex scalar": lambda x: x.masked_fill(torch.ones(3, 8, dtype=torch.bool), 1 + 2j),
-    "int32 index": lambda x: x.index_fill(1, torch.tensor([0, 1], dtype=torch.int32), 1.0),
-    "dim out of range": lambda x: x.index_fill(5, torch.tensor([0]), 1.0),
-    "2-d index": lambda x: x.index_fill(1, torch.zeros(2, 2, dtype=torch.long), 1.0),
-    "complex value tensor": lambda x: x.index_fill(1, torch.tensor([0]), torch.tensor(1 + 1j)),
-    "source of another dtype": lambda x: x.masked_scatter(torch.ones(3, 8, dtype=torch.bool), x.double()),
-    "uint8 mask to scatter": lambda x: x.masked_scatter(torch.ones(3, 8, dtype=torch.uint8), x),
-    "scatter mask does not broadcast": lambda x: x.masked_scatter(torch.ones(5, dtype=torch.bool), x),
+_REJECTED = {  # what PyTorch rejects, one sample (3, 8) and its batch of 4: the op, and the call
+    "uint8 mask": ("masked_fill", lambda x: x.masked_fill(torch.ones(3, 8, dtype=torch.uint8), 1.0)),
+    "1-d value": ("masked_fill", lambda x: x.masked_fill(torch.ones(3, 8, dtype=torch.bool), torch.ones(2))),
+    "mask does not broadcast": ("masked_fill", lambda x: x.masked_fill(torch.ones(4, dtype=torch.bool), 1.0)),
+    "complex scalar": ("masked_fill", lambda x: x.masked_fill(torch.ones(3, 8, dtype=torch.bool), 1 + 2j)),
+    "int32 index": ("index_fill", lambda x: x.index_fill(1, torch.tensor([0, 1], dtype=torch.int32), 1.0)),
+    "dim out of range": ("index_fill", lambda x: x.index_fill(5, torch.tensor([0]), 1.0)),
+    "2-d index": ("index_fill", lambda x: x.index_fill(1, torch.zeros(2, 2, dtype=torch.long), 1.0)),
+    "complex value tensor": ("index_fill", lambda x: x.index_fill(1, torch.tensor([0]), torch.tensor(1 + 1j))),
+    "source of another dtype": ("masked_scatter",
+                                lambda x: x.masked_scatter(torch.ones(3, 8, dtype=torch.bool), x.double())),
+    "uint8 mask to scatter": ("masked_scatter", lambda x: x.masked_scatter(torch.ones(3, 8, dtype=torch.uint8), x)),
+    "scatter mask does not broadcast": ("masked_scatter",
+                                        lambda x: x.masked_scatter(torch.ones(5, dtype=torch.bool), x)),
 }
 
 
@@ -319,8 +321,7 @@ def _error(f: Any, *args: Any) -> tuple[type, str]:
 def test_arguments_pytorch_rejects_raise_its_own_error(case: str) -> None:
     """The entry ops pass what PyTorch rejects to PyTorch's own op: under vmap the routed call raises native vmap's
     error, type and message, and eagerly the composite raises native's."""
-    f = _REJECTED[case]
-    op = next(name for name in OPS if name in f.__code__.co_names)
+    op, f = _REJECTED[case]
     x = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(7))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # native's per-sample loop
