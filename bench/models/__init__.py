@@ -7,9 +7,10 @@ one process, in alternating rounds: natively (torch.func alone), inside ``regist
 fallback warnings both ways, and reports the ratios.
 
 Where a workload gives them, two more ways run in the same rounds: its **floor** (``batched``, one ordinary batched
-training step, plus a fill of fresh tensors of the per-sample gradients' sizes: what no per-sample-gradient step can
-go below), and the DP library's **hooks** (``hooks``: opacus's ``GradSampleModule`` on the same model, where its
-hooks support the layers), whose per-sample gradients are checked against the loop too.
+training step, plus a fill of tensors of the per-sample gradients' sizes made once, so that no allocator's page
+faults count: what no per-sample-gradient step can go below), and the DP library's **hooks** (``hooks``: opacus's
+``GradSampleModule`` on the same model, where its hooks support the layers), whose per-sample gradients are checked
+against the loop too.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ import torch
 # first-order grad (``first_order.cpp``).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("routing.cpp", "fused_ops.cpp", "random_state.cpp",
                                                                 "batch_rules.cpp", "group_norm.cpp",
-                                                                "linear.cpp", "first_order.cpp", "entries.cpp"))
+                                                                "linear.cpp", "first_order.cpp", "entries.cpp",
+                                                                "output_pool.cpp"))
 CACHE_ENV = "MULTICOMPOSITE_KERNELS_DIR"
 # -O3: gcc vectorizes the fused ops' loops only there (its -O2 cost model refuses loops of unknown length).
 # -fopenmp: at::parallel_for is a header template over OpenMP (ATen/ParallelOpenMP.h); without the flag its pragma is

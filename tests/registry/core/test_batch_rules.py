@@ -528,3 +528,84 @@ def test_attention_edge_cases_come_out_as_natively(case: str) -> None:
         return _attention(w, xs, m, dropout_p=0.5 if case == "dropout" else 0.0).pow(2).sum()
 
     _same_outcome(lambda: ATTENTION_TRANSFORMS["vmap(grad)"](loss)(weight, x, memory))
+
+
+# --- embedding --------------------------------------------------------------------------------------------------------
+
+TABLE_ROWS, TABLE_WIDTH = 11, 4
+
+
+def _embedding_inputs(batch: int = BATCH, lookups: tuple[int, ...] = (2, 3),
+                      index_dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(TABLE_ROWS, TABLE_WIDTH, dtype=torch.float64, generator=generator)
+    indices = torch.randint(0, TABLE_ROWS, (batch, *lookups), generator=generator).to(index_dtype)
+    if indices.numel():
+        indices[0].view(-1)[:2] = 2  # a row one sample looks up twice: its gradient is a sum
+        indices[1].view(-1)[0] = 2
+    scale = torch.randn(*lookups, TABLE_WIDTH, dtype=torch.float64, generator=generator)
+    return weight, indices, scale
+
+
+def _embedding_loss(padding_idx: int | None = None, scale_grad_by_freq: bool = False,
+                    constant_gradient: bool = False) -> Callable[..., torch.Tensor]:
+    def loss(weight: torch.Tensor, indices: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        rows = functional.embedding(indices, weight, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+        # A constant output gradient (the rows summed) reaches the backward unbatched; tanh's is per sample.
+        return rows.sum() if constant_gradient else (rows.tanh() * scale).sum()
+
+    return loss
+
+
+EMBEDDING_TRANSFORMS: dict[str, Callable[[Callable[..., torch.Tensor]], Callable[..., Any]]] = {
+    "vmap(grad)": lambda f: func.vmap(func.grad(f), in_dims=(None, 0, None)),
+    "vmap(jacrev)": lambda f: func.vmap(func.jacrev(f), in_dims=(None, 0, None)),
+    "vmap(jacfwd)": lambda f: func.vmap(func.jacfwd(f), in_dims=(None, 0, None)),
+    "vmap(hessian)": lambda f: func.vmap(func.hessian(f), in_dims=(None, 0, None)),
+    "grad(vmap(grad))": lambda f: func.grad(lambda w, i, s: func.vmap(func.grad(f), in_dims=(None, 0, None))(
+        w, i, s).pow(2).sum()),
+    "vmap(vmap(grad))": lambda f: func.vmap(func.vmap(func.grad(f), in_dims=(None, 0, None)), in_dims=(None, 0, None)),
+}
+EMBEDDING_CASES = ("plain", "padding-row", "constant-gradient", "int32-indices", "scaled-by-frequency")
+
+
+def _embedding_case(case: str) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]:
+    inputs = _embedding_inputs(index_dtype=torch.int32 if case == "int32-indices" else torch.long)
+    loss = _embedding_loss(padding_idx=2 if case == "padding-row" else None,
+                           scale_grad_by_freq=case == "scaled-by-frequency",
+                           constant_gradient=case == "constant-gradient")
+    return loss, inputs
+
+
+@pytest.mark.parametrize("case", EMBEDDING_CASES)
+def test_embedding_per_sample_gradients_equal_the_loop(case: str) -> None:
+    """Each sample's gradient of the shared table equals torch.autograd's over that sample alone: the rows it looked
+    up twice summed, its padding row zero, each row scaled by its count in the sample where asked."""
+    loss, (weight, indices, scale) = _embedding_case(case)
+    loop = []
+    for sample in indices:
+        table = weight.clone().requires_grad_()
+        loop.append(torch.autograd.grad(loss(table, sample, scale), table)[0])
+    with registry.use():
+        got = EMBEDDING_TRANSFORMS["vmap(grad)"](loss)(weight, indices, scale)
+    torch.testing.assert_close(got, torch.stack(loop))
+
+
+@pytest.mark.parametrize("transform", EMBEDDING_TRANSFORMS)
+@pytest.mark.parametrize("case", ("plain", "padding-row", "constant-gradient"))
+def test_embedding_under_every_transform(case: str, transform: str) -> None:
+    loss, (weight, indices, scale) = _embedding_case(case)
+    if transform == "vmap(vmap(grad))":
+        indices = indices.view(1, *indices.shape).expand(2, *indices.shape).clone()
+    _same_outcome(lambda: EMBEDDING_TRANSFORMS[transform](loss)(weight, indices, scale))
+
+
+@pytest.mark.parametrize("case", ("no-samples", "no-lookups", "index-out-of-range"))
+def test_embedding_edge_cases_come_out_as_natively(case: str) -> None:
+    """A vmap over no samples, samples that look nothing up and an index past the table (embedding's own error) come
+    out as natively."""
+    weight, indices, scale = _embedding_inputs(batch=0 if case == "no-samples" else BATCH,
+                                               lookups=(0,) if case == "no-lookups" else (2, 3))
+    if case == "index-out-of-range":
+        indices[1, 0, 0] = TABLE_ROWS
+    _same_outcome(lambda: EMBEDDING_TRANSFORMS["vmap(grad)"](_embedding_loss())(weight, indices, scale))
