@@ -57,12 +57,15 @@ class OutputPool final : public c10::Allocator {
   }
 
   c10::DataPtr allocate(size_t bytes) override {
+    if (bytes == 0) return {nullptr, c10::Device(c10::DeviceType::CPU)};  // nothing to keep (an empty tensor)
     void* block = take_idle(bytes);
     if (block == nullptr) {
       block = c10::alloc_cpu(bytes);
       std::lock_guard<std::mutex> lock(mutex_);
       block_bytes_[block] = bytes;
+      total_bytes_ += bytes;
     }
+    report(block, static_cast<int64_t>(bytes));
     return {block, block, &give_back, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -84,6 +87,7 @@ class OutputPool final : public c10::Allocator {
         }
       }
       idle_.clear();
+      total_bytes_ -= idle_bytes_;
       idle_bytes_ = 0;
     }
     for (void* block : freed) c10::free_cpu(block);
@@ -91,9 +95,7 @@ class OutputPool final : public c10::Allocator {
 
   std::pair<size_t, size_t> held() {
     std::lock_guard<std::mutex> lock(mutex_);
-    size_t total = 0;
-    for (const auto& [block, bytes] : block_bytes_) total += bytes;
-    return {idle_bytes_, total};
+    return {idle_bytes_, total_bytes_};
   }
 
   bool enabled() const { return limit_ > 0; }
@@ -114,20 +116,33 @@ class OutputPool final : public c10::Allocator {
   static void give_back(void* block) { instance().keep_or_free(block); }
 
   void keep_or_free(void* block) {
+    size_t bytes = 0;
+    bool kept = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       const auto found = block_bytes_.find(block);
       TORCH_INTERNAL_ASSERT(found != block_bytes_.end(), "multicomposite's output pool was handed a block it did "
                             "not make");
-      const size_t bytes = found->second;
-      if (idle_bytes_ + bytes <= limit_) {
+      bytes = found->second;
+      kept = idle_bytes_ + bytes <= limit_;
+      if (kept) {
         idle_[bytes].push_back(block);
         idle_bytes_ += bytes;
-        return;
+      } else {
+        block_bytes_.erase(found);
+        total_bytes_ -= bytes;
       }
-      block_bytes_.erase(found);
     }
-    c10::free_cpu(block);
+    report(block, -static_cast<int64_t>(bytes));
+    if (!kept) c10::free_cpu(block);
+  }
+
+  // What PyTorch's own CPU allocator tells the profiler (torch.profiler's profile_memory): a block handed out or
+  // given back, and the bytes in use and held after it.
+  void report(void* block, int64_t bytes) {
+    if (!c10::memoryProfilingEnabled()) return;
+    const auto [idle, total] = held();
+    c10::reportMemoryUsageToProfiler(block, bytes, total - idle, total, c10::Device(c10::DeviceType::CPU));
   }
 
   const size_t limit_;
@@ -135,6 +150,7 @@ class OutputPool final : public c10::Allocator {
   std::unordered_map<void*, size_t> block_bytes_;             // every block the pool made, idle or in use
   std::unordered_map<size_t, std::vector<void*>> idle_;       // idle blocks by size
   size_t idle_bytes_ = 0;
+  size_t total_bytes_ = 0;  // idle and in use
 };
 
 }  // namespace

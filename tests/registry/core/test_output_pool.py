@@ -139,3 +139,26 @@ def test_a_limit_that_is_not_a_number_says_what_to_set() -> None:
     assert done.returncode == 1
     assert ("MULTICOMPOSITE_OUTPUT_POOL_MB must be a whole number of megabytes (got 'lots'); unset it for the default "
             "of 1024, or set 0 to turn the pool off") in done.stderr
+
+
+@pytest.mark.usefixtures("pool")
+def test_the_profiler_sees_the_pools_blocks() -> None:
+    """torch.profiler's profile_memory counts a pooled block as PyTorch's own allocator's: the embedding backward
+    that takes it shows its bytes."""
+    run = _embedding_step()
+    with registry.use(), torch.profiler.profile(profile_memory=True) as profile:
+        result = run()
+    taken = [event.cpu_memory_usage for event in profile.events() if event.name == "aten::embedding_dense_backward"]
+    assert TABLE_BYTES in taken
+    del result
+
+
+@pytest.mark.usefixtures("pool")
+def test_an_empty_table_takes_nothing() -> None:
+    """A table of no rows (num_weights 0 is refused by embedding itself; an empty width is not) holds no block."""
+    weight, indices = torch.randn(TABLE_ROWS, 0), torch.randint(0, TABLE_ROWS, (BATCH, 5))
+    before = _held()
+    with registry.use():
+        result = func.vmap(func.grad(lambda w, i: functional.embedding(i, w).sum()), in_dims=(None, 0))(weight, indices)
+    assert result.shape == (BATCH, TABLE_ROWS, 0)
+    assert _held() == before
