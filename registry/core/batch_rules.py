@@ -20,6 +20,15 @@
   fresh memory at every step, every page faulted in (82 MB for a 5,000 x 64 table at batch 64: 36 ms of a 4 ms
   step). The rule does the same arithmetic (offset indices, one ``index_add_``) into the output pool's memory
   (``kernels/output_pool.cpp``), kept mapped between steps.
+- ``native_layer_norm_backward``: functorch's rule multiplies the output gradient by the weight as a batched op of
+  its own, calls PyTorch's kernel without the weight, and forms each sample's weight gradient from whole batched
+  temporaries (``(x - mean) * rstd * dy``) before summing them. Layer norm is per row, so the rule runs PyTorch's
+  kernel once over the folded samples with the weight inside it, and each sample's weight and bias gradients in one
+  pass over the rows with no temporary.
+
+Every rule checks, before it excludes functorch's Batched key, that the operands it would hand PyTorch's kernels are
+ordinary tensors at its level (not batched at an outer vmap level, not wrapped by a grad or jvp level below it); where
+they are not it declines, and functorch's rule runs as it was called (with its key, which the levels below need).
 
 Under ``use(policy="native")`` the rules stay out too (routing.py's ``NATIVE_POLICY_BIT``): that policy is PyTorch's
 own kernels and rules throughout.

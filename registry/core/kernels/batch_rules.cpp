@@ -32,6 +32,7 @@
 #include <ATen/core/stack.h>
 #include <ATen/functorch/BatchedTensorImpl.h>
 #include <ATen/functorch/DynamicLayer.h>
+#include <ATen/functorch/TensorWrapper.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -97,6 +98,21 @@ bool batched_at(const Tensor& t, int64_t level) { return batched_impl_at(t, leve
 bool batched_at(const std::optional<Tensor>& t, int64_t level) { return t.has_value() && batched_at(*t, level); }
 
 bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
+
+// Whether `t` is an ordinary tensor: not batched at an outer vmap level, not wrapped by a grad or jvp level (a
+// hessian's weight, differentiated at a level below this one). PyTorch's kernels must not see such a tensor beside
+// ordinary ones, and an in-place op on an ordinary tensor cannot take one.
+bool plain(const Tensor& t) {
+  return at::functorch::maybeGetBatchedImpl(t) == nullptr && at::functorch::maybeGetTensorWrapper(t) == nullptr;
+}
+
+// Whether `t`'s physical value at `level` (its value where batched there, itself where not) is an ordinary tensor.
+// Checked before a rule excludes FuncTorchBatched: a rule that declines runs the kernel it overrides as it was
+// called, and functorch's own rule must see the Batched key of the levels below.
+bool plain_at(const Tensor& t, int64_t level) {
+  const auto* batched = batched_impl_at(t, level);
+  return plain(batched != nullptr ? batched->value() : t);
+}
 
 // Whether `t` holds no element, its batch dimension at `level` counted (vmap over 0 samples included): an empty
 // call runs the kernel a rule overrides, whatever it does with it.
@@ -420,6 +436,123 @@ class GroupNormBackward final : public BatchRule {
   }
 };
 
+// --- layer norm: the backward over the folded samples, the weight inside PyTorch's kernel ------------------------
+
+// Each sample's weight and bias gradients of a layer norm over its `rows` rows of `width`:
+//   grad_weight[b, n] = sum over m of dy[b, m, n] * (x[b, m, n] - mean[b, m]) * rstd[b, m]
+//   grad_bias[b, n]   = sum over m of dy[b, m, n]
+// One pass over dy and x, no temporary of their size, the sums in double (as row_dots). Contiguous CPU float or
+// double, every operand of one dtype (the caller checks); the samples split over PyTorch's intra-op threads.
+// `shape` is (batch, the normalized shape): the gradients are made in it, not viewed into it (an op's outputs are
+// not views of each other or of anything).
+std::pair<Tensor, Tensor> layer_norm_parameter_grads(const Tensor& dy, const Tensor& x, const Tensor& mean,
+                                                     const Tensor& rstd, at::IntArrayRef shape, int64_t rows,
+                                                     bool want_weight, bool want_bias) {
+  const int64_t batch = shape[0], width = c10::multiply_integers(shape.begin() + 1, shape.end());
+  Tensor grad_weight = want_weight ? at::empty(shape, dy.options()) : Tensor();
+  Tensor grad_bias = want_bias ? at::empty(shape, dy.options()) : Tensor();
+  AT_DISPATCH_FLOATING_TYPES(dy.scalar_type(), "multicomposite_layer_norm_parameter_grads", [&] {
+    const scalar_t* g = dy.const_data_ptr<scalar_t>();
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    const scalar_t* mu = mean.const_data_ptr<scalar_t>();
+    const scalar_t* sigma = rstd.const_data_ptr<scalar_t>();
+    scalar_t* gw = want_weight ? grad_weight.mutable_data_ptr<scalar_t>() : nullptr;
+    scalar_t* gb = want_bias ? grad_bias.mutable_data_ptr<scalar_t>() : nullptr;
+    const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(rows * width, 1));
+    at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
+      std::vector<double> weight_sums(static_cast<size_t>(width)), bias_sums(static_cast<size_t>(width));
+      for (int64_t b = begin; b < end; ++b) {
+        std::fill(weight_sums.begin(), weight_sums.end(), 0.0);
+        std::fill(bias_sums.begin(), bias_sums.end(), 0.0);
+        for (int64_t m = 0; m < rows; ++m) {
+          const int64_t row = b * rows + m;
+          const scalar_t* dy_row = g + row * width;
+          const scalar_t* x_row = in + row * width;
+          const double scale = static_cast<double>(sigma[row]);
+          const double shift = -static_cast<double>(mu[row]) * scale;  // x_hat = x * scale + shift
+          for (int64_t n = 0; n < width; ++n) {
+            const double d = static_cast<double>(dy_row[n]);
+            weight_sums[n] += d * (static_cast<double>(x_row[n]) * scale + shift);
+            bias_sums[n] += d;
+          }
+        }
+        for (int64_t n = 0; n < width; ++n) {
+          if (gw != nullptr) gw[b * width + n] = static_cast<scalar_t>(weight_sums[n]);
+          if (gb != nullptr) gb[b * width + n] = static_cast<scalar_t>(bias_sums[n]);
+        }
+      }
+    });
+  });
+  return {grad_weight, grad_bias};
+}
+
+// native_layer_norm_backward(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor mean, Tensor rstd,
+//                            Tensor? weight, Tensor? bias, bool[3] output_mask) -> (Tensor, Tensor, Tensor)
+// functorch's rule multiplies the output gradient by the weight as a batched op of its own, calls PyTorch's kernel
+// without the weight, and forms each sample's weight gradient from whole batched temporaries, (x - mean) * rstd * dy,
+// before summing them: under vmap(grad) of a transformer, every layer norm of every step. Layer norm is per row, so
+// the batch is more rows: PyTorch's kernel once with the weight inside it for the input's gradient, and each sample's
+// weight and bias gradients from one pass (layer_norm_parameter_grads). A batched weight or bias (an ensemble), other
+// devices and dtypes, operands still wrapped by an outer level and empty inputs stay functorch's.
+class LayerNormBackward final : public BatchRule {
+ public:
+  using BatchRule::BatchRule;
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+    if (!rules_apply()) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    const size_t n = stack->size();
+    const Tensor grad = (*stack)[n - 8].toTensor(), input = (*stack)[n - 7].toTensor();
+    const Tensor mean = (*stack)[n - 5].toTensor(), rstd = (*stack)[n - 4].toTensor();
+    const auto weight = (*stack)[n - 3].toOptional<Tensor>(), bias = (*stack)[n - 2].toOptional<Tensor>();
+    const int64_t level = current_level();
+    if (level < 0 || !(batched_at(grad, level) || batched_at(input, level)) || batched_at(weight, level) ||
+        batched_at(bias, level) || empty_at(input, level) || empty_at(grad, level) || !input.device().is_cpu() ||
+        !(input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble)) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    const auto dtype = input.scalar_type();
+    for (const Tensor& t : {grad, mean, rstd}) {
+      if (t.scalar_type() != dtype) return overridden_.callBoxed(op, keyset, stack);
+    }
+    for (const auto& t : {weight, bias}) {
+      if (present(t) && t->scalar_type() != dtype) return overridden_.callBoxed(op, keyset, stack);
+    }
+    for (const Tensor& t : {grad, input, mean, rstd}) {
+      if (!plain_at(t, level)) return overridden_.callBoxed(op, keyset, stack);
+    }
+    for (const auto& t : {weight, bias}) {
+      if (present(t) && !plain(*t)) return overridden_.callBoxed(op, keyset, stack);
+    }
+    std::vector<int64_t> normalized;
+    for (const auto& size : (*stack)[n - 6].toListRef()) normalized.push_back(int_of(size));
+    const auto mask = (*stack)[n - 1].toBoolList();
+    c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const Physical g = unwrap(grad, level), x = unwrap(input, level), m = unwrap(mean, level),
+                   r = unwrap(rstd, level);
+    const int64_t batch = g.batched ? g.value.size(0) : x.value.size(0);
+    const Tensor dy = with_batch(g, batch).contiguous(), xs = with_batch(x, batch).contiguous();
+    const Tensor mu = with_batch(m, batch).contiguous(), sigma = with_batch(r, batch).contiguous();
+    const bool want_weight = mask.get(1) && present(weight), want_bias = mask.get(2) && present(bias);
+    Tensor grad_input, grad_weight, grad_bias;
+    if (mask.get(0)) {
+      grad_input = std::get<0>(at::native_layer_norm_backward(dy, xs, normalized, mu, sigma, weight, bias,
+                                                              {true, false, false}));
+    }
+    if (want_weight || want_bias) {
+      std::vector<int64_t> shape{batch};
+      shape.insert(shape.end(), normalized.begin(), normalized.end());
+      const int64_t rows = xs.numel() / c10::multiply_integers(shape);
+      std::tie(grad_weight, grad_bias) = layer_norm_parameter_grads(dy, xs, mu, sigma, shape, rows, want_weight,
+                                                                    want_bias);
+    }
+    torch::jit::drop(*stack, 8);
+    const auto batched = [&](const Tensor& t) { return t.defined() ? at::functorch::makeBatched(t, 0, level) : t; };
+    torch::jit::push(*stack, batched(grad_input), batched(grad_weight), batched(grad_bias));
+  }
+};
+
 // --- convolution: each sample's weight gradient as one convolution with the channels and the batch swapped ---------
 
 // Below this many input channels the swapped convolution beats functorch's grouped one (BatchRulesConvolution.cpp
@@ -538,15 +671,13 @@ class EmbeddingDenseBackward final : public BatchRule {
         empty_at(indices, level) || empty_at(grad, level)) {
       return overridden_.callBoxed(op, keyset, stack);
     }
+    if (!plain_at(grad, level) || !plain_at(indices, level)) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
     const int64_t num_weights = int_of((*stack)[n - 3]), padding_idx = int_of((*stack)[n - 2]);
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
     const Physical g = unwrap(grad, level), idx = unwrap(indices, level);
     const int64_t batch = idx.value.size(0), width = grad.size(-1);
-    // Storage: an operand still batched at an outer vmap level or wrapped by an outer grad (vmap(vmap(grad)), a
-    // hessian) has none, and the in-place add below cannot take it.
-    if (!g.value.has_storage() || !idx.value.has_storage()) {
-      return overridden_.callBoxed(op, keyset, stack);
-    }
     const Tensor rows = with_batch(g, batch).reshape({-1, width});  // (B * looked-up rows, D)
     const Tensor offsets = at::arange(batch, idx.value.options()).mul_(num_weights).view({batch, 1});
     const Tensor flat = (idx.value.reshape({batch, -1}) + offsets).reshape({-1});
@@ -716,5 +847,6 @@ size_t register_batch_rules(torch::Library& library) {
   override_batched<FlashAttention>(library, "aten::_scaled_dot_product_flash_attention_for_cpu");
   override_batched<FlashAttentionBackward>(library, "aten::_scaled_dot_product_flash_attention_for_cpu_backward");
   override_batched<EmbeddingDenseBackward>(library, "aten::embedding_dense_backward");
-  return 8;
+  override_batched<LayerNormBackward>(library, "aten::native_layer_norm_backward");
+  return 9;
 }

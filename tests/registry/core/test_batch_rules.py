@@ -565,6 +565,8 @@ EMBEDDING_TRANSFORMS: dict[str, Callable[[Callable[..., torch.Tensor]], Callable
     "grad(vmap(grad))": lambda f: func.grad(lambda w, i, s: func.vmap(func.grad(f), in_dims=(None, 0, None))(
         w, i, s).pow(2).sum()),
     "vmap(vmap(grad))": lambda f: func.vmap(func.vmap(func.grad(f), in_dims=(None, 0, None)), in_dims=(None, 0, None)),
+    # The rule declines at the inner levels here, where the operands are still wrapped by the outer ones.
+    "vmap(jacrev(grad))": lambda f: func.vmap(func.jacrev(func.grad(f)), in_dims=(None, 0, None)),
 }
 EMBEDDING_CASES = ("plain", "padding-row", "constant-gradient", "int32-indices", "scaled-by-frequency")
 
@@ -609,3 +611,100 @@ def test_embedding_edge_cases_come_out_as_natively(case: str) -> None:
     if case == "index-out-of-range":
         indices[1, 0, 0] = TABLE_ROWS
     _same_outcome(lambda: EMBEDDING_TRANSFORMS["vmap(grad)"](_embedding_loss())(weight, indices, scale))
+
+
+# --- layer norm -------------------------------------------------------------------------------------------------------
+
+NORMALIZED = (3, 4)
+
+
+def _layer_norm_inputs(batch: int = BATCH, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(batch, 2, *NORMALIZED, dtype=dtype, generator=generator)
+    weight = torch.randn(*NORMALIZED, dtype=dtype, generator=generator)
+    bias = torch.randn(*NORMALIZED, dtype=dtype, generator=generator)
+    scale = torch.randn(2, *NORMALIZED, dtype=dtype, generator=generator)
+    return weight, bias, x, scale
+
+
+def _layer_norm_loss(affine: str) -> Callable[..., torch.Tensor]:
+    def loss(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        w = weight if affine in ("weight-and-bias", "weight") else None
+        b = bias if affine in ("weight-and-bias", "bias") else None
+        return (functional.layer_norm(x, NORMALIZED, w, b).tanh() * scale).sum()
+
+    return loss
+
+
+LAYER_NORM_TRANSFORMS: dict[str, Callable[[Callable[..., torch.Tensor]], Callable[..., Any]]] = {
+    "vmap(grad)": lambda f: func.vmap(func.grad(f, argnums=(0, 1, 2)), in_dims=(None, None, 0, None)),
+    "vmap(grad)-input-only": lambda f: func.vmap(func.grad(f, argnums=2), in_dims=(None, None, 0, None)),
+    "vmap(jacrev)": lambda f: func.vmap(func.jacrev(f, argnums=(0, 1)), in_dims=(None, None, 0, None)),
+    "vmap(jacfwd)": lambda f: func.vmap(func.jacfwd(f, argnums=0), in_dims=(None, None, 0, None)),
+    "vmap(hessian)": lambda f: func.vmap(func.hessian(f, argnums=0), in_dims=(None, None, 0, None)),
+    "vmap(jacrev(grad))": lambda f: func.vmap(func.jacrev(func.grad(f)), in_dims=(None, None, 0, None)),
+    "grad(vmap(grad))": lambda f: func.grad(lambda w, b, x, s: func.vmap(func.grad(f), in_dims=(None, None, 0, None))(
+        w, b, x, s).pow(2).sum()),
+    "vmap(vmap(grad))": lambda f: func.vmap(func.vmap(func.grad(f, argnums=(0, 1)), in_dims=(None, None, 0, None)),
+                                            in_dims=(None, None, 0, None)),
+    "ensemble": lambda f: func.vmap(func.grad(f, argnums=(0, 1)), in_dims=(0, 0, 0, None)),
+}
+
+
+@pytest.mark.parametrize("affine", ("weight-and-bias", "weight", "bias", "neither"))
+def test_layer_norm_per_sample_gradients_equal_the_loop(affine: str) -> None:
+    """Each sample's gradients of the shared weight and bias, and of its input, equal torch.autograd's over that
+    sample alone."""
+    weight, bias, x, scale = _layer_norm_inputs()
+    loss = _layer_norm_loss(affine)
+    loop = []
+    for sample in x:
+        leaves = (weight.clone().requires_grad_(), bias.clone().requires_grad_(), sample.clone().requires_grad_())
+        loop.append(torch.autograd.grad(loss(*leaves, scale), leaves, allow_unused=True, materialize_grads=True))
+    with registry.use():
+        got = LAYER_NORM_TRANSFORMS["vmap(grad)"](loss)(weight, bias, x, scale)
+    for index, each in enumerate(got):
+        torch.testing.assert_close(each, torch.stack([row[index] for row in loop]))
+
+
+@pytest.mark.parametrize("transform", LAYER_NORM_TRANSFORMS)
+@pytest.mark.parametrize("affine", ("weight-and-bias", "neither"))
+def test_layer_norm_under_every_transform(affine: str, transform: str) -> None:
+    weight, bias, x, scale = _layer_norm_inputs()
+    if transform == "vmap(vmap(grad))":
+        x = x.view(1, *x.shape).expand(2, *x.shape).clone()
+    if transform == "ensemble":
+        weight, bias = weight.expand(BATCH, *NORMALIZED).clone(), bias.expand(BATCH, *NORMALIZED).clone()
+    _same_outcome(lambda: LAYER_NORM_TRANSFORMS[transform](_layer_norm_loss(affine))(weight, bias, x, scale))
+
+
+@pytest.mark.parametrize("case", ("no-samples", "float32", "mixed-dtypes"))
+def test_layer_norm_edge_cases_come_out_as_natively(case: str) -> None:
+    """A vmap over no samples, float32 (the rule's sums in double: within float32's tolerance of functorch's) and a
+    weight of another dtype than the input (PyTorch's own error) come out as natively."""
+    weight, bias, x, scale = _layer_norm_inputs(batch=0 if case == "no-samples" else BATCH,
+                                                dtype=torch.float32 if case == "float32" else torch.float64)
+    if case == "mixed-dtypes":
+        weight = weight.float()
+    _same_outcome(lambda: LAYER_NORM_TRANSFORMS["vmap(grad)"](_layer_norm_loss("weight-and-bias"))(weight, bias, x,
+                                                                                                    scale))
+
+
+def test_layer_norm_rule_runs_instead_of_functorchs(routing_backend: str) -> None:
+    """functorch's rule multiplies the output gradient by the weight as a batched op before PyTorch's kernel and
+    forms the weight's gradient from batched temporaries; the rule calls the kernel with the weight inside it."""
+    weight, bias, x, scale = _layer_norm_inputs()
+    run = functools.partial(LAYER_NORM_TRANSFORMS["vmap(grad)"](_layer_norm_loss("weight-and-bias")), weight, bias, x,
+                            scale)
+
+    def multiplies() -> int:
+        with torch.profiler.profile() as profile:
+            run()
+        return sum(event.name == "aten::mul" for event in profile.events())
+
+    outside = multiplies()
+    with registry.use():
+        inside = multiplies()
+    # The loss's own: tanh's backward and the scale, forward and backward; functorch's rule adds grad_out * weight and
+    # the weight gradient's two products.
+    assert outside - inside == (3 if routing_backend == "cpp" else 0)
