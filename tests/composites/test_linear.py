@@ -104,6 +104,10 @@ def test_pinned_cpp_op_equals_pytorch_and_the_loop(stack: str) -> None:
     with registry.use(pins={"linear": "cpp_op"}, record=True) as run:
         got = _STACKS[stack](x, w, b)
     assert {kind for _, kind in _linear_decisions(run)} == {"cpp_op"}
+    # Ran as written: nothing refused under vmap and was retried functionalized (a write of the op's batching rule
+    # into its own output, where an operand is still batched at an outer level, would be).
+    if "functionalize" not in stack:
+        assert all("functionalize" not in each for each, _ in _linear_decisions(run))
     for mine, theirs in zip(tree_leaves(got), tree_leaves(native), strict=True):
         torch.testing.assert_close(mine, theirs)
     if stack == "vmap(grad)":
@@ -200,6 +204,23 @@ def test_per_sample_weight_gradients_equal_the_loop(rows: int, batch_last: bool)
         expected = torch.autograd.grad(_f(x[i], *leaves), leaves)
         torch.testing.assert_close(got[0][i], expected[0])
         torch.testing.assert_close(got[1][i], expected[1])
+
+
+@pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("width", [128, 131], ids=["rows-aligned", "rows-unaligned"])
+def test_large_one_row_weight_gradients_equal_the_loop(width: int) -> None:
+    """float32 per-sample weight gradients of 4 MiB and more are written with streaming stores (linear.cpp's NOTE),
+    with rows that start on a 32-byte boundary and rows that do not (131 floats): each equals the per-sample loop's."""
+    generator = torch.Generator().manual_seed(6)
+    batch, out = 64, 128
+    x = torch.randn(batch, width, generator=generator)
+    w, b = torch.randn(out, width, generator=generator) / 10, torch.randn(out, generator=generator)
+    assert batch * out * width * 4 >= 4 << 20  # past the streaming threshold
+    with registry.use():
+        got = vmap(grad(lambda xs, v, c: F.linear(xs, v, c).tanh().sum(), argnums=1), in_dims=(0, None, None))(x, w, b)
+    for i in range(batch):
+        leaf = w.clone().requires_grad_()
+        torch.testing.assert_close(got[i], torch.autograd.grad(F.linear(x[i], leaf, b).tanh().sum(), leaf)[0])
 
 
 def _elman(wi: torch.Tensor, wh: torch.Tensor, b: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
