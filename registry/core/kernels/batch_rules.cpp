@@ -47,6 +47,7 @@ bool batch_rules_apply();  // routing.cpp: inside use() under a policy other tha
 
 namespace multicomposite_pool {
 at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options);  // output_pool.cpp
+void zero(at::Tensor& t);  // output_pool.cpp: zero_(), with streaming stores for large blocks
 }
 
 namespace {
@@ -682,7 +683,7 @@ class EmbeddingDenseBackward final : public BatchRule {
     const Tensor offsets = at::arange(batch, idx.value.options()).mul_(num_weights).view({batch, 1});
     const Tensor flat = (idx.value.reshape({batch, -1}) + offsets).reshape({-1});
     Tensor tables = multicomposite_pool::empty({batch * num_weights, width}, rows.options());
-    tables.zero_();
+    multicomposite_pool::zero(tables);
     tables.index_add_(0, flat, rows);
     tables = tables.view({batch, num_weights, width});
     if (padding_idx >= 0) {
