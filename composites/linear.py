@@ -47,11 +47,13 @@ def _per_sample_gradients(ctx: Context) -> rules.Order | None:
     # Only under vmap(grad) and vmap(jacrev), one level that differentiates: elsewhere PyTorch's decomposition costs
     # what the op does (plain vmap folds it the same way) and stays PyTorch's.
     differentiating = ctx.stack.count("grad") + ctx.stack.count("jvp")
-    if (rules.under_vmap(ctx) and "grad" in ctx.stack and differentiating == 1 and "autograd" not in ctx.stack
-            and "input" in ctx.batched):
+    # An input the samples share (an LSTM's initial hidden state) too: the op forms each sample's weight gradient as
+    # an outer product where PyTorch's mm multiplies with a contracted size of 1.
+    if rules.under_vmap(ctx) and "grad" in ctx.stack and differentiating == 1 and "autograd" not in ctx.stack:
         return rules.Order(("cpp_op", "native"),
                            "under vmap(grad) PyTorch's linear decomposes into t, view, addmm and add, each a node and "
-                           "a batched call of its own; the C++ op records one node and folds the batch into one call")
+                           "a batched call of its own; the C++ op records one node, folds the batch into one call and "
+                           "forms each sample's weight gradient as one product")
     return None
 
 

@@ -223,6 +223,33 @@ def test_large_one_row_weight_gradients_equal_the_loop(width: int) -> None:
         torch.testing.assert_close(got[i], torch.autograd.grad(F.linear(x[i], leaf, b).tanh().sum(), leaf)[0])
 
 
+@pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_input_the_samples_share_gets_one_product_per_sample(rows: int) -> None:
+    """A linear whose input the samples share (an LSTM's initial hidden state) and whose output gradient is per
+    sample: the op runs, and each sample's weight gradient is one outer product (one bmm over its rows), not aten's mm
+    of (B * out, 1) x (1, in); each equals the per-sample loop's."""
+    generator = torch.Generator().manual_seed(7)
+    shared = torch.randn(rows, 4, generator=generator, dtype=torch.float64)
+    x = torch.randn(BATCH, 6, generator=generator, dtype=torch.float64)
+    w = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+
+    def loss(v: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+        return (F.linear(shared, v) * sample).tanh().sum()
+
+    step = vmap(grad(loss), in_dims=(None, 0))
+    with registry.use(record=True) as run, torch.profiler.profile(record_shapes=True) as profile:
+        got = step(w, x)
+    assert _linear_decisions(run) == {(("vmap", "grad"), "cpp_op")}
+    ran = [(event.name, event.input_shapes) for event in profile.events()]
+    assert ("multicomposite::linear_weight_grad", [[rows, 6], [rows, 4]]) in ran
+    # The forward's own mm ((rows, 4) x (4, 6), shared) is there; no product has the samples' gradients as its rows.
+    assert not [shapes for name, shapes in ran if name == "aten::mm" and shapes[0][0] == BATCH * 6]
+    for i in range(BATCH):
+        leaf = w.clone().requires_grad_()
+        torch.testing.assert_close(got[i], torch.autograd.grad(loss(leaf, x[i]), leaf)[0])
+
+
 def _elman(wi: torch.Tensor, wh: torch.Tensor, b: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
     """An Elman recurrence written with F.linear, one sample (T, in): both weights used at every step."""
     h = torch.zeros(1, wh.shape[0], dtype=xs.dtype)
