@@ -166,7 +166,8 @@ class OutputPool final : public c10::Allocator {
 // few rows each written) are zeroed first: 82 MB at batch 64 for a 5,000 x 64 table, far more than the caches hold,
 // and never read back before the rows are added in. Ordinary stores read each line into the cache before writing it
 // (TensorIterator's fill); streaming stores write the lines without reading them. Used for blocks of
-// kStreamZeroBytes and more on an AVX2 CPU (chosen at run time); elsewhere zero_().
+// kStreamZeroBytes and more on an AVX2 CPU (chosen at run time); elsewhere, and for quantized tensors (whose zero is
+// not all-zero bits), zero_().
 constexpr int64_t kStreamZeroBytes = int64_t{4} << 20;
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -186,7 +187,7 @@ void zero(at::Tensor& t) {
 #if defined(__GNUC__) && defined(__x86_64__)
   static const bool avx2 = __builtin_cpu_supports("avx2");
   const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  if (avx2 && t.device().is_cpu() && t.is_contiguous() && !t.is_complex() && bytes >= kStreamZeroBytes) {
+  if (avx2 && t.device().is_cpu() && t.is_contiguous() && !t.is_quantized() && bytes >= kStreamZeroBytes) {
     char* data = static_cast<char*>(t.mutable_data_ptr());
     at::parallel_for(0, bytes, at::internal::GRAIN_SIZE * 64, [&](int64_t begin, int64_t end) {
       stream_zero_bytes(data + begin, data + end);
