@@ -45,6 +45,16 @@
 
 bool batch_rules_apply();  // routing.cpp: inside use() under a policy other than "native"
 
+namespace multicomposite_functorch {
+// Whether `t` is an ordinary tensor: not batched at any vmap level, not wrapped by a grad or jvp level (an outer
+// vmap's operand, a hessian's weight differentiated at a level below this one). PyTorch's kernels must not see such
+// a tensor beside ordinary ones, an out= or in-place write into an ordinary tensor cannot take one, and it has no
+// data to read. linear.cpp's rule checks the same.
+bool plain(const at::Tensor& t) {
+  return at::functorch::maybeGetBatchedImpl(t) == nullptr && at::functorch::maybeGetTensorWrapper(t) == nullptr;
+}
+}  // namespace multicomposite_functorch
+
 namespace multicomposite_pool {
 at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options);  // output_pool.cpp
 void zero(at::Tensor& t);  // output_pool.cpp: zero_(), with streaming stores for large blocks
@@ -58,6 +68,7 @@ std::atomic<bool> rules_enabled{true};
 bool rules_apply() { return batch_rules_apply() && rules_enabled.load(std::memory_order_relaxed); }
 
 using at::Tensor;
+using multicomposite_functorch::plain;
 
 constexpr int64_t kNone = 0, kMean = 1, kSum = 2;  // at::Reduction
 
@@ -99,13 +110,6 @@ bool batched_at(const Tensor& t, int64_t level) { return batched_impl_at(t, leve
 bool batched_at(const std::optional<Tensor>& t, int64_t level) { return t.has_value() && batched_at(*t, level); }
 
 bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
-
-// Whether `t` is an ordinary tensor: not batched at an outer vmap level, not wrapped by a grad or jvp level (a
-// hessian's weight, differentiated at a level below this one). PyTorch's kernels must not see such a tensor beside
-// ordinary ones, and an in-place op on an ordinary tensor cannot take one.
-bool plain(const Tensor& t) {
-  return at::functorch::maybeGetBatchedImpl(t) == nullptr && at::functorch::maybeGetTensorWrapper(t) == nullptr;
-}
 
 // Whether `t`'s physical value at `level` (its value where batched there, itself where not) is an ordinary tensor.
 // Checked before a rule excludes FuncTorchBatched: a rule that declines runs the kernel it overrides as it was
@@ -295,7 +299,7 @@ Tensor unfold_samples(const Tensor& t, int64_t batch) {
 // with functorch wrappers left) a product and a sum.
 Tensor row_dots(const Tensor& dy, const Tensor& x) {
   // Storage: a tensor still batched at an outer vmap level (vmap(jacrev)) or wrapped by an outer grad has none.
-  const bool loop = dy.has_storage() && x.has_storage() && dy.device().is_cpu() && dy.is_contiguous() &&
+  const bool loop = plain(dy) && plain(x) && dy.device().is_cpu() && dy.is_contiguous() &&
                     x.is_contiguous() &&
                     dy.scalar_type() == x.scalar_type() &&
                     (dy.scalar_type() == at::kFloat || dy.scalar_type() == at::kDouble);

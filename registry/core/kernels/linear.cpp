@@ -52,11 +52,17 @@
 
 namespace multicomposite_pool {
 at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options);  // output_pool.cpp
+bool streams(int64_t bytes);  // output_pool.cpp: whether a write of `bytes` takes streaming stores
+}
+
+namespace multicomposite_functorch {
+bool plain(const at::Tensor& t);  // batch_rules.cpp: not batched, not wrapped by any functorch level
 }
 
 namespace {
 
 using at::Tensor;
+using multicomposite_functorch::plain;
 using torch::autograd::variable_list;
 
 bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
@@ -65,11 +71,6 @@ bool present(const std::optional<Tensor>& t) { return t.has_value() && t->define
 // where the dimension is in front already, as it mostly is).
 Tensor batch_first(const at::functorch::BatchedTensorImpl& batched) {
   return batched.bdim() == 0 ? batched.value() : batched.value().movedim(batched.bdim(), 0);
-}
-
-// Whether `t` is an ordinary tensor: not batched at any vmap level, not wrapped by a grad or jvp level.
-bool plain(const Tensor& t) {
-  return at::functorch::maybeGetBatchedImpl(t) == nullptr && at::functorch::maybeGetTensorWrapper(t) == nullptr;
 }
 
 // `t`'s batched implementation at vmap level `level`, or null where `t` is not batched there.
@@ -116,15 +117,13 @@ const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)>& weight_gra
   return handle;
 }
 
-// NOTE: one-row samples' outer products with streaming stores. A per-sample weight gradient of a one-row sample is
-// out[b, o, :] = g[b, o] * x[b, :]: B * out rows written once and not read back within the step. Written with
-// ordinary stores (TensorIterator's broadcasting mul) each line of the output is first read into the cache and the
-// cache then written back, about 17 GB/s on one core: 1.0 ms of the 128-256-256-10 MLP's 2.7 ms step at batch 64 was
-// the 16.7 MB product, against 0.37 ms for the same multiply in a loop whose output stays in the cache. Streaming
-// stores write the lines without reading them. Used where the output is larger than the caches hold anyway
-// (kStreamBytes), in float32 on an AVX2 CPU (chosen at run time); the values are the same multiplies, bit for bit.
-constexpr int64_t kStreamBytes = int64_t{4} << 20;
-
+// NOTE: one-row samples' outer products with streaming stores (output_pool.cpp's NOTE). A per-sample weight gradient
+// of a one-row sample is out[b, o, :] = g[b, o] * x[b, :]: B * out rows written once and not read back within the
+// step. Written with ordinary stores (TensorIterator's broadcasting mul) each line of the output is first read into
+// the cache and the cache then written back, about 17 GB/s on one core: 1.0 ms of the 128-256-256-10 MLP's 2.7 ms
+// step at batch 64 was the 16.7 MB product, against 0.37 ms for the same multiply in a loop whose output stays in the
+// cache. Streamed in float32 where multicomposite_pool::streams says so; the values are the same multiplies, bit for
+// bit.
 #if defined(__GNUC__) && defined(__x86_64__)
 __attribute__((target("avx2"))) void stream_outer_rows(const float* g, const float* x, float* product,
                                                         int64_t begin, int64_t end, int64_t out, int64_t in) {
@@ -141,23 +140,16 @@ __attribute__((target("avx2"))) void stream_outer_rows(const float* g, const flo
   _mm_sfence();  // the streamed lines are visible to every core before the product is used
 }
 
-bool streams(const Tensor& product) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2 && product.scalar_type() == at::kFloat && product.device().is_cpu() &&
-         product.numel() * static_cast<int64_t>(sizeof(float)) >= kStreamBytes;
-}
-#else
-bool streams(const Tensor&) { return false; }
 #endif
 
-// `product` (B, out, in) = each sample's g (B, out) times its x (B, in), as an outer product.
+// `product` (B, out, in) = each sample's g (B, out) times its x (B, in), as an outer product; g and x contiguous.
 void outer_products(Tensor& product, const Tensor& g, const Tensor& x) {
 #if defined(__GNUC__) && defined(__x86_64__)
-  if (streams(product)) {
-    const Tensor gs = g.contiguous(), xs = x.contiguous();
+  if (product.scalar_type() == at::kFloat && product.device().is_cpu() &&
+      multicomposite_pool::streams(product.numel() * static_cast<int64_t>(sizeof(float)))) {
     const int64_t batch = product.size(0), out = product.size(1), in = product.size(2);
-    const float* g_data = gs.const_data_ptr<float>();
-    const float* x_data = xs.const_data_ptr<float>();
+    const float* g_data = g.const_data_ptr<float>();
+    const float* x_data = x.const_data_ptr<float>();
     float* target = product.mutable_data_ptr<float>();
     const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(in, 1));
     at::parallel_for(0, batch * out, grain, [&](int64_t begin, int64_t end) {

@@ -162,13 +162,21 @@ class OutputPool final : public c10::Allocator {
 
 }  // namespace
 
-// NOTE: zeroing with streaming stores. Per-sample gradients that are mostly zero (an embedding table's B copies, a
-// few rows each written) are zeroed first: 82 MB at batch 64 for a 5,000 x 64 table, far more than the caches hold,
-// and never read back before the rows are added in. Ordinary stores read each line into the cache before writing it
-// (TensorIterator's fill); streaming stores write the lines without reading them. Used for blocks of
-// kStreamZeroBytes and more on an AVX2 CPU (chosen at run time); elsewhere, and for quantized tensors (whose zero is
-// not all-zero bits), zero_().
-constexpr int64_t kStreamZeroBytes = int64_t{4} << 20;
+// NOTE: streaming stores. A per-sample gradient written once and not read back within the step (an embedding
+// table's B copies, zeroed before a few rows are added in: 82 MB at batch 64 for a 5,000 x 64 table; linear's outer
+// products) is far larger than the caches hold. Ordinary stores read each line into the cache before writing it
+// (TensorIterator's fill and mul); streaming stores write the lines without reading them. Used for blocks of
+// kStreamBytes and more on an AVX2 CPU (chosen at run time): `streams` decides for every kernel that writes so.
+constexpr int64_t kStreamBytes = int64_t{4} << 20;
+
+bool streams(int64_t bytes) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2 && bytes >= kStreamBytes;
+#else
+  return false;
+#endif
+}
 
 #if defined(__GNUC__) && defined(__x86_64__)
 __attribute__((target("avx2"))) static void stream_zero_bytes(char* begin, char* end) {
@@ -183,11 +191,11 @@ __attribute__((target("avx2"))) static void stream_zero_bytes(char* begin, char*
 }
 #endif
 
+// `t` zeroed; streamed where `streams` says so. Quantized tensors (whose zero is not all-zero bits) take zero_().
 void zero(at::Tensor& t) {
 #if defined(__GNUC__) && defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
   const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  if (avx2 && t.device().is_cpu() && t.is_contiguous() && !t.is_quantized() && bytes >= kStreamZeroBytes) {
+  if (t.device().is_cpu() && t.is_contiguous() && !t.is_quantized() && streams(bytes)) {
     char* data = static_cast<char*>(t.mutable_data_ptr());
     at::parallel_for(0, bytes, at::internal::GRAIN_SIZE * 64, [&](int64_t begin, int64_t end) {
       stream_zero_bytes(data + begin, data + end);
