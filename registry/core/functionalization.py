@@ -44,6 +44,7 @@ from registry.core import (
     mask_indexing,
     out_arguments,
     random_state,
+    transform_calls,
     write_target,
 )
 from registry.core.context import functorch_stack
@@ -173,10 +174,11 @@ class Functionalization:
     boolean-mask kernel."""
 
     def __init__(self, fresh: fresh_buffers.FreshBuffers, outs: out_arguments.OutArguments,
-                 masks: mask_indexing.MaskIndexing) -> None:
+                 masks: mask_indexing.MaskIndexing, levels: transform_calls.TransformCalls) -> None:
         self.fresh_buffers = fresh
         self.out_arguments = outs
         self.mask_indexing = masks
+        self.levels = levels  # runs a level as functorch's _flat_vmap does (transform_calls.py: NOTE [transform calls])
         self.lock = threading.Lock()
         self.active: Callable[[], bool] | None = None  # whether this thread routes, while installed
         # Code of the functions (with the code of what they wrap) whose vmapped body needed functionalizing.
@@ -238,8 +240,8 @@ class Functionalization:
         state = None if randomness == "error" else random_state.save()
         try:
             if remembered:
-                return PYTORCH_FLAT_VMAP(self.functionalizing(func), *args, **kwargs)
-            return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
+                return self.levels.flat_vmap(self.functionalizing(func), *args, **kwargs)
+            return self.levels.flat_vmap(func, *args, **kwargs)
         except SamplesDisagreeError as error:
             return self.split(error, state, func, *args, **kwargs)
         except RuntimeError as error:
@@ -263,7 +265,7 @@ class Functionalization:
             # Functionalized, this call failed where it may run as written (a torch.autograd.Function, which
             # functionalize cannot run, on a path that writes nothing): run it as written, from the same random state.
             _restore_random_state(state)
-            return PYTORCH_FLAT_VMAP(func, *args, **kwargs)
+            return self.levels.flat_vmap(func, *args, **kwargs)
         if CAPTURED_REFUSAL in str(failure):  # grad refuses a write into a captured tensor before vmap sees it
             raise OutsideWriteError(_outside_write_message(failure, failure)) from failure
         if not _may_be_write_refusal(failure):
@@ -271,7 +273,7 @@ class Functionalization:
         _restore_random_state(state)
         self.fresh_buffers.register()
         try:
-            result = PYTORCH_FLAT_VMAP(self.functionalizing(func), *args, **kwargs)
+            result = self.levels.flat_vmap(self.functionalizing(func), *args, **kwargs)
         except SamplesDisagreeError as retry:  # functionalized, it ran past the write to a branch the samples split on
             functionalized.add(function_key(func))
             return self.split(retry, state, func, *args, **kwargs)
@@ -296,7 +298,7 @@ class Functionalization:
 
 
 # The default registry's (``Router.patches``), with the default fresh-buffer and out= patches.
-PATCH = Functionalization(fresh_buffers.PATCH, out_arguments.PATCH, mask_indexing.PATCH)
+PATCH = Functionalization(fresh_buffers.PATCH, out_arguments.PATCH, mask_indexing.PATCH, transform_calls.PATCH)
 FUNCTIONALIZED = PATCH.functionalized  # the default patch's remembered functions (the harness and tests read it)
 
 

@@ -3,8 +3,11 @@
 Each patch owns what it changed and what it needs to change it back (the predicate it was given, its Library, the
 originals), as ``install(active)`` and ``uninstall()``; ``active()`` says whether this thread is inside ``use()`` with
 a policy that routes. Elsewhere each patched entry point runs PyTorch's own code. The router installs them in the
-order below and uninstalls them in reverse (``inplace_under_jvp`` wraps what ``out_arguments`` wrapped).
+order below and uninstalls them in reverse (``inplace_under_jvp`` wraps what ``out_arguments`` wrapped, which wraps
+``transform_calls``' grad).
 
+- ``transform_calls``: functorch's ``vmap_impl`` and ``grad_and_value_impl`` with less Python per call (and the
+  level runner ``functionalization`` calls); first, so that ``out_arguments``' retry wraps its grad.
 - ``out_arguments``: the ``out=`` kernels, registered with the C++ routing kernels; with the Python ones grad's,
   vjp's and jvp's implementations retry an ``out=`` refusal with them.
 - ``inplace_under_jvp``: jvp's implementation registers the kernels of the overloads routed only under jvp.
@@ -40,6 +43,7 @@ from registry.core import (
     legacy_functions,
     mask_indexing,
     out_arguments,
+    transform_calls,
 )
 
 
@@ -70,6 +74,6 @@ class CompiledKernels(Protocol):
         ...
 
 
-PATCHES: tuple[Patch, ...] = (out_arguments.PATCH, inplace_under_jvp.PATCH, fresh_buffers.PATCH,
-                              mask_indexing.PATCH, functionalization.PATCH, legacy_functions.PATCH, checkpointing.PATCH,
-                              flex_attention.PATCH, batch_rules.PATCH, first_order_grad.PATCH)
+PATCHES: tuple[Patch, ...] = (transform_calls.PATCH, out_arguments.PATCH, inplace_under_jvp.PATCH,
+                              fresh_buffers.PATCH, mask_indexing.PATCH, functionalization.PATCH, legacy_functions.PATCH,
+                              checkpointing.PATCH, flex_attention.PATCH, batch_rules.PATCH, first_order_grad.PATCH)

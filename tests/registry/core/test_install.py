@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._functorch.apis as functorch_apis  # noqa: PLC2701 - functorch's internals have no public API
 import torch._functorch.eager_transforms as eager_transforms  # noqa: PLC2701 - functorch's internals have no public API
 import torch._functorch.vmap as functorch_vmap  # noqa: PLC2701
 from torch import func
 
 import registry
-from registry.core import functionalization
+from registry.core import functionalization, transform_calls
 from registry.core.context import DISPATCH_KEY
 from registry.core.ops import ORIGINAL
 from registry.core.routing import ROUTER
@@ -68,6 +69,7 @@ def test_uninstall_gives_pytorch_back(uninstalled: None) -> None:
     assert torch.Tensor.contiguous is ORIGINAL.Tensor.contiguous
     assert torch.Tensor.__setitem__ is PYTORCH_SETITEM
     assert functorch_vmap._flat_vmap is functionalization.PYTORCH_FLAT_VMAP
+    assert functorch_apis.vmap_impl is transform_calls.PYTORCH_VMAP_IMPL
     assert not any(_wrapped_here(name) for name in TRANSFORM_IMPLEMENTATIONS)
     assert all(_native_front_kernel(name) for name in OVERLOADS)
     assert _native_front_kernel("aten::mul.out")  # the out= kernels' (the C++ backend's, with its routing kernels)
@@ -96,11 +98,14 @@ def test_install_again_routes_again(uninstalled: None) -> None:
 
 
 def test_transform_wrappers_by_backend(routing_backend: str) -> None:
-    """The C++ backend registers the out= kernels with its routing kernels, so grad's and vjp's implementations stay
-    PyTorch's own; on the Python backend they retry an out= refusal. jvp's is wrapped on both (its in-place kernels
-    are registered at the first jvp)."""
+    """The C++ backend registers the out= kernels with its routing kernels, so vjp's implementation stays PyTorch's
+    own and grad's is transform_calls' lean one, without the retry; on the Python backend they retry an out= refusal.
+    jvp's is wrapped on both (its in-place kernels are registered at the first jvp)."""
     registry.install()
     wrapped = {name for name in TRANSFORM_IMPLEMENTATIONS if _wrapped_here(name)}
-    assert wrapped == (set(TRANSFORM_IMPLEMENTATIONS) if routing_backend == "python" else {"_jvp_with_argnums"})
+    assert wrapped == (set(TRANSFORM_IMPLEMENTATIONS) if routing_backend == "python"
+                       else {"_jvp_with_argnums", "grad_and_value_impl"})
+    if routing_backend == "cpp":
+        assert eager_transforms.grad_and_value_impl == transform_calls.PATCH.grad_and_value_impl
     if routing_backend == "cpp":
         assert not _native_front_kernel("aten::mul.out")

@@ -1,0 +1,35 @@
+"""``python -m bench.transform_calls [--batch 4 16 64] [--only NAME ...] [--rounds 7]``: what the lean ``vmap`` and
+``grad`` calls (``registry/core/transform_calls.py``) change in whole per-sample-gradient steps.
+
+Every ``bench.models`` workload runs inside ``use()`` two ways in one process, in alternating rounds (the order
+alternating too): as ``use()`` runs it (``lean``) and with the patch switched off for that way's timing
+(``functorch``: functorch's own ``vmap_impl``, ``grad_and_value_impl`` and ``_flat_vmap``). One intra-op thread,
+the calling thread's CPU time; a way's time is its best round (each round the median call). Both ways' per-sample
+gradients are checked against the per-sample loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from bench.batch_rules import compare
+from registry.core import transform_calls
+
+
+@contextlib.contextmanager
+def functorchs() -> Iterator[None]:
+    """functorch's own implementations inside ``use()`` while the block runs."""
+    transform_calls.PATCH.enabled = False
+    try:
+        yield
+    finally:
+        transform_calls.PATCH.enabled = True
+
+
+def main(argv: list[str] | None = None) -> None:
+    compare("python -m bench.transform_calls", __doc__ or "", argv, ("functorch", "lean"), functorchs)
+
+
+if __name__ == "__main__":
+    main()
