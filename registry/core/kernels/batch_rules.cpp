@@ -53,6 +53,47 @@ namespace multicomposite_functorch {
 bool plain(const at::Tensor& t) {
   return at::functorch::maybeGetBatchedImpl(t) == nullptr && at::functorch::maybeGetTensorWrapper(t) == nullptr;
 }
+
+// NOTE [kernels under the last level]: a batching rule runs inside functorch's vmap interpreter, which excludes from
+// the thread's dispatch keys everything between functorch's front and back keys (autograd, autocast, ADInplaceOrView,
+// the conjugate bit...). Every op the rule calls (its kernel, and every op that kernel calls: at::zeros, empty,
+// transposes) then goes through functorch's DynamicLayerBackMode fallback, which restores the keys saved when the
+// call entered the level, pops the level, re-dispatches, and pushes the level back (DynamicLayer.cpp's
+// dynamicLayerBackFallback). Where this vmap level is the only one on the stack (the levels above it have handed the
+// call down: vmap's, and vmap(grad)'s outer level) and every tensor the rule hands on is ordinary (not batched, not
+// wrapped), the rule does that once around its kernels instead of once per op: the same keys, the same empty stack,
+// so each op runs as it would have after the fallback (eager autograd records what it would have recorded, autocast
+// casts what it would have cast). Measured: the CPU flash attention backward's three 32 KB at::zeros took 14-17 us
+// each inside the rule, against 1-2 us outside; 30 us of a 0.41 ms vmap(grad) of one attention. Anywhere else (a
+// level below, an operand batched or wrapped) nothing changes. Declared the same in linear.cpp and fused_ops.cpp.
+class BelowLevels {
+ public:
+  explicit BelowLevels(bool operands_plain);
+  ~BelowLevels();
+  BelowLevels(const BelowLevels&) = delete;
+  BelowLevels& operator=(const BelowLevels&) = delete;
+
+ private:
+  std::optional<c10::impl::ForceDispatchKeyGuard> keys_;
+  std::optional<at::functorch::DynamicLayer> level_;
+};
+
+// Off: each op a rule calls goes through functorch's back fallback (bench.below_levels' baseline).
+std::atomic<bool> below_levels_enabled{true};
+
+BelowLevels::BelowLevels(bool operands_plain) {
+  const auto& layers = at::functorch::getDynamicLayerStack();
+  if (operands_plain && layers.size() == 1 && below_levels_enabled.load(std::memory_order_relaxed)) {
+    keys_.emplace(layers.back().interpreter().getSavedLocalDispatchKeySet());
+    level_.emplace(at::functorch::popDynamicLayer());  // the last level: also takes functorch's keys out
+  }
+}
+
+BelowLevels::~BelowLevels() {
+  if (level_.has_value()) {
+    at::functorch::pushDynamicLayer(std::move(*level_));
+  }
+}
 }  // namespace multicomposite_functorch
 
 namespace multicomposite_pool {
@@ -68,6 +109,7 @@ std::atomic<bool> rules_enabled{true};
 bool rules_apply() { return batch_rules_apply() && rules_enabled.load(std::memory_order_relaxed); }
 
 using at::Tensor;
+using multicomposite_functorch::BelowLevels;
 using multicomposite_functorch::plain;
 
 constexpr int64_t kNone = 0, kMean = 1, kSum = 2;  // at::Reduction
@@ -107,6 +149,9 @@ int64_t current_level() {
 
 bool batched_at(const Tensor& t, int64_t level) { return batched_impl_at(t, level) != nullptr; }
 
+// Whether every tensor among the op's arguments on `stack` is, at `level`, ordinary once unbatched (plain_at).
+bool arguments_plain(const c10::OperatorHandle& op, const torch::jit::Stack& stack, int64_t level);
+
 bool batched_at(const std::optional<Tensor>& t, int64_t level) { return t.has_value() && batched_at(*t, level); }
 
 bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
@@ -117,6 +162,17 @@ bool present(const std::optional<Tensor>& t) { return t.has_value() && t->define
 bool plain_at(const Tensor& t, int64_t level) {
   const auto* batched = batched_impl_at(t, level);
   return plain(batched != nullptr ? batched->value() : t);
+}
+
+bool arguments_plain(const c10::OperatorHandle& op, const torch::jit::Stack& stack, int64_t level) {
+  const size_t count = op.schema().arguments().size();
+  for (size_t i = stack.size() - count; i < stack.size(); ++i) {
+    const c10::IValue& argument = stack[i];
+    if (argument.isTensor() && !plain_at(argument.toTensor(), level)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // Whether `t` holds no element, its batch dimension at `level` counted (vmap over 0 samples included): an empty
@@ -205,6 +261,7 @@ class NllLossForward final : public BatchRule {
       return overridden_.callBoxed(op, keyset, stack);
     }
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const BelowLevels below(arguments_plain(op, *stack, level));
     const Physical s = unwrap(self, level), t = unwrap(target, level);
     const Rows r = fold(s, t);
     const Tensor per_row = std::get<0>(at::nll_loss_forward(r.self_rows, r.target_rows, weight, kNone, ignore_index));
@@ -252,6 +309,7 @@ class NllLossBackward final : public BatchRule {
       return overridden_.callBoxed(op, keyset, stack);
     }
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const BelowLevels below(arguments_plain(op, *stack, level));
     const Physical g = unwrap(grad, level), s = unwrap(self, level), t = unwrap(target, level);
     const Physical w = unwrap(total, level);
     const int64_t batch = g.batched ? g.value.size(0) : s.batched ? s.value.size(0) : t.batched ? t.value.size(0)
@@ -362,6 +420,7 @@ class GroupNorm final : public BatchRule {
     const int64_t inner = int_of((*stack)[n - 3]), group = (*stack)[n - 2].toInt();
     const double eps = (*stack)[n - 1].toDouble();
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const BelowLevels below(arguments_plain(op, *stack, level));
     const Tensor x = unwrap(input, level).value;  // (B, N, C, *)
     const int64_t batch = x.size(0);
     auto [y, mean, rstd] = at::native_group_norm(fold_samples(x).contiguous(), weight, bias, batch * samples,
@@ -402,6 +461,7 @@ class GroupNormBackward final : public BatchRule {
     const bool want_input = mask.get(0), want_weight = mask.get(1) && present(weight);
     const bool want_bias = mask.get(2);
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const BelowLevels below(arguments_plain(op, *stack, level));
     const Physical g = unwrap(grad, level), x = unwrap(input, level), m = unwrap(mean, level),
                    r = unwrap(rstd, level);
     const int64_t batch = g.batched ? g.value.size(0) : x.value.size(0);
@@ -534,6 +594,7 @@ class LayerNormBackward final : public BatchRule {
     for (const auto& size : (*stack)[n - 6].toListRef()) normalized.push_back(int_of(size));
     const auto mask = (*stack)[n - 1].toBoolList();
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const BelowLevels below(arguments_plain(op, *stack, level));
     const Physical g = unwrap(grad, level), x = unwrap(input, level), m = unwrap(mean, level),
                    r = unwrap(rstd, level);
     const int64_t batch = g.batched ? g.value.size(0) : x.value.size(0);
@@ -616,6 +677,7 @@ class ConvolutionBackward final : public BatchRule {
       return overridden_.callBoxed(op, keyset, stack);
     }
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const BelowLevels below(arguments_plain(op, *stack, level));
     const Tensor dy = unwrap(grad, level).value, x = unwrap(input, level).value;  // (B, N, O, Ho, Wo), (B, N, C, H, W)
     const int64_t batch = x.size(0), samples = x.size(1), channels = x.size(2);
     const int64_t outputs = dy.size(2), kernel_h = weight.size(2), kernel_w = weight.size(3);
@@ -681,6 +743,7 @@ class EmbeddingDenseBackward final : public BatchRule {
     }
     const int64_t num_weights = int_of((*stack)[n - 3]), padding_idx = int_of((*stack)[n - 2]);
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const BelowLevels below(arguments_plain(op, *stack, level));
     const Physical g = unwrap(grad, level), idx = unwrap(indices, level);
     const int64_t batch = idx.value.size(0), width = grad.size(-1);
     const Tensor rows = with_batch(g, batch).reshape({-1, width});  // (B * looked-up rows, D)
@@ -775,6 +838,7 @@ class FlashAttention final : public BatchRule {
       return overridden_.callBoxed(op, keyset, stack);
     }
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const BelowLevels below(arguments_plain(op, *stack, level));
     const int64_t batch = batch_of(tensors, mask, level);
     auto [output, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(
         fold_operand(query, level, batch), fold_operand(key, level, batch), fold_operand(value, level, batch),
@@ -813,6 +877,7 @@ class FlashAttentionBackward final : public BatchRule {
       return overridden_.callBoxed(op, keyset, stack);
     }
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const BelowLevels below(arguments_plain(op, *stack, level));
     const int64_t batch = batch_of(tensors, mask, level);
     auto [grad_query, grad_key, grad_value] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
         fold_operand(grad, level, batch), fold_operand(query, level, batch), fold_operand(key, level, batch),
@@ -840,6 +905,8 @@ void override_batched(torch::Library& library, const char* name) {
 }  // namespace
 
 void set_batch_rules_enabled(bool enabled) { rules_enabled.store(enabled); }
+
+void set_below_levels_enabled(bool enabled) { multicomposite_functorch::below_levels_enabled.store(enabled); }
 
 // Register the rules into `library` (the C++ routing's); returns how many. The decompositions they override must
 // be registered first (torch._functorch.predispatch.lazy_load_decompositions), or they would override these.

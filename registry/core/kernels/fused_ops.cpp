@@ -85,9 +85,25 @@ const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor
 
 }  // namespace multicomposite_fused
 
+namespace multicomposite_functorch {
+bool plain(const at::Tensor& t);  // batch_rules.cpp: not batched, not wrapped by any functorch level
+class BelowLevels {  // batch_rules.cpp: NOTE [kernels under the last level]
+ public:
+  explicit BelowLevels(bool operands_plain);
+  ~BelowLevels();
+  BelowLevels(const BelowLevels&) = delete;
+  BelowLevels& operator=(const BelowLevels&) = delete;
+
+ private:
+  std::optional<c10::impl::ForceDispatchKeyGuard> keys_;
+  std::optional<at::functorch::DynamicLayer> level_;
+};
+}  // namespace multicomposite_functorch
+
 namespace {
 
 using at::Tensor;
+using multicomposite_functorch::BelowLevels;
 using multicomposite_fused::fill_op;
 using multicomposite_fused::scatter_op;
 using torch::autograd::variable_list;
@@ -1244,6 +1260,14 @@ int64_t current_level() {
   return layer->layerId();
 }
 
+// Whether every operand, unbatched at this level, is an ordinary tensor (a None is).
+bool all_plain(std::initializer_list<const Unwrapped*> all) {
+  for (const auto* u : all) {
+    if (u->value.defined() && !multicomposite_functorch::plain(u->value)) return false;
+  }
+  return true;
+}
+
 int64_t batch_size(std::initializer_list<const Unwrapped*> all) {
   for (const auto* u : all) {
     if (u->batched) return u->value.size(0);
@@ -1265,6 +1289,7 @@ Tensor fill_batched(const std::optional<Tensor>& self, const Tensor& mask, const
   if (batch < 0) {
     return select_call(self, mask, value);
   }
+  const BelowLevels below(all_plain({&s, &m, &v}));
   const int64_t rank = std::max({s.rank, m.rank, v.rank});
   const Tensor out = select_call(maybe(batch_first(s, rank, batch, false)), batch_first(m, rank, batch, false),
                                  maybe(batch_first(v, rank, batch, false)));
@@ -1282,6 +1307,7 @@ Pair fill_backward_batched(const Tensor& grad, const Tensor& mask, at::OptionalI
   if (batch < 0) {
     return fill_backward_op().call(grad, mask, value_shape, output_mask);
   }
+  const BelowLevels below(all_plain({&g, &m}));
   const int64_t rank = std::max(g.rank, m.rank);
   // The value's gradient per sample: summed to (B, 1, ..., 1, value_shape) over the gradient's rank, then viewed as
   // (B, value_shape).
@@ -1311,6 +1337,7 @@ Tensor scatter_batched(const Tensor& self, const Tensor& mask, const Tensor& sou
   if (batch < 0) {
     return scatter_op().call(self, mask, source, batch_ndim);
   }
+  const BelowLevels below(all_plain({&s, &m, &src}));
   const Tensor out = scatter_op().call(batch_first(s, s.rank, batch, true), batch_first(m, m.rank, batch, true),
                                        batch_first(src, src.rank, batch, true), batch_ndim + 1);
   return at::functorch::makeBatched(out, 0, level);
@@ -1325,6 +1352,7 @@ Pair scatter_backward_batched(const Tensor& grad, const Tensor& mask, at::IntArr
   if (batch < 0) {
     return scatter_backward_op().call(grad, mask, source_shape, batch_ndim, output_mask);
   }
+  const BelowLevels below(all_plain({&g, &m}));
   std::vector<int64_t> shape{batch};
   shape.insert(shape.end(), source_shape.begin(), source_shape.end());
   const auto [grad_self, grad_source] =
@@ -1341,6 +1369,7 @@ Tensor gather_batched(const Tensor& values, const Tensor& mask, at::IntArrayRef 
   if (batch < 0) {
     return gather_op().call(values, mask, source_shape, batch_ndim);
   }
+  const BelowLevels below(all_plain({&v, &m}));
   std::vector<int64_t> shape{batch};
   shape.insert(shape.end(), source_shape.begin(), source_shape.end());
   const Tensor out = gather_op().call(batch_first(v, v.rank, batch, true), batch_first(m, m.rank, batch, true), shape,
@@ -1355,6 +1384,7 @@ Tensor index_mask_batched(const Tensor& index, int64_t size, int64_t batch_ndim)
   if (!i.batched) {
     return index_mask_op().call(index, size, batch_ndim);
   }
+  const BelowLevels below(all_plain({&i}));
   return at::functorch::makeBatched(index_mask_op().call(i.value, size, batch_ndim + 1), 0, level);
 }
 

@@ -57,11 +57,23 @@ bool streams(int64_t bytes);  // output_pool.cpp: whether a write of `bytes` tak
 
 namespace multicomposite_functorch {
 bool plain(const at::Tensor& t);  // batch_rules.cpp: not batched, not wrapped by any functorch level
+class BelowLevels {  // batch_rules.cpp: NOTE [kernels under the last level]
+ public:
+  explicit BelowLevels(bool operands_plain);
+  ~BelowLevels();
+  BelowLevels(const BelowLevels&) = delete;
+  BelowLevels& operator=(const BelowLevels&) = delete;
+
+ private:
+  std::optional<c10::impl::ForceDispatchKeyGuard> keys_;
+  std::optional<at::functorch::DynamicLayer> level_;
+};
 }
 
 namespace {
 
 using at::Tensor;
+using multicomposite_functorch::BelowLevels;
 using multicomposite_functorch::plain;
 using torch::autograd::variable_list;
 
@@ -204,6 +216,7 @@ Tensor weight_grad_batched(const Tensor& grad, const Tensor& input) {
   // operands' strides: the (B, out, in) product ran 10x slower than over contiguous copies of the two small operands
   // (3.7 ms against 0.37 ms at 64 x 256 x 256).
   // The product is written into the output pool's memory (output_pool.cpp: kept mapped from one step to the next).
+  const BelowLevels below(true);  // both operands ordinary (above)
   Tensor product = multicomposite_pool::empty({batch, out, in}, g_rows.options());
   if (rows == 1) {
     outer_products(product, g_rows.reshape({batch, out}).contiguous(), x_rows.reshape({batch, in}).contiguous());
@@ -370,6 +383,7 @@ Tensor linear_batched(const Tensor& input, const Tensor& weight, const std::opti
     return at::linear(input, weight, bias);
   }
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  const BelowLevels below(plain(batched->value()) && plain(weight) && (!present(bias) || plain(*bias)));
   const Tensor rows = batch_first(*batched);
   if (rows.dim() <= 2 || rows.is_contiguous()) {
     return at::functorch::makeBatched(at::linear(rows, weight, bias), 0, level);

@@ -647,6 +647,7 @@ void bind_random_state(py::module& m);  // random_state.cpp
 size_t register_batch_rules(torch::Library& library);  // batch_rules.cpp
 bool backward_is_first_order(const std::vector<at::Tensor>& outputs);  // first_order.cpp
 void set_batch_rules_enabled(bool enabled);            // batch_rules.cpp
+void set_below_levels_enabled(bool enabled);           // batch_rules.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "multicomposite's routing kernels at FuncTorchDynamicLayerFrontMode";
@@ -693,6 +694,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether the C++ batching rules are registered");
   m.def("set_batch_rules_enabled", &set_batch_rules_enabled,
         "Off: the C++ batching rules run the kernels they override, inside use() too (a benchmark's baseline)");
+  m.def("set_below_levels_enabled", &set_below_levels_enabled,
+        "Off: every op a C++ batching rule calls goes through functorch's back fallback, under the last level too "
+        "(batch_rules.cpp: NOTE [kernels under the last level]; a benchmark's baseline)");
   m.def(
       "unregister_all",
       []() {

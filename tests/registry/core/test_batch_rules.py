@@ -708,3 +708,69 @@ def test_layer_norm_rule_runs_instead_of_functorchs(routing_backend: str) -> Non
     # The loss's own: tanh's backward and the scale, forward and backward; functorch's rule adds grad_out * weight and
     # the weight gradient's two products.
     assert outside - inside == (3 if routing_backend == "cpp" else 0)
+
+
+# --- the kernels under the last level (batch_rules.cpp: NOTE [kernels under the last level]) ------------------------
+
+
+def _causal_attention_operands() -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(3)
+    return tuple(torch.randn(BATCH, 1, 2, 6, 4, generator=generator) for _ in range(3))
+
+
+def _causal_attention_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return functional.scaled_dot_product_attention(q, k, v, is_causal=True).tanh().sum()
+
+
+def test_eager_autograd_records_through_the_rules() -> None:
+    """A weight that requires grad outside every transform: the rules' kernels (the NLL loss's, forward and backward)
+    run with the keys the call came in with, so eager autograd records them as it does natively (the second
+    derivative equals PyTorch's)."""
+    generator = torch.Generator().manual_seed(5)
+    x, target = torch.randn(BATCH, 4, generator=generator), torch.randint(0, CLASSES, (BATCH,), generator=generator)
+    weight = torch.randn(CLASSES, 4, generator=generator)
+
+    def loss(w: torch.Tensor, sample: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        return functional.cross_entropy((sample @ w.T).unsqueeze(0), label.unsqueeze(0))
+
+    def outer(w: torch.Tensor) -> torch.Tensor:
+        per_sample = func.vmap(func.grad(loss), in_dims=(None, 0, 0))(w, x, target)
+        return torch.autograd.grad(per_sample.square().sum(), w)[0]
+
+    native = outer(weight.clone().requires_grad_())
+    with registry.use():
+        routed = outer(weight.clone().requires_grad_())
+    torch.testing.assert_close(routed, native)
+
+
+def test_autocast_casts_inside_the_rules() -> None:
+    """Under CPU autocast the kernels a rule calls are cast as they are natively (linear in bfloat16)."""
+    generator = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(BATCH, 3, 8, generator=generator), torch.randn(6, 8, generator=generator)
+
+    def run() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return func.vmap(lambda sample: functional.linear(sample, weight))(x)
+
+    native = run()
+    with registry.use():
+        routed = run()
+    assert routed.dtype == native.dtype == torch.bfloat16
+    torch.testing.assert_close(routed, native)
+
+
+def test_levels_below_keep_the_fallback() -> None:
+    """With a level below the rule's (grad(vmap), vmap(vmap(grad))), every op goes through functorch as before: the
+    values equal PyTorch's rules'."""
+    q, k, v = _causal_attention_operands()
+    calls: dict[str, Callable[[], Any]] = {
+        "grad(vmap)": lambda: func.grad(lambda t: func.vmap(_causal_attention_loss)(t, k, v).sum())(q),
+        "vmap(vmap(grad))": lambda: func.vmap(func.vmap(func.grad(_causal_attention_loss)))(
+            q.unsqueeze(1).expand(BATCH, 2, 1, 2, 6, 4), k.unsqueeze(1).expand(BATCH, 2, 1, 2, 6, 4),
+            v.unsqueeze(1).expand(BATCH, 2, 1, 2, 6, 4)),
+    }
+    for name, call in calls.items():
+        native = call()
+        with registry.use():
+            routed = call()
+        torch.testing.assert_close(routed, native, msg=name)
