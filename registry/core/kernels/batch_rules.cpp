@@ -218,6 +218,41 @@ Rows fold(const Physical& self, const Physical& target) {
   return Rows{batch, rows, one_row, s.reshape({batch * rows, s.size(-1)}), t.reshape({batch * rows})};
 }
 
+// Without class weights, on the CPU in float or double with int64 targets: each sample's sum of its rows' losses
+// (divided by its count of kept targets where `mean`) and that count, in one pass over the rows. The same through
+// batched ops (below) is ne, to, two sums and a div: about 25 us of the MLP's 0.6 ms per-sample step at batch 4,
+// profiled, for four numbers.
+// Only on ordinary data nothing records: not wrapped by a level below (jacrev(vmap)), not differentiated by eager
+// autograd or forward AD outside the transforms (those see the batched ops).
+bool reduces_in_one_pass(const Tensor& per_row, const Tensor& target_rows, const std::optional<Tensor>& weight) {
+  return !present(weight) && plain(per_row) && plain(target_rows) && !per_row.requires_grad() &&
+         !per_row._fw_grad(/*level=*/0).defined() && per_row.device().is_cpu() && per_row.is_contiguous() &&
+         (per_row.scalar_type() == at::kFloat || per_row.scalar_type() == at::kDouble) &&
+         target_rows.scalar_type() == at::kLong && target_rows.dim() == 1;
+}
+
+std::pair<Tensor, Tensor> reduce_in_one_pass(const Tensor& per_row, const Tensor& target_rows, int64_t batch,
+                                             int64_t rows, int64_t ignore_index, bool mean) {
+  Tensor output = at::empty({batch}, per_row.options()), weights = at::empty({batch}, per_row.options());
+  const int64_t* target = target_rows.const_data_ptr<int64_t>();
+  const int64_t stride = target_rows.stride(0);
+  AT_DISPATCH_FLOATING_TYPES(per_row.scalar_type(), "multicomposite_nll_reduce", [&] {
+    const scalar_t* loss = per_row.const_data_ptr<scalar_t>();
+    scalar_t* out = output.mutable_data_ptr<scalar_t>();
+    scalar_t* kept = weights.mutable_data_ptr<scalar_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      scalar_t sum = 0, count = 0;
+      for (int64_t r = b * rows; r < (b + 1) * rows; ++r) {
+        sum += loss[r];  // an ignored row's loss is 0 (the kernel's)
+        count += target[r * stride] != ignore_index ? scalar_t(1) : scalar_t(0);
+      }
+      out[b] = mean ? sum / count : sum;
+      kept[b] = count;
+    }
+  });
+  return {output, weights};
+}
+
 // Each sample's total weight: the weights of its rows' targets (1 each without weights), 0 where ignored.
 Tensor total_weight(const Rows& r, const std::optional<Tensor>& weight, int64_t ignore_index, const Tensor& like) {
   const Tensor keep = r.target_rows.ne(ignore_index);
@@ -270,6 +305,9 @@ class NllLossForward final : public BatchRule {
       output = r.one_row ? per_row : per_row.view({r.batch, r.rows});
       // As the decomposition (and aten): a 2-d input's total weight is 0 without a reduction.
       weights = r.one_row ? total_weight(r, weight, ignore_index, r.self_rows) : at::zeros({}, r.self_rows.options());
+    } else if (reduces_in_one_pass(per_row, r.target_rows, weight)) {
+      std::tie(output, weights) =
+          reduce_in_one_pass(per_row, r.target_rows, r.batch, r.rows, ignore_index, reduction == kMean);
     } else {
       weights = total_weight(r, weight, ignore_index, r.self_rows);
       output = per_row.view({r.batch, r.rows}).sum(1);
