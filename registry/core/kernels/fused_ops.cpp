@@ -1228,7 +1228,8 @@ Unwrapped unwrap(const std::optional<Tensor>& t, int64_t level) {
     return {};
   }
   if (auto* batched = at::functorch::maybeGetBatchedImpl(*t); batched != nullptr && batched->level() == level) {
-    return {batched->value().movedim(batched->bdim(), 0), true, batched->value().dim() - 1};
+    const int64_t bdim = batched->bdim();  // movedim is two dispatched calls even where the batch is in front
+    return {bdim == 0 ? batched->value() : batched->value().movedim(bdim, 0), true, batched->value().dim() - 1};
   }
   return {*t, false, t->dim()};
 }
