@@ -29,13 +29,18 @@ from registry.core.routing import ROUTER
 
 
 @contextlib.contextmanager
-def overridden() -> Iterator[None]:
-    """The C++ rules off while the block runs: each runs the kernel it overrides."""
-    ROUTER.set_batch_rules_enabled(False)
+def switched_off(switch: Callable[[bool], None]) -> Iterator[None]:
+    """``switch(False)`` while the block runs, ``switch(True)`` after it: a way's baseline in ``compare``."""
+    switch(False)
     try:
         yield
     finally:
-        ROUTER.set_batch_rules_enabled(True)
+        switch(True)
+
+
+def overridden() -> contextlib.AbstractContextManager[None]:
+    """The C++ rules off while the block runs: each runs the kernel it overrides."""
+    return switched_off(ROUTER.set_batch_rules_enabled)
 
 
 BEFORE = {"native_group_norm": "native"}

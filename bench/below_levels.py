@@ -12,21 +12,14 @@ round the median call). Both ways' per-sample gradients are checked against the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
-from bench.batch_rules import compare
+from bench.batch_rules import compare, switched_off
 from registry.core import kernels
 
 
-@contextlib.contextmanager
-def per_op() -> Iterator[None]:
+def per_op() -> contextlib.AbstractContextManager[None]:
     """Every op a rule calls through functorch's back fallback while the block runs."""
-    compiled = kernels.load()
-    compiled.set_below_levels_enabled(False)
-    try:
-        yield
-    finally:
-        compiled.set_below_levels_enabled(True)
+    return switched_off(kernels.load().set_below_levels_enabled)
 
 
 def main(argv: list[str] | None = None) -> None:

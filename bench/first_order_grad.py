@@ -11,20 +11,14 @@ checked against the per-sample loop.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
-from bench.batch_rules import compare
+from bench.batch_rules import compare, switched_off
 from registry.core import first_order_grad
 
 
-@contextlib.contextmanager
-def create_graph() -> Iterator[None]:
+def create_graph() -> contextlib.AbstractContextManager[None]:
     """grad keeps ``create_graph`` inside ``use()`` while the block runs."""
-    first_order_grad.PATCH.enabled = False
-    try:
-        yield
-    finally:
-        first_order_grad.PATCH.enabled = True
+    return switched_off(lambda on: setattr(first_order_grad.PATCH, "enabled", on))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,20 +11,14 @@ gradients are checked against the per-sample loop.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
-from bench.batch_rules import compare
+from bench.batch_rules import compare, switched_off
 from registry.core import transform_calls
 
 
-@contextlib.contextmanager
-def functorchs() -> Iterator[None]:
+def functorchs() -> contextlib.AbstractContextManager[None]:
     """functorch's own implementations inside ``use()`` while the block runs."""
-    transform_calls.PATCH.enabled = False
-    try:
-        yield
-    finally:
-        transform_calls.PATCH.enabled = True
+    return switched_off(lambda on: setattr(transform_calls.PATCH, "enabled", on))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -74,7 +74,7 @@ class OutsideWriteError(RuntimeError):
     it and tries functionalizing there."""
 
 
-PYTORCH_FLAT_VMAP = functorch_vmap._flat_vmap
+PYTORCH_FLAT_VMAP = transform_calls.PYTORCH_FLAT_VMAP  # functorch's own, captured once
 
 
 def function_key(func: Callable[..., Any]) -> tuple[object, ...]:

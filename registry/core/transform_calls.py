@@ -28,6 +28,7 @@ Outside ``use()`` PyTorch's run as they are.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, NamedTuple
@@ -52,6 +53,7 @@ from torch.utils import _pytree as pytree  # noqa: PLC2701 - the TreeSpec functo
 
 PYTORCH_VMAP_IMPL = functorch_apis.vmap_impl
 PYTORCH_GRAD_AND_VALUE_IMPL = eager_transforms.grad_and_value_impl
+PYTORCH_FLAT_VMAP = functorch_vmap._flat_vmap  # functionalization.py's too
 
 # grad_and_value_impl's decorator (doesnt_support_saved_tensors_hooks) says this while grad runs.
 SAVED_TENSORS_HOOKS_MESSAGE = ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. "
@@ -63,8 +65,7 @@ _saved_hooks = torch._C._autograd
 
 # The structure keys: a leaf (None among them: pytree's Python implementation registers no node for it), and one
 # tuple per container.
-_LEAF = 0
-_TUPLE, _LIST, _DICT = 2, 3, 4
+_LEAF, _TUPLE, _LIST, _DICT = 0, 1, 2, 3
 
 
 class UnsupportedError(Exception):
@@ -104,13 +105,7 @@ def _build(key: Any, leaves: Iterator[Any]) -> Any:
 def _spec(key: Hashable) -> pytree.TreeSpec:
     """PyTorch's TreeSpec of the structure ``key`` describes (pytree's own flatten of a stand-in; leaves' values do
     not enter a spec)."""
-    return pytree.tree_flatten(_build(key, iter(_Zeros())))[1]
-
-
-class _Zeros:
-    def __iter__(self) -> Iterator[int]:
-        while True:
-            yield 0
+    return pytree.tree_flatten(_build(key, itertools.repeat(0)))[1]
 
 
 def flatten(obj: Any) -> tuple[list[Any], Hashable]:
@@ -118,6 +113,17 @@ def flatten(obj: Any) -> tuple[list[Any], Hashable]:
     differ."""
     leaves: list[Any] = []
     return leaves, _walk(obj, leaves)
+
+
+def flatten_arguments(args: tuple[Any, ...]) -> tuple[list[Any], list[Hashable], list[int]]:
+    """The leaves of all of ``args`` in pytree's order, each argument's structure key, and where each argument's
+    leaves start (one more entry: where the last one's end)."""
+    leaves: list[Any] = []
+    keys, bounds = [], [0]
+    for arg in args:
+        keys.append(_walk(arg, leaves))
+        bounds.append(len(leaves))
+    return leaves, keys, bounds
 
 
 class TransformCalls:
@@ -204,11 +210,7 @@ class TransformCalls:
             return PYTORCH_GRAD_AND_VALUE_IMPL(func, argnums, has_aux, args, kwargs)
         try:
             positions = _argnums(argnums, len(args))
-            leaves: list[Any] = []
-            keys, bounds = [], [0]
-            for arg in args:  # each argument's structure and the range of its leaves
-                keys.append(_walk(arg, leaves))
-                bounds.append(len(leaves))
+            leaves, keys, bounds = flatten_arguments(args)
         except UnsupportedError:
             return PYTORCH_GRAD_AND_VALUE_IMPL(func, argnums, has_aux, args, kwargs)
         differentiated = [range(bounds[i], bounds[i + 1]) for i in positions]
@@ -232,9 +234,6 @@ class TransformCalls:
                 _saved_hooks._saved_tensors_hooks_disable(previous_message)
 
 
-PYTORCH_FLAT_VMAP = functorch_vmap._flat_vmap
-
-
 def _batched_inputs(in_dims: Any, args: tuple[Any, ...]) -> tuple[int, list[int | None], list[Any], Hashable]:
     """_process_batched_inputs for ``in_dims`` an int or a flat tuple (one int or None per argument): the batch
     size, each leaf's dimension (negative ones wrapped), the leaves, the structure key. ``UnsupportedError`` wherever
@@ -247,19 +246,17 @@ def _batched_inputs(in_dims: Any, args: tuple[Any, ...]) -> tuple[int, list[int 
         per_argument = in_dims
     else:
         raise UnsupportedError
-    flat_args: list[Any] = []
+    flat_args, keys, bounds = flatten_arguments(args)
     flat_in_dims: list[int | None] = []
-    keys = []
     batch_size = None
-    for arg, in_dim in zip(args, per_argument, strict=True):
-        start = len(flat_args)
-        keys.append(_walk(arg, flat_args))
+    for position, in_dim in enumerate(per_argument):
+        start, end = bounds[position], bounds[position + 1]
         if in_dim is None:
-            flat_in_dims.extend([None] * (len(flat_args) - start))
+            flat_in_dims.extend([None] * (end - start))
             continue
         if type(in_dim) is not int:
             raise UnsupportedError
-        for leaf in flat_args[start:]:
+        for leaf in flat_args[start:end]:
             if not isinstance(leaf, torch.Tensor) or not -leaf.dim() <= in_dim < leaf.dim():
                 raise UnsupportedError
             dim = in_dim % leaf.dim()

@@ -151,9 +151,6 @@ int64_t current_level() {
 
 bool batched_at(const Tensor& t, int64_t level) { return batched_impl_at(t, level) != nullptr; }
 
-// Whether every tensor among the op's arguments on `stack` is, at `level`, ordinary once unbatched (plain_at).
-bool arguments_plain(const c10::OperatorHandle& op, const torch::jit::Stack& stack, int64_t level);
-
 bool batched_at(const std::optional<Tensor>& t, int64_t level) { return t.has_value() && batched_at(*t, level); }
 
 bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
@@ -166,6 +163,7 @@ bool plain_at(const Tensor& t, int64_t level) {
   return plain(batched != nullptr ? batched->value() : t);
 }
 
+// Whether every tensor among the op's arguments on `stack` is, at `level`, ordinary once unbatched (plain_at).
 bool arguments_plain(const c10::OperatorHandle& op, const torch::jit::Stack& stack, int64_t level) {
   const size_t count = op.schema().arguments().size();
   for (size_t i = stack.size() - count; i < stack.size(); ++i) {
