@@ -8,6 +8,7 @@ order below and uninstalls them in reverse (``inplace_under_jvp`` wraps what ``o
 
 - ``transform_calls``: functorch's ``vmap_impl`` and ``grad_and_value_impl`` with less Python per call (and the
   level runner ``functionalization`` calls); first, so that ``out_arguments``' retry wraps its grad.
+- ``functional_calls``: ``torch.func.functional_call`` with one walk of the module tree per call.
 - ``out_arguments``: the ``out=`` kernels, registered with the C++ routing kernels; with the Python ones grad's,
   vjp's and jvp's implementations retry an ``out=`` refusal with them.
 - ``inplace_under_jvp``: jvp's implementation registers the kernels of the overloads routed only under jvp.
@@ -38,6 +39,7 @@ from registry.core import (
     first_order_grad,
     flex_attention,
     fresh_buffers,
+    functional_calls,
     functionalization,
     inplace_under_jvp,
     legacy_functions,
@@ -74,6 +76,7 @@ class CompiledKernels(Protocol):
         ...
 
 
-PATCHES: tuple[Patch, ...] = (transform_calls.PATCH, out_arguments.PATCH, inplace_under_jvp.PATCH,
-                              fresh_buffers.PATCH, mask_indexing.PATCH, functionalization.PATCH, legacy_functions.PATCH,
-                              checkpointing.PATCH, flex_attention.PATCH, batch_rules.PATCH, first_order_grad.PATCH)
+PATCHES: tuple[Patch, ...] = (transform_calls.PATCH, functional_calls.PATCH, out_arguments.PATCH,
+                              inplace_under_jvp.PATCH, fresh_buffers.PATCH, mask_indexing.PATCH,
+                              functionalization.PATCH, legacy_functions.PATCH, checkpointing.PATCH,
+                              flex_attention.PATCH, batch_rules.PATCH, first_order_grad.PATCH)
