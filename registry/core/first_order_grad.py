@@ -21,18 +21,55 @@ and is left alone) runs without ``create_graph`` exactly where nothing below the
 - the batch is not empty (the first-order backward kernels' batching rules do not all take a vmap over no samples).
 
 Everywhere else, outside ``use()`` and on the Python backend, PyTorch's ``_autograd_grad`` runs as it is.
+
+NOTE [first-order engine call]: where the backward is first-order, ``_autograd_grad``'s Python around the engine is
+about half of what a small backward costs (measured on a 2-core x86_64, one thread: 27 us for functorch's
+``_autograd_grad`` of a one-node graph, 14 us for the engine's ``run_backward`` with the ones made as
+``torch.autograd.grad`` makes them): ``torch.autograd.grad``'s argument normalization, ``_make_grads``' checks, the
+override dispatch, the logging check, the compiled-autograd context and the context stash for device threads. So
+``first_order_backward`` calls the engine as ``torch.autograd.grad`` does (``allow_unused``, no ``create_graph``, the
+ones of ``_make_grads``, ``None`` gradients as functorch's zeros) where none of those can matter: every output a real
+floating-point scalar that requires grad (any other: PyTorch's own, with its errors), no ``__torch_function__``
+override, autograd's debug logging off, no compiled-autograd compiler set (functorch switches it off for this call;
+one set: PyTorch's own). The context stash serves Python code that runs on the engine's device threads; the graph
+check above admits no node that runs Python.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
 import torch._functorch.eager_transforms as eager_transforms  # noqa: PLC2701 - functorch's internals have no public API
+from torch.autograd import graph as autograd_graph
 
 PYTORCH_AUTOGRAD_GRAD = eager_transforms._autograd_grad
+_ENGINE = torch.autograd.Variable._execution_engine
+_set_autograd_compiler = torch._C._dynamo.compiled_autograd.set_autograd_compiler
+_has_torch_function = torch._C._has_torch_function
+
+
+def first_order_backward(outputs: Sequence[torch.Tensor],
+                         inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+    """functorch's ``_autograd_grad`` without ``create_graph`` for ``outputs`` whose backward is first-order, as one
+    call of the engine (NOTE [first-order engine call]); None where PyTorch's own must run."""
+    outputs, inputs = tuple(outputs), tuple(inputs)
+    if not inputs or _has_torch_function(outputs + inputs) or autograd_graph.log.isEnabledFor(logging.DEBUG):
+        return None
+    if not all(out.requires_grad and out.dtype.is_floating_point and out.numel() == 1 for out in outputs):
+        return None
+    ones = tuple(torch.ones_like(out, memory_format=torch.preserve_format) for out in outputs)  # _make_grads'
+    prior = _set_autograd_compiler(None, False)
+    try:
+        if prior[0] is not None:
+            return None
+        grads = _ENGINE.run_backward(outputs, ones, False, False, inputs, True, False)
+    finally:
+        _set_autograd_compiler(*prior)
+    return tuple(torch.zeros_like(inp) if grad is None else grad for grad, inp in zip(grads, inputs, strict=True))
 
 
 class FirstOrderGrad:
@@ -45,6 +82,8 @@ class FirstOrderGrad:
         self.compiled: ModuleType | None = None  # the compiled routing kernels, while their Library exists
         # Off: grad keeps create_graph inside use() too (bench.first_order_grad's baseline).
         self.enabled = True
+        # Off: a first-order backward goes through torch.autograd.grad too (bench.transform_calls' baseline).
+        self.engine_call = True
 
     def install(self, active: Callable[[], bool]) -> None:
         with self.lock:
@@ -75,8 +114,12 @@ class FirstOrderGrad:
                       grad_outputs: Sequence[torch.Tensor] | None = None, retain_graph: bool = False,
                       create_graph: bool = True) -> tuple[torch.Tensor, ...]:
         """functorch's ``_autograd_grad``; grad's call (no cotangents) without ``create_graph`` where
-        ``first_order``."""
+        ``first_order``, in one engine call where it can be (NOTE [first-order engine call])."""
         if create_graph and grad_outputs is None and self.first_order(outputs):
+            if self.engine_call and not retain_graph:
+                grads = first_order_backward(outputs, inputs)
+                if grads is not None:
+                    return grads
             create_graph = False
         return PYTORCH_AUTOGRAD_GRAD(outputs, inputs, grad_outputs, retain_graph, create_graph)
 

@@ -5,6 +5,8 @@ gradients of the gradients equal PyTorch's."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +24,8 @@ SAMPLES, FEATURES, OUT = 5, 3, 4
 
 @pytest.fixture
 def create_graph_seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
-    """The ``create_graph`` of every call of functorch's ``_autograd_grad`` that grad makes (the patch's callee)."""
+    """The ``create_graph`` of every backward grad runs: each call of functorch's ``_autograd_grad`` that grad makes
+    (the patch's callee), and False for each one engine call serves (``first_order_backward``)."""
     registry.install()
     seen: list[bool] = []
     pytorchs = first_order_grad.PYTORCH_AUTOGRAD_GRAD
@@ -33,7 +36,15 @@ def create_graph_seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
             seen.append(create_graph)
         return pytorchs(outputs, inputs, grad_outputs, retain_graph, create_graph)
 
+    def engine_spy(outputs: Any, inputs: Any) -> Any:
+        grads = engine_call(outputs, inputs)
+        if grads is not None:  # served by one engine call, without create_graph
+            seen.append(False)
+        return grads
+
+    engine_call = first_order_grad.first_order_backward
     monkeypatch.setattr(first_order_grad, "PYTORCH_AUTOGRAD_GRAD", spy)
+    monkeypatch.setattr(first_order_grad, "first_order_backward", engine_spy)
     yield seen
 
 
@@ -207,6 +218,85 @@ def test_code_run_by_the_backward_keeps_it(create_graph_seen: list[bool], kind: 
         got = _eager_second_derivative(run, scale)
     assert create_graph_seen == [True]
     torch.testing.assert_close(got, expected)
+
+
+@pytest.fixture
+def pytorchs_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
+    """The ``create_graph`` of each call grad hands to functorch's own ``_autograd_grad`` (not one engine call)."""
+    registry.install()
+    calls: list[bool] = []
+    pytorchs = first_order_grad.PYTORCH_AUTOGRAD_GRAD
+
+    def spy(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_graph: bool = False,
+            create_graph: bool = True) -> Any:
+        calls.append(create_graph)
+        return pytorchs(outputs, inputs, grad_outputs, retain_graph, create_graph)
+
+    monkeypatch.setattr(first_order_grad, "PYTORCH_AUTOGRAD_GRAD", spy)
+    yield calls
+
+
+def test_one_engine_call_and_unused_inputs(pytorchs_calls: list[bool], routing_backend: str) -> None:
+    """An input the loss does not use gets functorch's zeros from the engine call too."""
+    weight, x = _inputs()
+    unused = torch.ones(2, dtype=torch.float64)
+
+    def loss(w: torch.Tensor, spare: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+        return _loss(w, sample)
+
+    per_sample = func.vmap(func.grad(loss, argnums=(0, 1)), in_dims=(None, None, 0))
+    want = per_sample(weight, unused, x)
+    pytorchs_calls.clear()
+    with registry.use():
+        got = per_sample(weight, unused, x)
+    assert pytorchs_calls == ([] if routing_backend == "cpp" else [True])
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[1], torch.zeros(SAMPLES, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("case", ("debug logging", "compiled autograd", "integer output"))
+def test_engine_call_leaves_pytorchs_where_it_matters(pytorchs_calls: list[bool], monkeypatch: pytest.MonkeyPatch,
+                                                      request: pytest.FixtureRequest, routing_backend: str,
+                                                      case: str) -> None:
+    """Autograd's debug logging, a compiled-autograd compiler, an output ``_make_grads`` refuses: functorch's own
+    ``_autograd_grad`` runs (without ``create_graph``, C++ backend) and gives what PyTorch gives."""
+    weight, x = _inputs()
+    loss: Callable[..., torch.Tensor] = _loss
+    restored: list[Any] = []
+    if case == "debug logging":
+        log = first_order_grad.autograd_graph.log
+        request.addfinalizer(functools.partial(log.setLevel, log.level))  # setLevel: the logger's cache too
+        log.setLevel(logging.DEBUG)
+    elif case == "compiled autograd":
+        def compiler_set(compiler: Any, dynamic: bool) -> tuple[Any, bool]:  # reports one set, sets nothing
+            restored.append(compiler)
+            return ("a compiler", False) if compiler is None else (None, False)
+
+        monkeypatch.setattr(first_order_grad, "_set_autograd_compiler", compiler_set)
+    else:
+        def loss(w: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+            return _loss(w, sample).to(torch.int64)
+
+    def run() -> Any:
+        try:
+            return _per_sample(loss)(weight, x)
+        except RuntimeError as error:
+            return str(error)
+
+    want = run()
+    pytorchs_calls.clear()
+    with registry.use():
+        got = run()
+    if isinstance(want, str):
+        assert got == want
+    else:
+        torch.testing.assert_close(got, want)
+    if case == "integer output":  # nothing requires grad: functorch's zeros, whatever the graph check says
+        assert len(pytorchs_calls) == 1
+    else:  # PyTorch's own ran, without create_graph where the backward is first-order (C++ backend)
+        assert pytorchs_calls == [_first_order(routing_backend)]
+    if case == "compiled autograd" and routing_backend == "cpp":
+        assert restored == [None, "a compiler"]  # what was set is set again
 
 
 def test_switched_off_keeps_it(create_graph_seen: list[bool]) -> None:
