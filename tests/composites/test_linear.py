@@ -207,6 +207,54 @@ def test_per_sample_weight_gradients_equal_the_loop(rows: int, batch_last: bool)
 
 
 @pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("case", ["one-row", "rows", "batch-last", "scalar-bias", "ensemble"])
+def test_first_order_input_and_bias_gradients_are_one_call(case: str) -> None:
+    """Where nothing records the backward, LinearBackward's input and bias gradients are one call of
+    multicomposite's linear_backward (linear.cpp's NOTE): its rule folds the samples' rows into one product and sums
+    each sample's rows for the bias (a view where a sample is one row); a bias of another shape than (out) and a
+    batched weight (an ensemble) run aten's ops on the batched tensors. Every gradient equals the per-sample loop's."""
+    generator = torch.Generator().manual_seed(7)
+    rows = 1 if case == "one-row" else 3
+    x = torch.randn(BATCH, rows, 4, generator=generator, dtype=torch.float64)
+    w, b = torch.randn(6, 4, generator=generator, dtype=torch.float64), torch.randn(6, generator=generator,
+                                                                                    dtype=torch.float64)
+    if case == "scalar-bias":
+        b = b[0].clone()
+    in_dims: tuple[int | None, ...] = (0, None, None)
+    batched = [x, w, b]
+    if case == "batch-last":
+        in_dims, batched[0] = (2, None, None), x.permute(1, 2, 0).contiguous()
+    elif case == "ensemble":
+        in_dims = (0, 0, 0)
+        batched[1] = w + torch.arange(BATCH, dtype=torch.float64).view(BATCH, 1, 1) / 10
+        batched[2] = b + torch.arange(BATCH, dtype=torch.float64).view(BATCH, 1) / 10
+    step = vmap(grad(_f, argnums=(0, 1, 2)), in_dims=in_dims)
+    with registry.use(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = step(*batched)
+    assert "multicomposite::linear_backward" in {event.key for event in profile.key_averages()}
+    for i in range(BATCH):
+        leaves = [x[i].clone().requires_grad_(),
+                  *((t[i] if case == "ensemble" else t).clone().requires_grad_() for t in batched[1:])]
+        expected = torch.autograd.grad(_f(*leaves), leaves)
+        for got_one, want in zip(got, expected, strict=True):
+            torch.testing.assert_close(got_one[i], want)
+
+
+@pytest.mark.usefixtures("cpp_routing")
+def test_linear_backward_refuses_to_be_differentiated() -> None:
+    """The first-order backward op has no derivative: called where grad mode records, it says so."""
+    generator = torch.Generator().manual_seed(8)
+    g = torch.randn(3, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="linear_backward has no derivative"):
+        torch.ops.multicomposite.linear_backward(g, w, True, [6])
+    with torch.no_grad():
+        grad_input, grad_bias = torch.ops.multicomposite.linear_backward(g, w, True, [6])
+    torch.testing.assert_close(grad_input, g.detach() @ w)
+    torch.testing.assert_close(grad_bias, g.detach().sum(0))
+
+
+@pytest.mark.usefixtures("cpp_routing")
 @pytest.mark.parametrize("width", [128, 131], ids=["rows-aligned", "rows-unaligned"])
 def test_large_one_row_weight_gradients_equal_the_loop(width: int) -> None:
     """float32 per-sample weight gradients of 4 MiB and more are written with streaming stores (linear.cpp's NOTE),

@@ -41,6 +41,8 @@
 #include <cstdint>
 #include <functional>
 #include <iterator>
+#include <numeric>
+#include <tuple>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -300,6 +302,99 @@ c10::intrusive_ptr<WeightGradient> weight_gradient_for(const torch::autograd::Ed
   return made;
 }
 
+// PyTorch's linear of ordinary `rows` (a batch in front) and `weight`, the batch folded into the rows.
+// NOTE: a batch that is not outermost in memory (vmap over a later dimension) leaves `rows` a permuted view, and
+// PyTorch's linear then multiplies it as a bmm of one-row products against the expanded weight. Its rows copied
+// into one (rows, in) matrix make it one addmm.
+Tensor linear_rows(const Tensor& rows, const Tensor& weight, const std::optional<Tensor>& bias) {
+  if (rows.dim() <= 2 || rows.is_contiguous()) return at::linear(rows, weight, bias);
+  std::vector<int64_t> sizes = rows.sizes().vec();
+  sizes.back() = weight.size(0);
+  return at::linear(rows.reshape({-1, rows.size(-1)}), weight, bias).view(sizes);
+}
+
+// --- the first-order backward's input and bias gradients in one op ---------------------------------------------
+//
+// NOTE: where nothing records the backward (grad mode off: first-order grad, or eager autograd without
+// create_graph), LinearBackward's input gradient (the output gradient's rows times the weight) and bias gradient
+// (the output gradient summed to the bias's shape) are one call of multicomposite::linear_backward. Through
+// vmap(grad) every dispatched call crosses both levels (each a TensorWrapper and a BatchedTensor made and unwrapped,
+// about 2.5 us for a view); the separate calls were three a layer (the weight's t, this op's linear, the bias's
+// reshape), and a recurrence (opacus's DPLSTM: two gate layers at each of 16 steps) makes them at every step. Under
+// vmap the rule runs them on the physical tensors under the last level (NOTE [kernels under the last level]).
+
+// The bias's gradient from the output gradient: its values where it holds exactly the bias's elements (one row: a
+// reshape is a view where sum_to_size sums over size-1 dimensions, 15-24 us a call under vmap(grad), profiled on the
+// MLP of bench.models at batch 4), its sum to the bias's shape elsewhere.
+Tensor bias_grad(const Tensor& grad, at::IntArrayRef bias_sizes) {
+  return grad.sym_numel() == static_cast<int64_t>(c10::multiply_integers(bias_sizes)) ? grad.reshape(bias_sizes)
+                                                                                        : grad.sum_to_size(bias_sizes);
+}
+
+std::tuple<Tensor, Tensor> linear_backward_aten(const Tensor& grad, const Tensor& weight, bool input_grad,
+                                                at::OptionalIntArrayRef bias_sizes) {
+  return {input_grad ? at::linear(grad, weight.t()) : Tensor(),
+          bias_sizes.has_value() ? bias_grad(grad, *bias_sizes) : Tensor()};
+}
+
+const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, bool, at::OptionalIntArrayRef)>&
+linear_backward_op() {
+  static const auto handle =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("multicomposite::linear_backward", "")
+          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, bool, at::OptionalIntArrayRef)>();
+  return handle;
+}
+
+// Called only where grad mode is off (the NOTE above): nothing records, so there is no node to make.
+std::tuple<Tensor, Tensor> linear_backward_autograd(const Tensor& grad, const Tensor& weight, bool input_grad,
+                                                    at::OptionalIntArrayRef bias_sizes) {
+  TORCH_CHECK(!(at::GradMode::is_enabled() && torch::autograd::compute_requires_grad(grad, weight)),
+              "multicomposite::linear_backward has no derivative; differentiate multicomposite::linear's backward "
+              "with grad mode on instead");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return linear_backward_op().call(grad, weight, input_grad, bias_sizes);
+}
+
+// Under vmap with the output gradient batched at this level and the weight not (per-sample gradients): the rows of
+// every sample times the weight in one product, and each sample's bias gradient from its rows (a view where a sample
+// is one row). Elsewhere (an ensemble's batched weight, a bias of another shape than (out)) aten's ops on the batched
+// tensors, as LinearBackward ran them before this op.
+std::tuple<Tensor, Tensor> linear_backward_batched(const Tensor& grad, const Tensor& weight, bool input_grad,
+                                                   at::OptionalIntArrayRef bias_sizes) {
+  const auto layer = at::functorch::maybeCurrentDynamicLayer();
+  TORCH_INTERNAL_ASSERT(layer.has_value(), "multicomposite::linear_backward's batching rule ran outside vmap");
+  const int64_t level = layer->layerId();
+  const auto* batched = batched_at(grad, level);
+  const bool bias_is_rows =
+      !bias_sizes.has_value() || (bias_sizes->size() == 1 && (*bias_sizes)[0] == grad.size(-1));
+  if (batched == nullptr || batched_at(weight, level) != nullptr || !bias_is_rows) {
+    return linear_backward_aten(grad, weight, input_grad, bias_sizes);
+  }
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  const Tensor rows = batch_first(*batched);  // (batch, ..., out)
+  const BelowLevels below(plain(rows) && plain(weight));
+  Tensor grad_input, grad_bias;
+  if (input_grad) grad_input = at::functorch::makeBatched(linear_rows(rows, weight.t(), std::nullopt), 0, level);
+  if (bias_sizes.has_value()) {
+    // Each sample's rows summed (sum_to_size's reduction, per sample); a sample of one row is its own gradient.
+    const int64_t batch = rows.size(0), out = rows.size(-1);
+    if (rows.dim() == 2) {
+      grad_bias = rows;
+    } else if (rows.numel() == batch * out) {
+      grad_bias = rows.reshape({batch, out});
+    } else {
+      std::vector<int64_t> dims(rows.dim() - 2);
+      std::iota(dims.begin(), dims.end(), 1);
+      grad_bias = rows.sum(dims);
+    }
+    grad_bias = at::functorch::makeBatched(grad_bias, 0, level);
+  }
+  return {grad_input, grad_bias};
+}
+
+Tensor tangent_of(const Tensor& t) { return t._fw_grad(/*level=*/0); }
+
 struct LinearBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable weight;
   std::vector<int64_t> bias_sizes;
@@ -313,25 +408,23 @@ struct LinearBackward : public torch::autograd::Node {
     if (!grad.defined() || !(want_input || want_weight || want_bias)) return {Tensor(), Tensor(), Tensor()};
     Tensor grad_input, grad_weight, grad_bias;
     const Tensor w = weight.unpack();
+    if (want_weight) grad_weight = grad;  // to the weight's WeightGradient node, which forms the gradient
+    if (!want_input && !want_bias) return {grad_input, grad_weight, grad_bias};
+    if (!at::GradMode::is_enabled() && !tangent_of(grad).defined() && !tangent_of(w).defined()) {
+      // Nothing records: one call (the NOTE above linear_backward_aten).
+      std::tie(grad_input, grad_bias) = linear_backward_op().call(
+          grad, w, want_input, want_bias ? at::OptionalIntArrayRef(bias_sizes) : at::OptionalIntArrayRef());
+      return {grad_input, grad_weight, grad_bias};
+    }
     // The output gradient's rows times the weight: this op again (one node where autograd records, one folded call
     // under vmap).
     if (want_input) grad_input = linear_op().call(grad, w.t(), std::nullopt);
-    if (want_weight) grad_weight = grad;  // to the weight's WeightGradient node, which forms the gradient
-    // NOTE: where the output gradient holds exactly the bias's elements (one row: the per-sample gradient of a
-    // one-row sample), the bias's gradient is those values, and reshape is a view where sum_to_size sums over the
-    // size-1 dimensions (15-24 us a call under vmap(grad), profiled on the MLP of bench.models at batch 4).
-    if (want_bias) {
-      grad_bias = grad.sym_numel() == static_cast<int64_t>(c10::multiply_integers(bias_sizes))
-                      ? grad.reshape(bias_sizes)
-                      : grad.sum_to_size(bias_sizes);
-    }
+    if (want_bias) grad_bias = bias_grad(grad, bias_sizes);
     return {grad_input, grad_weight, grad_bias};
   }
   std::string name() const override { return "multicomposite::LinearBackward"; }
   void release_variables() override { weight.reset_data(); }
 };
-
-Tensor tangent_of(const Tensor& t) { return t._fw_grad(/*level=*/0); }
 
 // The forward-AD tangent of linear(x, w, b): linear(dx, w) + linear(x, dw) + db, in aten ops (so that it batches and
 // differentiates as they do), from the primals (a tangent computed from a tensor that has one would carry one itself).
@@ -391,17 +484,7 @@ Tensor linear_batched(const Tensor& input, const Tensor& weight, const std::opti
   }
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
   const BelowLevels below(plain(batched->value()) && plain(weight) && (!present(bias) || plain(*bias)));
-  const Tensor rows = batch_first(*batched);
-  if (rows.dim() <= 2 || rows.is_contiguous()) {
-    return at::functorch::makeBatched(at::linear(rows, weight, bias), 0, level);
-  }
-  // NOTE: a batch that is not outermost in memory (vmap over a later dimension) leaves `rows` a permuted view, and
-  // PyTorch's linear then multiplies it as a bmm of one-row products against the expanded weight. Its rows copied
-  // into one (rows, in) matrix make it one addmm.
-  std::vector<int64_t> sizes = rows.sizes().vec();
-  sizes.back() = weight.size(0);
-  return at::functorch::makeBatched(at::linear(rows.reshape({-1, rows.size(-1)}), weight, bias).view(sizes), 0,
-                                    level);
+  return at::functorch::makeBatched(linear_rows(batch_first(*batched), weight, bias), 0, level);
 }
 
 }  // namespace
@@ -410,19 +493,25 @@ TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
   m.def("linear(Tensor input, Tensor weight, Tensor? bias) -> Tensor");
   // The weight gradient of linear: grad (..., out) and input (..., in) over the same rows -> (out, in).
   m.def("linear_weight_grad(Tensor grad, Tensor input) -> Tensor");
+  // The input's gradient (where input_grad) and the bias's (where bias_sizes) of linear from the output gradient,
+  // where nothing records the backward; an output not asked for is undefined.
+  m.def("linear_backward(Tensor grad, Tensor weight, bool input_grad, int[]? bias_sizes) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, CompositeExplicitAutograd, m) {
   m.impl("linear", linear_aten);
   m.impl("linear_weight_grad", weight_grad_aten);
+  m.impl("linear_backward", linear_backward_aten);
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, Autograd, m) {
   m.impl("linear", linear_autograd);
   m.impl("linear_weight_grad", weight_grad_autograd);
+  m.impl("linear_backward", linear_backward_autograd);
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, FuncTorchBatched, m) {
   m.impl("linear", linear_batched);
   m.impl("linear_weight_grad", weight_grad_batched);
+  m.impl("linear_backward", linear_backward_batched);
 }
