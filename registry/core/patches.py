@@ -64,8 +64,9 @@ class Patch(Protocol):
 @runtime_checkable
 class CompiledKernels(Protocol):
     """A patch whose kernels the C++ backend registers with its routing kernels, into their Library (so they go
-    with them, on a switch to the Python backend or at uninstall): ``out_arguments``, ``batch_rules``; or that calls
-    the compiled module while it is loaded (``first_order_grad``)."""
+    with them, on a switch to the Python backend or at uninstall): ``out_arguments``, ``batch_rules``,
+    ``fresh_buffers`` (at its first region, behind a C++ gate); or that calls the compiled module while it is loaded
+    (``first_order_grad``)."""
 
     def register_compiled(self, module: ModuleType) -> None:
         """Register this patch's kernels through the compiled routing's ``module`` (after its routing kernels)."""
