@@ -454,6 +454,28 @@ def _lstm_steps(projected: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_hh:
     return torch.stack(outputs, -3), h, c, kept
 
 
+_CPP_STEPS_DTYPES = (torch.float32, torch.float64)
+
+
+def _cpp_steps(projected: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: torch.Tensor,
+               *more: torch.Tensor) -> Any:
+    """``torch.ops.multicomposite`` where the recurrence's steps can run in C++ (``registry/core/kernels/
+    recurrence.cpp``'s NOTE): the C++ build loaded, every tensor an ordinary CPU float or double tensor of one dtype
+    (no functorch wrapper, no subclass), a 2-d hidden weight, the states of the projection's leading shape; else
+    None (the Python steps)."""
+    from registry.core import kernels
+
+    tensors = (projected, h0, c0, w_hh, *more)
+    if w_hh.dim() != 2 or projected.dim() < 3 or h0.shape != projected.shape[:-3] + projected.shape[-2:-1] + (
+            h0.shape[-1],) or c0.shape != h0.shape:
+        return None
+    dtype = projected.dtype
+    if dtype not in _CPP_STEPS_DTYPES or any(type(t) is not torch.Tensor or t.dtype != dtype or t.device.type != "cpu"
+                                             or torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        return None
+    return torch.ops.multicomposite if kernels.fused_ops_available() else None
+
+
 class LSTMRecurrence(Function):
     """An LSTM layer's recurrence over one direction from its input projection: (outputs, h_T, c_T) of
     ``(projected, h0, c0, w_hh)``, with its own backward (BPTT) and vmap rule (the whole batch at once)."""
@@ -462,6 +484,9 @@ class LSTMRecurrence(Function):
 
     @staticmethod
     def forward(projected, h0, c0, w_hh, reverse):
+        ops = _cpp_steps(projected, h0, c0, w_hh)
+        if ops is not None:
+            return ops.lstm_steps(projected, h0, c0, w_hh, reverse)
         out, h, c, _ = _lstm_steps(projected, h0, c0, w_hh, reverse, keep=False)
         return out, h, c
 
@@ -512,6 +537,10 @@ class LSTMRecurrenceBackward(Function):
 
     @staticmethod
     def forward(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse):
+        ops = _cpp_steps(projected, h0, c0, w_hh, d_out, d_h, d_c)
+        if ops is not None and d_out.shape == projected.shape[:-1] + h0.shape[-1:] and d_h.shape == h0.shape and (
+                d_c.shape == h0.shape):
+            return ops.lstm_steps_backward(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse)
         _, _, _, kept = _lstm_steps(projected, h0, c0, w_hh, reverse, keep=True)
         hidden = h0.shape[-1]
         steps = projected.shape[-3]

@@ -214,6 +214,9 @@ class Functionalization:
         """``functionalize(func)``, with the region kept on this thread's stack while it runs (fresh_buffers reads
         it)."""
         fresh = self.fresh_buffers
+        # Registered here, not only at the first retry: a function remembered as needing it runs functionalized from
+        # the start, and the kernels may have gone since (the C++ ones go with the compiled routing's Library).
+        fresh.register()
 
         @functools.wraps(func)
         def region(*args: Any, **kwargs: Any) -> Any:
@@ -271,7 +274,6 @@ class Functionalization:
         if not _may_be_write_refusal(failure):
             raise failure
         _restore_random_state(state)
-        self.fresh_buffers.register()
         try:
             result = self.levels.flat_vmap(self.functionalizing(func), *args, **kwargs)
         except SamplesDisagreeError as retry:  # functionalized, it ran past the write to a branch the samples split on

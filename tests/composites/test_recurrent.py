@@ -625,3 +625,35 @@ def test_lstm_cell_composite_rejects_what_pytorch_rejects() -> None:
     with registry.use(), pytest.raises(RuntimeError) as routed:
         vmap(lambda x: torch.lstm_cell(x, [h], w_ih, w_hh))(x[:, None])
     assert str(routed.value) == str(native.value) == "lstm_cell expects two hidden states"
+
+
+@pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("lead", [(), (3,)], ids=["one-sample", "per-sample-lead"])
+def test_recurrence_steps_in_cpp_equal_the_python_steps(lead: tuple[int, ...], reverse: bool, dtype: torch.dtype,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LSTM recurrence primitive's steps in C++ (registry/core/kernels/recurrence.cpp: one product and one pass
+    over the gates a step) give the Python steps' outputs, states and BPTT gradients, the hidden weight's per
+    leading (per-sample) index, forward and reversed."""
+    generator = torch.Generator().manual_seed(11)
+    steps, batch, hidden = 5, 2, 4
+
+    def randn(*sizes: int) -> torch.Tensor:
+        return torch.randn(*sizes, generator=generator, dtype=dtype)
+
+    projected, h0, c0 = randn(*lead, steps, batch, 4 * hidden), randn(*lead, batch, hidden), randn(*lead, batch, hidden)
+    w_hh = randn(4 * hidden, hidden) / 2
+    d_out, d_h, d_c = randn(*lead, steps, batch, hidden), randn(*lead, batch, hidden), randn(*lead, batch, hidden)
+    ops = recurrent._cpp_steps(projected, h0, c0, w_hh, d_out, d_h, d_c)
+    assert ops is not None
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    out, h, c, _ = recurrent._lstm_steps(projected, h0, c0, w_hh, reverse, keep=False)
+    for got, want in zip(ops.lstm_steps(projected, h0, c0, w_hh, reverse), (out, h, c), strict=True):
+        torch.testing.assert_close(got, want, **tolerance)
+    monkeypatch.setattr(recurrent, "_cpp_steps", lambda *tensors: None)  # the primitive's Python BPTT
+    want = recurrent.LSTMRecurrenceBackward.forward(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse)
+    got = ops.lstm_steps_backward(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **tolerance)
+

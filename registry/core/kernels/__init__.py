@@ -34,12 +34,12 @@ import torch
 
 # One extension: the routing kernels, the fused primitives, group norm and linear as C++ ops (``fused_ops.cpp``,
 # ``group_norm.cpp``, ``linear.cpp``: their TORCH_LIBRARY registrations run when the extension loads), the random
-# state's copy, and the batching rules that the routing registers (``batch_rules.cpp``), and the graph check of
-# first-order grad (``first_order.cpp``).
+# state's copy, and the batching rules that the routing registers (``batch_rules.cpp``), the graph check of
+# first-order grad (``first_order.cpp``), and the LSTM recurrence primitive's steps (``recurrence.cpp``).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("routing.cpp", "fused_ops.cpp", "random_state.cpp",
                                                                 "batch_rules.cpp", "group_norm.cpp",
                                                                 "linear.cpp", "first_order.cpp", "entries.cpp",
-                                                                "output_pool.cpp"))
+                                                                "output_pool.cpp", "recurrence.cpp"))
 CACHE_ENV = "MULTICOMPOSITE_KERNELS_DIR"
 # -O3: gcc vectorizes the fused ops' loops only there (its -O2 cost model refuses loops of unknown length).
 # -fopenmp: at::parallel_for is a header template over OpenMP (ATen/ParallelOpenMP.h); without the flag its pragma is

@@ -105,3 +105,20 @@ def test_regions_are_counted_per_thread(region_kernel_calls: list[str]) -> None:
         fresh_buffers.PATCH.pop()
     if fresh_buffers.PATCH.compiled_registered:
         assert seen == []
+
+
+def test_a_remembered_function_gets_the_kernels_after_a_backend_switch(routing_backend: str) -> None:
+    """A function remembered as needing functionalization runs functionalized from the start; the region kernels go
+    with the C++ routing's Library on a switch of backends, and that run registers them again."""
+    from registry.core import routing
+
+    other = "python" if routing_backend == "cpp" else "cpp"
+    expected = torch.stack([torch.func.grad(_writes_into_a_buffer_of_the_weight)(sample) for sample in X])
+    per_sample = func.vmap(func.grad(_writes_into_a_buffer_of_the_weight))
+    try:
+        for backend in (routing_backend, other, routing_backend):
+            routing.set_routing_backend(backend)
+            with registry.use():
+                torch.testing.assert_close(per_sample(X), expected)
+    finally:
+        routing.set_routing_backend(routing_backend)
