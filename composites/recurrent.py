@@ -457,19 +457,21 @@ def _lstm_steps(projected: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_hh:
 _CPP_STEPS_DTYPES = (torch.float32, torch.float64)
 
 
-def _cpp_steps(projected: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: torch.Tensor,
-               *more: torch.Tensor) -> Any:
-    """``torch.ops.multicomposite`` where the recurrence's steps can run in C++ (``registry/core/kernels/
+def _cpp_steps(projected: torch.Tensor, states: Sequence[torch.Tensor], w_hh: torch.Tensor,
+               bias: torch.Tensor | None = None, others: Sequence[torch.Tensor] = ()) -> Any:
+    """``torch.ops.multicomposite`` where a recurrence's steps can run in C++ (``registry/core/kernels/
     recurrence.cpp``'s NOTE): the C++ build loaded, every tensor an ordinary CPU float or double tensor of one dtype
-    (no functorch wrapper, no subclass), a 2-d hidden weight, the states of the projection's leading shape; else
-    None (the Python steps)."""
+    (no functorch wrapper, no subclass), a 2-d hidden weight, a 1-d hidden bias or none, each state of the
+    projection's leading shape; else None (the Python steps)."""
     from registry.core import kernels
 
-    tensors = (projected, h0, c0, w_hh, *more)
-    if w_hh.dim() != 2 or projected.dim() < 3 or h0.shape != projected.shape[:-3] + projected.shape[-2:-1] + (
-            h0.shape[-1],) or c0.shape != h0.shape:
+    if w_hh.dim() != 2 or projected.dim() < 3 or (bias is not None and bias.dim() != 1):
+        return None
+    state_shape = projected.shape[:-3] + projected.shape[-2:-1] + states[0].shape[-1:]
+    if any(state.shape != state_shape for state in states):
         return None
     dtype = projected.dtype
+    tensors = (projected, *states, w_hh, *others, *(() if bias is None else (bias,)))
     if dtype not in _CPP_STEPS_DTYPES or any(type(t) is not torch.Tensor or t.dtype != dtype or t.device.type != "cpu"
                                              or torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
         return None
@@ -484,7 +486,7 @@ class LSTMRecurrence(Function):
 
     @staticmethod
     def forward(projected, h0, c0, w_hh, reverse):
-        ops = _cpp_steps(projected, h0, c0, w_hh)
+        ops = _cpp_steps(projected, (h0, c0), w_hh)
         if ops is not None:
             return ops.lstm_steps(projected, h0, c0, w_hh, reverse)
         out, h, c, _ = _lstm_steps(projected, h0, c0, w_hh, reverse, keep=False)
@@ -537,9 +539,8 @@ class LSTMRecurrenceBackward(Function):
 
     @staticmethod
     def forward(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse):
-        ops = _cpp_steps(projected, h0, c0, w_hh, d_out, d_h, d_c)
-        if ops is not None and d_out.shape == projected.shape[:-1] + h0.shape[-1:] and d_h.shape == h0.shape and (
-                d_c.shape == h0.shape):
+        ops = _cpp_steps(projected, (h0, c0, d_h, d_c), w_hh, others=(d_out,))
+        if ops is not None and d_out.shape == projected.shape[:-1] + h0.shape[-1:]:
             return ops.lstm_steps_backward(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse)
         _, _, _, kept = _lstm_steps(projected, h0, c0, w_hh, reverse, keep=True)
         hidden = h0.shape[-1]
@@ -626,6 +627,9 @@ class GRURecurrence(Function):
 
     @staticmethod
     def forward(projected, h0, w_hh, b_hh, reverse):
+        ops = _cpp_steps(projected, (h0,), w_hh, bias=b_hh)
+        if ops is not None:
+            return ops.gru_steps(projected, h0, w_hh, b_hh, reverse)
         out, h, _ = _gru_steps(projected, h0, w_hh, b_hh, reverse, keep=False)
         return out, h
 
@@ -667,6 +671,9 @@ class GRURecurrenceBackward(Function):
 
     @staticmethod
     def forward(projected, h0, w_hh, b_hh, d_out, d_h, reverse):
+        ops = _cpp_steps(projected, (h0, d_h), w_hh, bias=b_hh, others=(d_out,))
+        if ops is not None and d_out.shape == projected.shape[:-1] + h0.shape[-1:]:
+            return ops.gru_steps_backward(projected, h0, w_hh, b_hh, d_out, d_h, reverse)
         _, _, kept = _gru_steps(projected, h0, w_hh, b_hh, reverse, keep=True)
         hidden = h0.shape[-1]
         steps = projected.shape[-3]

@@ -645,15 +645,45 @@ def test_recurrence_steps_in_cpp_equal_the_python_steps(lead: tuple[int, ...], r
     projected, h0, c0 = randn(*lead, steps, batch, 4 * hidden), randn(*lead, batch, hidden), randn(*lead, batch, hidden)
     w_hh = randn(4 * hidden, hidden) / 2
     d_out, d_h, d_c = randn(*lead, steps, batch, hidden), randn(*lead, batch, hidden), randn(*lead, batch, hidden)
-    ops = recurrent._cpp_steps(projected, h0, c0, w_hh, d_out, d_h, d_c)
+    ops = recurrent._cpp_steps(projected, (h0, c0, d_h, d_c), w_hh, others=(d_out,))
     assert ops is not None
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
     out, h, c, _ = recurrent._lstm_steps(projected, h0, c0, w_hh, reverse, keep=False)
     for got, want in zip(ops.lstm_steps(projected, h0, c0, w_hh, reverse), (out, h, c), strict=True):
         torch.testing.assert_close(got, want, **tolerance)
-    monkeypatch.setattr(recurrent, "_cpp_steps", lambda *tensors: None)  # the primitive's Python BPTT
+    monkeypatch.setattr(recurrent, "_cpp_steps", lambda *tensors, **kinds: None)  # the primitive's Python BPTT
     want = recurrent.LSTMRecurrenceBackward.forward(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse)
     got = ops.lstm_steps_backward(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, **tolerance)
 
+
+
+@pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("bias", [True, False], ids=["hidden-bias", "no-bias"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("lead", [(), (3,)], ids=["one-sample", "per-sample-lead"])
+def test_gru_recurrence_steps_in_cpp_equal_the_python_steps(lead: tuple[int, ...], reverse: bool, bias: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GRU recurrence primitive's steps in C++ give the Python steps' outputs, last state and BPTT gradients
+    (the projection's, h0's, and the hidden weight's and bias's per leading index), with and without a hidden
+    bias, forward and reversed."""
+    generator = torch.Generator().manual_seed(12)
+    steps, batch, hidden = 5, 2, 4
+
+    def randn(*sizes: int) -> torch.Tensor:
+        return torch.randn(*sizes, generator=generator, dtype=torch.float64)
+
+    projected, h0 = randn(*lead, steps, batch, 3 * hidden), randn(*lead, batch, hidden)
+    w_hh, b_hh = randn(3 * hidden, hidden) / 2, randn(3 * hidden) if bias else None
+    d_out, d_h = randn(*lead, steps, batch, hidden), randn(*lead, batch, hidden)
+    ops = recurrent._cpp_steps(projected, (h0, d_h), w_hh, bias=b_hh, others=(d_out,))
+    assert ops is not None
+    out, h, _ = recurrent._gru_steps(projected, h0, w_hh, b_hh, reverse, keep=False)
+    for got, want in zip(ops.gru_steps(projected, h0, w_hh, b_hh, reverse), (out, h), strict=True):
+        torch.testing.assert_close(got, want)
+    monkeypatch.setattr(recurrent, "_cpp_steps", lambda *tensors, **kinds: None)  # the primitive's Python BPTT
+    want = recurrent.GRURecurrenceBackward.forward(projected, h0, w_hh, b_hh, d_out, d_h, reverse)
+    got = ops.gru_steps_backward(projected, h0, w_hh, b_hh, d_out, d_h, reverse)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)

@@ -1,5 +1,6 @@
-// multicomposite::lstm_steps and multicomposite::lstm_steps_backward: the recurrence of composites/recurrent.py's
-// LSTMRecurrence primitive (its forward, and BPTT with the forward recomputed) on ordinary CPU tensors.
+// multicomposite::lstm_steps / lstm_steps_backward and gru_steps / gru_steps_backward: the recurrences of
+// composites/recurrent.py's LSTMRecurrence and GRURecurrence primitives (their forward, and BPTT with the forward
+// recomputed) on ordinary CPU tensors.
 //
 // NOTE: why in C++. The primitive runs its steps on plain tensors, but in Python: about 9 ops a step forward and 30
 // backward (the recomputed forward and the gate gradients), each a Python call and a dispatch, about 600 for a
@@ -16,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -33,16 +35,18 @@ struct Shape {
   std::vector<int64_t> lead;
   int64_t lead_size = 1, steps = 0, batch = 0, gates = 0, hidden = 0;
 
-  explicit Shape(const Tensor& projected, const Tensor& h0) {
+  // gate_count: 4 (the LSTM's i, f, g, o) or 3 (the GRU's r, z, n).
+  Shape(const Tensor& projected, const Tensor& h0, int64_t gate_count) {
     TORCH_CHECK(projected.dim() >= 3 && h0.dim() == projected.dim() - 1,
-                "multicomposite::lstm_steps: projected (*lead, T, N, 4H) and states (*lead, N, H) expected");
+                "multicomposite: projected (*lead, T, N, gates * H) and states (*lead, N, H) expected");
     lead.assign(projected.sizes().begin(), projected.sizes().end() - 3);
     for (int64_t size : lead) lead_size *= size;
     steps = projected.size(-3);
     batch = projected.size(-2);
     gates = projected.size(-1);
     hidden = h0.size(-1);
-    TORCH_CHECK(gates == 4 * hidden, "multicomposite::lstm_steps: the projection's last size must be 4 * hidden");
+    TORCH_CHECK(gates == gate_count * hidden, "multicomposite: the projection's last size must be ", gate_count,
+                " * hidden");
   }
   int64_t rows() const { return lead_size * batch; }
   // (*lead, T, N, W) -> (T, rows, W), contiguous.
@@ -127,7 +131,7 @@ std::tuple<Tensor, Tensor, Tensor> lstm_steps(const Tensor& projected, const Ten
                                               const Tensor& w_hh, bool reverse) {
   check_inputs(projected, h0, c0, w_hh);
   at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
-  const Shape shape(projected, h0);
+  const Shape shape(projected, h0, 4);
   const Tensor steps = shape.steps_first(projected, shape.gates);
   const Tensor h_rows = h0.reshape({shape.rows(), shape.hidden}).contiguous();
   Tensor c = c0.reshape({shape.rows(), shape.hidden}).clone(at::MemoryFormat::Contiguous);
@@ -147,7 +151,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_steps_backward(const Tensor& pro
                                                                const Tensor& d_c, bool reverse) {
   check_inputs(projected, h0, c0, w_hh);
   at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
-  const Shape shape(projected, h0);
+  const Shape shape(projected, h0, 4);
   const int64_t rows = shape.rows(), hidden = shape.hidden, width = shape.gates, steps_count = shape.steps;
   const Tensor steps = shape.steps_first(projected, width);
   const Tensor h_rows = h0.reshape({rows, hidden}).contiguous();
@@ -211,6 +215,152 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_steps_backward(const Tensor& pro
           d_w.view(w_sizes)};
 }
 
+// --- the GRU's recurrence (composites/recurrent.py's GRURecurrence), PyTorch's formulas ------------------------
+//
+// Each step: the hidden product (plus the hidden bias) in one addmm, the reset and update gates' pre-activations and
+// one sigmoid_ over both, the new gate's pre-activation and one tanh_, and h' = (h - n) z + n. Kept for the
+// backward: each step's hidden product and its activated gates (r, z, n).
+template <typename T>
+void run_gru_steps(const Shape& shape, const Tensor& projected_steps, const Tensor& h0_rows,
+                   const std::optional<Tensor>& b_hh, const Tensor& w_t, bool reverse, Tensor& out, Tensor* kept_hw,
+                   Tensor* kept_gates) {
+  const int64_t rows = shape.rows(), hidden = shape.hidden, width = shape.gates;
+  Tensor h = h0_rows;
+  const Tensor scratch_hw = kept_hw != nullptr ? Tensor() : at::empty({rows, width}, h0_rows.options());
+  const Tensor scratch_gates = kept_gates != nullptr ? Tensor() : at::empty({rows, width}, h0_rows.options());
+  for (int64_t position = 0; position < shape.steps; ++position) {
+    const int64_t t = reverse ? shape.steps - 1 - position : position;
+    Tensor hw = kept_hw != nullptr ? (*kept_hw)[t] : scratch_hw;
+    Tensor gates = kept_gates != nullptr ? (*kept_gates)[t] : scratch_gates;
+    if (b_hh.has_value()) {
+      at::addmm_out(hw, *b_hh, h, w_t);
+    } else {
+      at::mm_out(hw, h, w_t);
+    }
+    const T* x_ptr = projected_steps[t].const_data_ptr<T>();
+    const T* hw_ptr = hw.const_data_ptr<T>();
+    T* g_ptr = gates.data_ptr<T>();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < 2 * hidden; ++j) g_ptr[r * width + j] = x_ptr[r * width + j] + hw_ptr[r * width + j];
+    }
+    gates.narrow(1, 0, 2 * hidden).sigmoid_();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t base = r * width;
+      for (int64_t j = 0; j < hidden; ++j) {
+        g_ptr[base + 2 * hidden + j] = x_ptr[base + 2 * hidden + j] + g_ptr[base + j] * hw_ptr[base + 2 * hidden + j];
+      }
+    }
+    gates.narrow(1, 2 * hidden, hidden).tanh_();
+    Tensor h_next = out[t];
+    const T* h_ptr = h.const_data_ptr<T>();
+    T* next_ptr = h_next.data_ptr<T>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* g = g_ptr + r * width;
+      for (int64_t j = 0; j < hidden; ++j) {
+        const T z = g[hidden + j], n = g[2 * hidden + j];
+        next_ptr[r * hidden + j] = (h_ptr[r * hidden + j] - n) * z + n;
+      }
+    }
+    h = h_next;
+  }
+}
+
+void check_gru_inputs(const Tensor& projected, const Tensor& h0, const Tensor& w_hh, const std::optional<Tensor>& b_hh) {
+  TORCH_CHECK(projected.device().is_cpu() && h0.device().is_cpu() && w_hh.device().is_cpu(),
+              "multicomposite::gru_steps runs on CPU tensors");
+  TORCH_CHECK(w_hh.dim() == 2 && (!b_hh.has_value() || b_hh->dim() == 1),
+              "multicomposite::gru_steps: a 2-d hidden weight and a 1-d hidden bias expected");
+  TORCH_CHECK(projected.scalar_type() == h0.scalar_type() && h0.scalar_type() == w_hh.scalar_type() &&
+                  (!b_hh.has_value() || b_hh->scalar_type() == w_hh.scalar_type()),
+              "multicomposite::gru_steps: one dtype expected");
+  TORCH_CHECK(projected.dim() >= 3 && projected.size(-1) == 3 * h0.size(-1),
+              "multicomposite::gru_steps: the projection's last size must be 3 * hidden");
+}
+
+std::tuple<Tensor, Tensor> gru_steps(const Tensor& projected, const Tensor& h0, const Tensor& w_hh,
+                                     const std::optional<Tensor>& b_hh, bool reverse) {
+  check_gru_inputs(projected, h0, w_hh, b_hh);
+  at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
+  const Shape shape(projected, h0, 3);
+  const Tensor steps = shape.steps_first(projected, shape.gates);
+  const Tensor h_rows = h0.reshape({shape.rows(), shape.hidden}).contiguous();
+  Tensor out = at::empty({shape.steps, shape.rows(), shape.hidden}, h0.options());
+  const Tensor w_t = w_hh.t();
+  AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::gru_steps", [&] {
+    run_gru_steps<scalar_t>(shape, steps, h_rows, b_hh, w_t, reverse, out, nullptr, nullptr);
+  });
+  const int64_t last = reverse ? 0 : shape.steps - 1;
+  const Tensor h_last = shape.steps > 0 ? out[last].clone() : h_rows.clone();
+  return {shape.lead_first(out, shape.hidden), h_last.view(shape.state_sizes())};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> gru_steps_backward(const Tensor& projected, const Tensor& h0,
+                                                              const Tensor& w_hh, const std::optional<Tensor>& b_hh,
+                                                              const Tensor& d_out, const Tensor& d_h, bool reverse) {
+  check_gru_inputs(projected, h0, w_hh, b_hh);
+  at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
+  const Shape shape(projected, h0, 3);
+  const int64_t rows = shape.rows(), hidden = shape.hidden, width = shape.gates, steps_count = shape.steps;
+  const Tensor steps = shape.steps_first(projected, width);
+  const Tensor h_rows = h0.reshape({rows, hidden}).contiguous();
+  Tensor out = at::empty({steps_count, rows, hidden}, h0.options());
+  Tensor kept_hw = at::empty({steps_count, rows, width}, h0.options());
+  Tensor kept_gates = at::empty({steps_count, rows, width}, h0.options());
+  const Tensor w_t = w_hh.t();
+  const Tensor w = w_hh.contiguous();
+  const Tensor d_out_steps = shape.steps_first(d_out, hidden);
+  Tensor dh = d_h.reshape({rows, hidden}).clone(at::MemoryFormat::Contiguous);
+  Tensor d_inputs = at::empty({steps_count, rows, width}, h0.options());
+  Tensor d_hidden = at::empty({steps_count, rows, width}, h0.options());
+  Tensor previous = at::empty({steps_count, rows, hidden}, h0.options());
+  AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::gru_steps_backward", [&] {
+    run_gru_steps<scalar_t>(shape, steps, h_rows, b_hh, w_t, reverse, out, &kept_hw, &kept_gates);
+    for (int64_t position = 0; position < steps_count; ++position) {  // the forward's steps, last first
+      const int64_t t = reverse ? position : steps_count - 1 - position;
+      const int64_t before = reverse ? t + 1 : t - 1;
+      const bool first = reverse ? t == steps_count - 1 : t == 0;
+      const Tensor h_prev = first ? h_rows : out[before];
+      previous[t].copy_(h_prev);
+      dh.add_(d_out_steps[t]);
+      const scalar_t* hw_ptr = kept_hw[t].const_data_ptr<scalar_t>();
+      const scalar_t* g_ptr = kept_gates[t].const_data_ptr<scalar_t>();
+      const scalar_t* hp_ptr = previous[t].const_data_ptr<scalar_t>();
+      scalar_t* dh_ptr = dh.data_ptr<scalar_t>();
+      scalar_t* di_ptr = d_inputs[t].data_ptr<scalar_t>();
+      scalar_t* dw_ptr = d_hidden[t].data_ptr<scalar_t>();
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t base = r * width;
+        for (int64_t j = 0; j < hidden; ++j) {
+          const scalar_t reset = g_ptr[base + j], update = g_ptr[base + hidden + j], n = g_ptr[base + 2 * hidden + j];
+          const scalar_t d = dh_ptr[r * hidden + j];
+          const scalar_t d_new = d * (scalar_t(1) - update) * (scalar_t(1) - n * n);
+          const scalar_t d_update = d * (hp_ptr[r * hidden + j] - n) * update * (scalar_t(1) - update);
+          const scalar_t d_reset = d_new * hw_ptr[base + 2 * hidden + j] * reset * (scalar_t(1) - reset);
+          di_ptr[base + j] = d_reset;
+          di_ptr[base + hidden + j] = d_update;
+          di_ptr[base + 2 * hidden + j] = d_new;
+          dw_ptr[base + j] = d_reset;
+          dw_ptr[base + hidden + j] = d_update;
+          dw_ptr[base + 2 * hidden + j] = d_new * reset;
+          dh_ptr[r * hidden + j] = d * update;
+        }
+      }
+      dh.add_(at::mm(d_hidden[t], w));
+    }
+  });
+  const auto per_sample = [&](const Tensor& t, int64_t w_size) {
+    return t.view({steps_count, shape.lead_size, shape.batch, w_size}).transpose(0, 1).reshape(
+        {shape.lead_size, steps_count * shape.batch, w_size});
+  };
+  const Tensor hidden_rows = per_sample(d_hidden, width);
+  Tensor d_w = at::bmm(hidden_rows.transpose(1, 2), per_sample(previous, hidden));
+  Tensor d_b = hidden_rows.sum(1);
+  std::vector<int64_t> w_sizes = shape.lead, b_sizes = shape.lead;
+  w_sizes.insert(w_sizes.end(), {width, hidden});
+  b_sizes.push_back(width);
+  return {shape.lead_first(d_inputs, width), dh.view(shape.state_sizes()), d_w.view(w_sizes), d_b.view(b_sizes)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
@@ -219,9 +369,15 @@ TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
   // Its backward (BPTT, the forward recomputed): (d_projected, d_h0, d_c0, d_w_hh per lead index).
   m.def("lstm_steps_backward(Tensor projected, Tensor h0, Tensor c0, Tensor w_hh, Tensor d_out, Tensor d_h, "
         "Tensor d_c, bool reverse) -> (Tensor, Tensor, Tensor, Tensor)");
+  // composites/recurrent.py's GRURecurrence: (outputs, h_T), and its backward (d_projected, d_h0, d_w_hh, d_b_hh).
+  m.def("gru_steps(Tensor projected, Tensor h0, Tensor w_hh, Tensor? b_hh, bool reverse) -> (Tensor, Tensor)");
+  m.def("gru_steps_backward(Tensor projected, Tensor h0, Tensor w_hh, Tensor? b_hh, Tensor d_out, Tensor d_h, "
+        "bool reverse) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, CompositeExplicitAutograd, m) {
   m.impl("lstm_steps", lstm_steps);
   m.impl("lstm_steps_backward", lstm_steps_backward);
+  m.impl("gru_steps", gru_steps);
+  m.impl("gru_steps_backward", gru_steps_backward);
 }
