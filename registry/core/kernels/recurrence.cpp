@@ -8,15 +8,16 @@
 // a 3.3 ms step whose floor (PyTorch's fused LSTM kernel over the batch) is 0.6 ms. Here each step is one matrix
 // product, the activations over the whole gate block and loops over the rows; the hidden weight's per-sample gradient
 // is one batched product over the steps, as in the Python backward. One layer at 4 samples, 16 steps, hidden 64:
-// forward 463 -> 112 us, backward 1,704 -> 275 us (one thread). composites/recurrent.py calls these where every tensor is an ordinary CPU float or double
-// tensor and the states and the projection share their leading (per-sample) dimensions; elsewhere its Python loop.
+// forward 463 -> 112 us, backward 1,704 -> 275 us (one thread). composites/recurrent.py calls these where every
+// tensor is an ordinary CPU float or double tensor and the states and the projection share their leading
+// (per-sample) dimensions; elsewhere its Python loop.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -24,11 +25,6 @@
 namespace {
 
 using at::Tensor;
-
-template <typename T>
-T sigmoid(T x) {
-  return T(1) / (T(1) + std::exp(-x));
-}
 
 // The shapes: projected (*lead, T, N, 4H); the states (*lead, N, H); w_hh (4H, H). Rows: the lead dimensions times N.
 struct Shape {
@@ -63,6 +59,24 @@ struct Shape {
     std::vector<int64_t> sizes = lead;
     sizes.insert(sizes.end(), {batch, hidden});
     return sizes;
+  }
+  // The state after the last step taken, (*lead, N, H), from the steps' outputs `out` (T, rows, H).
+  Tensor last_state(const Tensor& out, const Tensor& h0_rows, bool reverse) const {
+    const Tensor last = steps == 0 ? h0_rows : out[reverse ? 0 : steps - 1];
+    return last.clone().view(state_sizes());
+  }
+  // Each step's previous state, (T, rows, H): h0 before the first step taken, the step before's output after it.
+  Tensor previous_states(const Tensor& out, const Tensor& h0_rows, bool reverse) const {
+    Tensor previous = at::empty_like(out);
+    for (int64_t position = 0; position < steps; ++position) {
+      const int64_t t = reverse ? steps - 1 - position : position;
+      previous[t].copy_(position == 0 ? h0_rows : out[reverse ? t + 1 : t - 1]);
+    }
+    return previous;
+  }
+  // (T, rows, W) -> (lead, T * N, W): each sample's rows over every step, for one product per sample.
+  Tensor per_sample(const Tensor& t, int64_t width) const {
+    return t.view({steps, lead_size, batch, width}).transpose(0, 1).reshape({lead_size, steps * batch, width});
   }
 };
 
@@ -117,19 +131,24 @@ void run_steps(const Shape& shape, const Tensor& projected_steps, const Tensor& 
   }
 }
 
-void check_inputs(const Tensor& projected, const Tensor& h0, const Tensor& c0, const Tensor& w_hh) {
-  TORCH_CHECK(projected.device().is_cpu() && h0.device().is_cpu() && c0.device().is_cpu() && w_hh.device().is_cpu(),
-              "multicomposite::lstm_steps runs on CPU tensors");
-  TORCH_CHECK(h0.sizes() == c0.sizes() && w_hh.dim() == 2, "multicomposite::lstm_steps: h0 and c0 of one shape and "
-              "a 2-d hidden weight expected");
-  TORCH_CHECK(projected.scalar_type() == h0.scalar_type() && h0.scalar_type() == c0.scalar_type() &&
-                  c0.scalar_type() == w_hh.scalar_type(),
-              "multicomposite::lstm_steps: one dtype expected");
+// The recurrences' preconditions (composites/recurrent.py's _cpp_steps checks them before calling): CPU tensors of
+// one dtype, a 2-d hidden weight, a 1-d hidden bias or none. The shapes are Shape's.
+void check_inputs(const char* op, std::initializer_list<Tensor> tensors, const Tensor& w_hh,
+                  const std::optional<Tensor>& b_hh = std::nullopt) {
+  TORCH_CHECK(w_hh.dim() == 2 && (!b_hh.has_value() || b_hh->dim() == 1), op,
+              ": a 2-d hidden weight and a 1-d hidden bias or none expected");
+  std::vector<Tensor> all(tensors);
+  all.push_back(w_hh);
+  if (b_hh.has_value()) all.push_back(*b_hh);
+  for (const Tensor& t : all) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == w_hh.scalar_type(), op, " runs on CPU tensors of one dtype");
+  }
 }
 
 std::tuple<Tensor, Tensor, Tensor> lstm_steps(const Tensor& projected, const Tensor& h0, const Tensor& c0,
                                               const Tensor& w_hh, bool reverse) {
-  check_inputs(projected, h0, c0, w_hh);
+  check_inputs("multicomposite::lstm_steps", {projected, h0, c0}, w_hh);
+  TORCH_CHECK(h0.sizes() == c0.sizes(), "multicomposite::lstm_steps: h0 and c0 of one shape expected");
   at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
   const Shape shape(projected, h0, 4);
   const Tensor steps = shape.steps_first(projected, shape.gates);
@@ -140,16 +159,15 @@ std::tuple<Tensor, Tensor, Tensor> lstm_steps(const Tensor& projected, const Ten
   AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::lstm_steps", [&] {
     run_steps<scalar_t>(shape, steps, h_rows, c, w_t, reverse, out, nullptr);
   });
-  const int64_t last = reverse ? 0 : shape.steps - 1;
-  const Tensor h_last = shape.steps > 0 ? out[last].clone() : h_rows.clone();
-  return {shape.lead_first(out, shape.hidden), h_last.view(shape.state_sizes()), c.view(shape.state_sizes())};
+  return {shape.lead_first(out, shape.hidden), shape.last_state(out, h_rows, reverse), c.view(shape.state_sizes())};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_steps_backward(const Tensor& projected, const Tensor& h0,
                                                                const Tensor& c0, const Tensor& w_hh,
                                                                const Tensor& d_out, const Tensor& d_h,
                                                                const Tensor& d_c, bool reverse) {
-  check_inputs(projected, h0, c0, w_hh);
+  check_inputs("multicomposite::lstm_steps_backward", {projected, h0, c0, d_out, d_h, d_c}, w_hh);
+  TORCH_CHECK(h0.sizes() == c0.sizes(), "multicomposite::lstm_steps_backward: h0 and c0 of one shape expected");
   at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
   const Shape shape(projected, h0, 4);
   const int64_t rows = shape.rows(), hidden = shape.hidden, width = shape.gates, steps_count = shape.steps;
@@ -198,17 +216,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_steps_backward(const Tensor& pro
   });
   // Each sample's hidden-weight gradient: its steps' gate gradients times the states they multiplied, summed over
   // the steps and rows, as one batched product over the lead dimensions.
-  Tensor previous = at::empty({steps_count, rows, hidden}, h0.options());
-  for (int64_t position = 0; position < steps_count; ++position) {
-    const int64_t t = reverse ? steps_count - 1 - position : position;
-    const int64_t before = reverse ? t + 1 : t - 1;
-    previous[t].copy_(position == 0 ? h_rows : out[before]);
-  }
-  const auto per_sample = [&](const Tensor& t, int64_t w_size) {
-    return t.view({steps_count, shape.lead_size, shape.batch, w_size}).transpose(0, 1).reshape(
-        {shape.lead_size, steps_count * shape.batch, w_size});
-  };
-  Tensor d_w = at::bmm(per_sample(d_gates, width).transpose(1, 2), per_sample(previous, hidden));
+  const Tensor previous = shape.previous_states(out, h_rows, reverse);
+  Tensor d_w = at::bmm(shape.per_sample(d_gates, width).transpose(1, 2), shape.per_sample(previous, hidden));
   std::vector<int64_t> w_sizes = shape.lead;
   w_sizes.insert(w_sizes.end(), {width, hidden});
   return {shape.lead_first(d_gates, width), dh.view(shape.state_sizes()), dc.view(shape.state_sizes()),
@@ -265,21 +274,9 @@ void run_gru_steps(const Shape& shape, const Tensor& projected_steps, const Tens
   }
 }
 
-void check_gru_inputs(const Tensor& projected, const Tensor& h0, const Tensor& w_hh, const std::optional<Tensor>& b_hh) {
-  TORCH_CHECK(projected.device().is_cpu() && h0.device().is_cpu() && w_hh.device().is_cpu(),
-              "multicomposite::gru_steps runs on CPU tensors");
-  TORCH_CHECK(w_hh.dim() == 2 && (!b_hh.has_value() || b_hh->dim() == 1),
-              "multicomposite::gru_steps: a 2-d hidden weight and a 1-d hidden bias expected");
-  TORCH_CHECK(projected.scalar_type() == h0.scalar_type() && h0.scalar_type() == w_hh.scalar_type() &&
-                  (!b_hh.has_value() || b_hh->scalar_type() == w_hh.scalar_type()),
-              "multicomposite::gru_steps: one dtype expected");
-  TORCH_CHECK(projected.dim() >= 3 && projected.size(-1) == 3 * h0.size(-1),
-              "multicomposite::gru_steps: the projection's last size must be 3 * hidden");
-}
-
 std::tuple<Tensor, Tensor> gru_steps(const Tensor& projected, const Tensor& h0, const Tensor& w_hh,
                                      const std::optional<Tensor>& b_hh, bool reverse) {
-  check_gru_inputs(projected, h0, w_hh, b_hh);
+  check_inputs("multicomposite::gru_steps", {projected, h0}, w_hh, b_hh);
   at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
   const Shape shape(projected, h0, 3);
   const Tensor steps = shape.steps_first(projected, shape.gates);
@@ -289,15 +286,13 @@ std::tuple<Tensor, Tensor> gru_steps(const Tensor& projected, const Tensor& h0, 
   AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::gru_steps", [&] {
     run_gru_steps<scalar_t>(shape, steps, h_rows, b_hh, w_t, reverse, out, nullptr, nullptr);
   });
-  const int64_t last = reverse ? 0 : shape.steps - 1;
-  const Tensor h_last = shape.steps > 0 ? out[last].clone() : h_rows.clone();
-  return {shape.lead_first(out, shape.hidden), h_last.view(shape.state_sizes())};
+  return {shape.lead_first(out, shape.hidden), shape.last_state(out, h_rows, reverse)};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> gru_steps_backward(const Tensor& projected, const Tensor& h0,
                                                               const Tensor& w_hh, const std::optional<Tensor>& b_hh,
                                                               const Tensor& d_out, const Tensor& d_h, bool reverse) {
-  check_gru_inputs(projected, h0, w_hh, b_hh);
+  check_inputs("multicomposite::gru_steps_backward", {projected, h0, d_out, d_h}, w_hh, b_hh);
   at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
   const Shape shape(projected, h0, 3);
   const int64_t rows = shape.rows(), hidden = shape.hidden, width = shape.gates, steps_count = shape.steps;
@@ -312,15 +307,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gru_steps_backward(const Tensor& proj
   Tensor dh = d_h.reshape({rows, hidden}).clone(at::MemoryFormat::Contiguous);
   Tensor d_inputs = at::empty({steps_count, rows, width}, h0.options());
   Tensor d_hidden = at::empty({steps_count, rows, width}, h0.options());
-  Tensor previous = at::empty({steps_count, rows, hidden}, h0.options());
+  Tensor previous;
   AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::gru_steps_backward", [&] {
     run_gru_steps<scalar_t>(shape, steps, h_rows, b_hh, w_t, reverse, out, &kept_hw, &kept_gates);
+    previous = shape.previous_states(out, h_rows, reverse);
     for (int64_t position = 0; position < steps_count; ++position) {  // the forward's steps, last first
       const int64_t t = reverse ? position : steps_count - 1 - position;
-      const int64_t before = reverse ? t + 1 : t - 1;
-      const bool first = reverse ? t == steps_count - 1 : t == 0;
-      const Tensor h_prev = first ? h_rows : out[before];
-      previous[t].copy_(h_prev);
       dh.add_(d_out_steps[t]);
       const scalar_t* hw_ptr = kept_hw[t].const_data_ptr<scalar_t>();
       const scalar_t* g_ptr = kept_gates[t].const_data_ptr<scalar_t>();
@@ -348,12 +340,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gru_steps_backward(const Tensor& proj
       dh.add_(at::mm(d_hidden[t], w));
     }
   });
-  const auto per_sample = [&](const Tensor& t, int64_t w_size) {
-    return t.view({steps_count, shape.lead_size, shape.batch, w_size}).transpose(0, 1).reshape(
-        {shape.lead_size, steps_count * shape.batch, w_size});
-  };
-  const Tensor hidden_rows = per_sample(d_hidden, width);
-  Tensor d_w = at::bmm(hidden_rows.transpose(1, 2), per_sample(previous, hidden));
+  const Tensor hidden_rows = shape.per_sample(d_hidden, width);
+  Tensor d_w = at::bmm(hidden_rows.transpose(1, 2), shape.per_sample(previous, hidden));
   Tensor d_b = hidden_rows.sum(1);
   std::vector<int64_t> w_sizes = shape.lead, b_sizes = shape.lead;
   w_sizes.insert(w_sizes.end(), {width, hidden});

@@ -606,6 +606,25 @@ Overload* new_overload(const std::string& name, const c10::OperatorHandle& handl
   return o;
 }
 
+// The overload of aten named `name` (packet.overload), its kernel at `key` to be registered over PyTorch's at
+// `native_key`.
+Overload* aten_overload(const std::string& name, c10::DispatchKey key, c10::DispatchKey native_key) {
+  const auto dot = name.find('.');
+  const std::string packet = name.substr(0, dot);
+  const std::string overload_name = dot == std::string::npos ? "" : name.substr(dot + 1);
+  auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(("aten::" + packet).c_str(), overload_name.c_str());
+  return new_overload(name, handle, key, native_key);
+}
+
+// `kernel` into the routing Library at the overload's key (over PyTorch's: the warning that says so is dropped).
+template <class Kernel>
+void register_kernel(const Overload& o, std::unique_ptr<Kernel> kernel) {
+  QuietHandler quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  routing_library().impl(o.name.c_str(),
+                         torch::dispatch(o.key, torch::CppFunction::makeFromBoxedFunctor(std::move(kernel))));
+}
+
 // Register the out= kernel of every aten overload with out arguments and no kernel at the front key (a routed
 // overload keeps its routing kernel); returns how many.
 size_t register_out_kernels(py::object factory) {
@@ -679,36 +698,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "register",
       [](const std::string& name, const std::string& key_name, const std::string& native_key_name,
          py::object decide, py::object slow) {
-        const auto dot = name.find('.');
-        const std::string packet = name.substr(0, dot);
-        const std::string overload_name = dot == std::string::npos ? "" : name.substr(dot + 1);
-        auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(("aten::" + packet).c_str(),
-                                                                     overload_name.c_str());
-        Overload* o = new_overload(name, handle, parse_key(key_name), c10::parseDispatchKey(native_key_name));
+        Overload* o = aten_overload(name, parse_key(key_name), c10::parseDispatchKey(native_key_name));
         o->decide = std::move(decide);
         o->slow = std::move(slow);
-        QuietHandler quiet;
-        c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-        routing_library().impl(name.c_str(), torch::dispatch(o->key, torch::CppFunction::makeFromBoxedFunctor(
-                                                                         std::make_unique<RoutingKernel>(o))));
+        register_kernel(*o, std::make_unique<RoutingKernel>(o));
       },
       "Register the routing kernel of one aten overload (packet.overload) at a key, over PyTorch's kernel at "
       "native_key");
   m.def(
       "register_region_kernel",
       [](const std::string& name, py::object kernel) {
-        const auto dot = name.find('.');
-        const std::string packet = name.substr(0, dot);
-        const std::string overload_name = dot == std::string::npos ? "" : name.substr(dot + 1);
-        auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(("aten::" + packet).c_str(),
-                                                                     overload_name.c_str());
         constexpr auto key = c10::DispatchKey::FuncTorchDynamicLayerFrontMode;
-        Overload* o = new_overload(name, handle, key, key);
+        Overload* o = aten_overload(name, key, key);
         o->slow = std::move(kernel);
-        QuietHandler quiet;
-        c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-        routing_library().impl(name.c_str(), torch::dispatch(key, torch::CppFunction::makeFromBoxedFunctor(
-                                                                      std::make_unique<RegionKernel>(o))));
+        register_kernel(*o, std::make_unique<RegionKernel>(o));
       },
       "Register a region kernel of one aten overload at the front key: kernel(keyset, *args, **kwargs) while a region "
       "is open on the calling thread, PyTorch's kernel there otherwise (the NOTE above RegionKernel)");
