@@ -308,6 +308,8 @@ def _unrolled(op: str, input: torch.Tensor, hx, params, has_biases: bool, num_la
         raise ValueError(f"{op}: input must be 3-D ({'batch, seq' if batch_first else 'seq, batch'}, features), got "
                          f"shape {tuple(input.shape)}; nn.RNN, nn.GRU and nn.LSTM add the batch dimension of an "
                          "unbatched input before calling it")
+    if input.shape[1 if batch_first else 0] == 0:
+        raise RuntimeError("Expected sequence length to be larger than 0 in RNN")  # PyTorch's own, word for word
     cell = _CELLS[op]
     h0, c0 = _initial_states(op, hx)
     directions = 2 if bidirectional else 1

@@ -687,3 +687,22 @@ def test_gru_recurrence_steps_in_cpp_equal_the_python_steps(lead: tuple[int, ...
     got = ops.gru_steps_backward(projected, h0, w_hh, b_hh, d_out, d_h, reverse)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("make", [nn.LSTM, nn.GRU, nn.RNN], ids=["lstm", "gru", "rnn"])
+def test_a_sequence_of_no_steps_is_refused_as_pytorch_refuses_it(make: Callable[..., nn.Module]) -> None:
+    """A zero-length sequence under vmap(grad): PyTorch's error inside use() too (the C++ steps would take it)."""
+    torch.manual_seed(0)
+    model = make(3, 4)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    x = torch.randn(2, 0, 1, 3)
+
+    def loss(p: dict[str, torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (sample,))[0].sum()
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0))
+    with pytest.raises(RuntimeError) as native:
+        per_sample(params, x)
+    with registry.use(), pytest.raises(RuntimeError) as routed:
+        per_sample(params, x)
+    assert str(routed.value) == str(native.value) == "Expected sequence length to be larger than 0 in RNN"
