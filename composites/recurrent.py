@@ -19,7 +19,10 @@ LSTM's without a projection): the recurrence over time is one ``torch.autograd.F
 the whole physical batch and whose backward (BPTT on plain tensors) forms each sample's hidden-weight (and GRU
 hidden-bias) gradient once, as one product over the time steps; unrolled, every step adds a per-sample outer product
 of B x 4H x H to the one before (measured on the bench.models LSTM classifier at batch 64: 43 ms a step against 11
-ms). It has no forward AD and no second derivative: under jvp, jacfwd and hessian the unrolled cells run.
+ms). It has no forward AD and no second derivative: under jvp, jacfwd and hessian the unrolled cells run. Where the
+C++ build is loaded, only vmap and grad levels are active and the hidden weight is the same for every sample, the
+recurrence runs as ``multicomposite::lstm_recurrence`` / ``gru_recurrence`` instead: the same steps and backward as
+ops with a C++ autograd node and batching rules (``registry/core/kernels/recurrence.cpp``, NOTE [recurrence ops]).
 
 Packed sequences (``.data`` overloads, ``nn.GRU(PackedSequence)``) are routed under vmap to ``unrolled_packed``,
 registered as a companion overload of the op (``register_derivative``): PyTorch's kernel everywhere else. Packing
@@ -39,6 +42,7 @@ from torch.autograd import Function
 
 from composites import linear as linear_maps
 from registry.core import rules
+from registry.core.context import functorch_stack, vmap_levels
 from registry.core.ops import overloads
 from registry.core.primitive import apply, batch_first
 from registry.core.registration import define_op, register, register_derivative
@@ -329,7 +333,7 @@ def _unrolled(op: str, input: torch.Tensor, hx, params, has_biases: bool, num_la
                 c_n.append(c)
                 continue
             if fused and op == "gru":
-                stacked, h = apply(GRURecurrence, projected, h0[index], w_hh, step_bias, direction == 1)
+                stacked, h = _fused_gru(projected, h0[index], w_hh, step_bias, direction == 1)
                 outputs.append(stacked)
                 h_n.append(h)
                 c_n.append(None)
@@ -592,8 +596,63 @@ class LSTMRecurrenceBackward(Function):
 
 
 def _fused_recurrence(projected: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: torch.Tensor, reverse: bool):
-    """(outputs (T, N, H), h_T, c_T) of one direction through ``LSTMRecurrence``."""
+    """(outputs (T, N, H), h_T, c_T) of one direction: ``multicomposite::lstm_recurrence`` where ``_recurrence_ops``
+    allows, else ``LSTMRecurrence``."""
+    ops = _recurrence_ops(projected, (h0, c0), w_hh)
+    if ops is not None:
+        return ops.lstm_recurrence(projected, h0, c0, w_hh, reverse)
     return apply(LSTMRecurrence, projected, h0, c0, w_hh, reverse)
+
+
+def _fused_gru(projected: torch.Tensor, h0: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.Tensor | None,
+               reverse: bool):
+    """(outputs (T, N, H), h_T) of one direction: ``multicomposite::gru_recurrence`` where ``_recurrence_ops``
+    allows, else ``GRURecurrence``."""
+    ops = _recurrence_ops(projected, (h0,), w_hh, b_hh)
+    if ops is not None:
+        return ops.gru_recurrence(projected, h0, w_hh, b_hh, reverse)
+    return apply(GRURecurrence, projected, h0, w_hh, b_hh, reverse)
+
+
+_OP_TRANSFORMS = frozenset(("vmap", "grad"))
+
+
+def _innermost(tensor: torch.Tensor) -> torch.Tensor:
+    """What every functorch level's wrapper of ``tensor`` wraps."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
+
+
+def _recurrence_ops(projected: torch.Tensor, states: Sequence[torch.Tensor], w_hh: torch.Tensor,
+                    b_hh: torch.Tensor | None = None) -> Any:
+    """``torch.ops.multicomposite`` where a recurrence can run as its C++ op (recurrence.cpp's NOTE [recurrence
+    ops]), else None (the primitive): the C++ build loaded; no transform but vmap and grad levels (no forward AD, no
+    functionalize, not traced); one (T, N, G * H) projection with (N, H) states, a (G * H, H) hidden weight and a
+    (G * H) hidden bias or none, the weight and bias batched at no level; every tensor, under its functorch wrappers,
+    an ordinary CPU float or double tensor of one dtype."""
+    from registry.core import kernels
+
+    if torch.compiler.is_compiling() or torch.autograd.forward_ad._current_level >= 0:
+        return None
+    if any(transform not in _OP_TRANSFORMS for transform, _ in functorch_stack()):
+        return None
+    if projected.dim() != 3 or w_hh.dim() != 2 or projected.shape[-1] != w_hh.shape[0]:
+        return None
+    state_shape = (projected.shape[1], w_hh.shape[1])
+    if any(state.shape != state_shape for state in states) or (b_hh is not None and b_hh.shape != w_hh.shape[:1]):
+        return None
+    weights = (w_hh,) if b_hh is None else (w_hh, b_hh)
+    if any(vmap_levels(weight) for weight in weights):
+        return None
+    dtype = projected.dtype
+    for tensor in (projected, *states, *weights):
+        inner = _innermost(tensor)
+        if type(inner) is not torch.Tensor or inner.dtype != dtype or inner.device.type != "cpu":
+            return None
+    if dtype not in _CPP_STEPS_DTYPES:
+        return None
+    return torch.ops.multicomposite if kernels.fused_ops_available() else None
 
 
 def _gru_steps(projected: torch.Tensor, h: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.Tensor | None,

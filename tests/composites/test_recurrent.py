@@ -706,3 +706,155 @@ def test_a_sequence_of_no_steps_is_refused_as_pytorch_refuses_it(make: Callable[
     with registry.use(), pytest.raises(RuntimeError) as routed:
         per_sample(params, x)
     assert str(routed.value) == str(native.value) == "Expected sequence length to be larger than 0 in RNN"
+
+
+# --- the recurrences as C++ ops (registry/core/kernels/recurrence.cpp: NOTE [recurrence ops]) --------------------
+
+
+def _recurrence_inputs(op: str, generator: torch.Generator, dtype: torch.dtype = torch.float64,
+                       lead: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...]:
+    """(projected, h0[, c0], w_hh[, b_hh]) of one direction: ``lead`` leading (per-sample) dimensions on the
+    projection and the states, none on the weights."""
+    gates = 4 if op == "lstm" else 3
+
+    def randn(*sizes: int) -> torch.Tensor:
+        return torch.randn(*sizes, generator=generator, dtype=dtype)
+
+    projected, h0 = randn(*lead, T, N, gates * H), randn(*lead, N, H)
+    w_hh = randn(gates * H, H) / 2
+    if op == "lstm":
+        return projected, h0, randn(*lead, N, H), w_hh
+    return projected, h0, w_hh, randn(gates * H)
+
+
+def _recurrence_op(op: str) -> Callable[..., tuple[torch.Tensor, ...]]:
+    return torch.ops.multicomposite.lstm_recurrence if op == "lstm" else torch.ops.multicomposite.gru_recurrence
+
+
+def _python_recurrence(op: str, *inputs: torch.Tensor, reverse: bool) -> tuple[torch.Tensor, ...]:
+    """The reference: the Python steps, differentiated by autograd op by op."""
+    if op == "lstm":
+        out, h, c, _ = recurrent._lstm_steps(*inputs, reverse, keep=False)
+        return out, h, c
+    out, h, _ = recurrent._gru_steps(*inputs, reverse, keep=False)
+    return out, h
+
+
+@pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("op", ["lstm", "gru"])
+def test_recurrence_op_gradients_equal_autograd_of_the_python_steps(op: str, reverse: bool) -> None:
+    """Outside any transform the op records one node whose backward gives what autograd of the Python steps gives,
+    for every input (a loss that weighs every output and state)."""
+    generator = torch.Generator().manual_seed(21)
+    inputs = [t.requires_grad_() for t in _recurrence_inputs(op, generator)]
+    weights = [torch.randn(t.shape, generator=generator, dtype=torch.float64)
+               for t in _python_recurrence(op, *inputs, reverse=reverse)]
+    got_outputs = _recurrence_op(op)(*inputs, reverse)
+    assert got_outputs[0].grad_fn.name() == f"multicomposite::{op.upper()}RecurrenceBackward"
+    want_outputs = _python_recurrence(op, *inputs, reverse=reverse)
+    for got, want in zip(got_outputs, want_outputs, strict=True):
+        torch.testing.assert_close(got, want)
+    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(got_outputs, weights, strict=True)), inputs)
+    want = torch.autograd.grad(sum((o * w).sum() for o, w in zip(want_outputs, weights, strict=True)), inputs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("op", ["lstm", "gru"])
+def test_recurrence_op_under_nested_vmap_of_grad_equals_the_loop(op: str) -> None:
+    """vmap(vmap(grad)): each level's batching rule adds its batch dimension as one more leading dimension of one
+    call; the per-sample gradients of the projection, the states (shared h0: not batched) and the hidden weight equal
+    one autograd call per sample of the Python steps."""
+    generator = torch.Generator().manual_seed(22)
+    projected, h0, *rest = _recurrence_inputs(op, generator, lead=(2, 3))
+    h0 = h0[0, 0]  # one initial state for every sample
+
+    def loss(projected: torch.Tensor, h0: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return sum(o.square().sum() for o in _recurrence_op(op)(projected, h0, *rest, False))
+
+    in_dims = (0, None, *((0,) if op == "lstm" else ()), None, *(() if op == "lstm" else (None,)))
+    states = rest[:1] if op == "lstm" else ()
+    weights = rest[1:] if op == "lstm" else rest
+    got = vmap(vmap(grad(loss, argnums=tuple(range(len(rest) + 2))), in_dims=in_dims), in_dims=in_dims)(
+        projected, h0, *states, *weights)
+    for i in range(2):
+        for j in range(3):
+            sample = [projected[i, j].clone().requires_grad_(), h0.clone().requires_grad_(),
+                      *(s[i, j].clone().requires_grad_() for s in states), *(w.clone().requires_grad_()
+                                                                             for w in weights)]
+            outputs = _python_recurrence(op, *sample, reverse=False)
+            want = torch.autograd.grad(sum(o.square().sum() for o in outputs), sample)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g[i, j], w)
+
+
+@pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("op", ["lstm", "gru"])
+def test_per_sample_gradients_inside_use_run_the_recurrence_op(op: str) -> None:
+    """nn.LSTM and nn.GRU under vmap(grad) inside use(): the op and its node run (not the Python primitive), and the
+    per-sample gradients equal the loop."""
+    torch.manual_seed(0)
+    model = (nn.LSTM if op == "lstm" else nn.GRU)(FEATURES, H, num_layers=2, bidirectional=True).double()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    x = torch.randn(SAMPLES, T, N, FEATURES, dtype=torch.float64)
+
+    def loss(p: dict[str, torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (sample,))[0].square().sum()
+
+    primitive = recurrent.LSTMRecurrence if op == "lstm" else recurrent.GRURecurrence
+    with registry.use(), torch.profiler.profile() as profile:
+        forward = primitive.forward
+        primitive.forward = None  # type: ignore[assignment]  # the primitive must not run
+        try:
+            got = vmap(grad(loss), in_dims=(None, 0))(params, x)
+        finally:
+            primitive.forward = forward  # type: ignore[method-assign]
+    names = {event.name for event in profile.events()}
+    assert {f"multicomposite::{op}_recurrence", f"multicomposite::{op}_steps_backward"} <= names
+    for name, value in got.items():
+        want = torch.stack([torch.autograd.grad(loss(dict(model.named_parameters()), x[b]),
+                                                dict(model.named_parameters())[name])[0] for b in range(SAMPLES)])
+        torch.testing.assert_close(value, want)
+
+
+@pytest.mark.usefixtures("cpp_routing")
+def test_recurrence_op_is_not_taken_where_the_primitive_must_run() -> None:
+    """A hidden weight batched at some level (an ensemble), forward AD, a functionalize level, an integer or a
+    half-precision tensor: the primitive (None); plain float tensors: the op."""
+    generator = torch.Generator().manual_seed(23)
+    projected, h0, c0, w_hh = _recurrence_inputs("lstm", generator, dtype=torch.float32)
+    assert recurrent._recurrence_ops(projected, (h0, c0), w_hh) is torch.ops.multicomposite
+    assert recurrent._recurrence_ops(projected.half(), (h0.half(), c0.half()), w_hh.half()) is None
+    ensemble = torch.stack([w_hh, w_hh])
+    assert vmap(lambda w: torch.tensor(recurrent._recurrence_ops(projected, (h0, c0), w) is None))(ensemble).all()
+    assert vmap(lambda p: torch.tensor(recurrent._recurrence_ops(p, (h0, c0), w_hh) is not None))(
+        torch.stack([projected, projected])).all()
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(projected, torch.ones_like(projected))
+        assert recurrent._recurrence_ops(dual, (h0, c0), w_hh) is None
+    seen: list[object] = []
+    torch.func.functionalize(lambda p: seen.append(recurrent._recurrence_ops(p, (h0, c0), w_hh)) or p)(projected)
+    assert seen == [None]
+
+
+@pytest.mark.usefixtures("cpp_routing")
+def test_recurrence_ops_refuse_what_they_do_not_take() -> None:
+    """A second derivative through the backward op, forward AD, and a batched hidden weight: each a clear error."""
+    generator = torch.Generator().manual_seed(24)
+    projected, h0, c0, w_hh = (t.requires_grad_() for t in _recurrence_inputs("lstm", generator))
+    out, _, _ = torch.ops.multicomposite.lstm_recurrence(projected, h0, c0, w_hh, False)
+    (d_w,) = torch.autograd.grad(out.square().sum(), (w_hh,), create_graph=True)
+    with pytest.raises(RuntimeError, match="lstm_steps_backward has no derivative"):
+        torch.autograd.grad(d_w.sum(), (w_hh,))
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(projected.detach(), torch.ones_like(projected))
+        with pytest.raises(RuntimeError, match="lstm_recurrence has no forward AD"):
+            torch.ops.multicomposite.lstm_recurrence(dual, h0, c0, w_hh, False)
+        with pytest.raises(RuntimeError, match="gru_recurrence has no forward AD"):  # nothing requires grad
+            torch.ops.multicomposite.gru_recurrence(dual[..., :3 * H], h0.detach(), w_hh.detach()[:3 * H], None,
+                                                    False)
+    with pytest.raises(RuntimeError, match="takes a hidden weight and bias that vmap does not batch"):
+        vmap(lambda w: torch.ops.multicomposite.lstm_recurrence(projected, h0, c0, w, False)[0])(
+            torch.stack([w_hh, w_hh]).detach())

@@ -14,13 +14,37 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/functorch/BatchedTensorImpl.h>
+#include <ATen/functorch/DynamicLayer.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
+
+namespace multicomposite_functorch {
+bool plain(const at::Tensor& t);  // batch_rules.cpp: not batched, not wrapped by any functorch level
+class BelowLevels {  // batch_rules.cpp: NOTE [kernels under the last level]
+ public:
+  explicit BelowLevels(bool operands_plain);
+  ~BelowLevels();
+  BelowLevels(const BelowLevels&) = delete;
+  BelowLevels& operator=(const BelowLevels&) = delete;
+
+ private:
+  std::optional<c10::impl::ForceDispatchKeyGuard> keys_;
+  std::optional<at::functorch::DynamicLayer> level_;
+};
+}  // namespace multicomposite_functorch
 
 namespace {
 
@@ -349,6 +373,301 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gru_steps_backward(const Tensor& proj
   return {shape.lead_first(d_inputs, width), dh.view(shape.state_sizes()), d_w.view(w_sizes), d_b.view(b_sizes)};
 }
 
+
+// --- the recurrences as ops: one autograd node, batching rules ----------------------------------------------------
+//
+// NOTE [recurrence ops]: composites/recurrent.py's LSTMRecurrence and GRURecurrence primitives run under vmap(grad)
+// through Python at every level: the single-level autograd.Function (forward, setup_context, backward), the vmap rule
+// with its moves of the batch dimensions, and the same again for the backward primitive; profiled on bench.models'
+// nn.LSTM classifier at batch 4, that Python was about a third of the recurrence's time around its steps.
+// multicomposite::lstm_recurrence and gru_recurrence are the same recurrences as ops: the steps above as their
+// kernel, one node (RecurrenceBackward) whose backward is lstm_steps_backward or gru_steps_backward, and batching
+// rules that put each level's batch dimension in front as one more leading dimension (Shape's lead) of one call.
+// The hidden weight and bias must not be batched (the primitives take an ensemble's); composites/recurrent.py calls
+// the ops only where they are not, under vmap and grad levels alone (the primitives have no forward AD). The backward
+// ops have no derivative, as the primitives' backward has none: where grad mode is on and an input requires grad,
+// their outputs get an error node that raises if something differentiates them.
+
+using torch::autograd::variable_list;
+using multicomposite_functorch::BelowLevels;
+using multicomposite_functorch::plain;
+
+// `t`'s batched implementation at vmap level `level`, or null where `t` is not batched there.
+const at::functorch::BatchedTensorImpl* batched_at(const Tensor& t, int64_t level) {
+  const auto* batched = at::functorch::maybeGetBatchedImpl(t);
+  return batched != nullptr && batched->level() == level ? batched : nullptr;
+}
+
+// A batching rule's view of its level: the level, its batch size, and each operand with the level's batch dimension
+// in front (an operand not batched there expanded to the batch size, as the primitives' vmap rules do).
+struct Level {
+  int64_t id = 0, batch = 0;
+
+  Level(const char* op) {
+    const auto layer = at::functorch::maybeCurrentDynamicLayer();
+    TORCH_INTERNAL_ASSERT(layer.has_value(), op, "'s batching rule ran outside vmap");
+    id = layer->layerId();
+    batch = layer->batchSize().guard_int(__FILE__, __LINE__);
+  }
+  bool batched(const Tensor& t) const { return batched_at(t, id) != nullptr; }
+  bool batched(const std::optional<Tensor>& t) const { return t.has_value() && batched(*t); }
+  Tensor front(const Tensor& t) const {
+    if (const auto* b = batched_at(t, id)) return b->bdim() == 0 ? b->value() : b->value().movedim(b->bdim(), 0);
+    std::vector<int64_t> sizes{batch};
+    sizes.insert(sizes.end(), t.sizes().begin(), t.sizes().end());
+    return t.expand(sizes);
+  }
+  Tensor wrap(const Tensor& t) const { return at::functorch::makeBatched(t, 0, id); }
+  // The weights are the same for every sample: the ops take no batched weight (the NOTE above).
+  void check_weights(const char* op, const Tensor& w_hh, const std::optional<Tensor>& b_hh = std::nullopt) const {
+    TORCH_CHECK(!batched(w_hh) && !batched(b_hh), op, " takes a hidden weight and bias that vmap does not batch; "
+                "composites/recurrent.py's recurrence primitives take batched ones (an ensemble's)");
+  }
+};
+
+using LstmSignature = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                         bool);
+using LstmBackwardSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
+using GruSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                const std::optional<Tensor>&, bool);
+using GruBackwardSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, bool);
+
+const c10::TypedOperatorHandle<LstmSignature>& lstm_recurrence_op() {
+  static const auto handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow("multicomposite::lstm_recurrence", "").typed<LstmSignature>();
+  return handle;
+}
+const c10::TypedOperatorHandle<LstmBackwardSignature>& lstm_backward_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::lstm_steps_backward", "")
+                                 .typed<LstmBackwardSignature>();
+  return handle;
+}
+const c10::TypedOperatorHandle<GruSignature>& gru_recurrence_op() {
+  static const auto handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow("multicomposite::gru_recurrence", "").typed<GruSignature>();
+  return handle;
+}
+const c10::TypedOperatorHandle<GruBackwardSignature>& gru_backward_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::gru_steps_backward", "")
+                                 .typed<GruBackwardSignature>();
+  return handle;
+}
+
+// The recurrence's node: its saved inputs, and the backward op of its recurrence (BPTT with the forward recomputed).
+struct RecurrenceBackward : public torch::autograd::Node {
+  bool lstm = true, reverse = false, has_bias = false;
+  torch::autograd::SavedVariable projected, h0, c0, w_hh, b_hh;
+
+  variable_list apply(variable_list&& grads) override {
+    const Tensor p = projected.unpack(), h = h0.unpack(), w = w_hh.unpack();
+    std::vector<int64_t> out_sizes = p.sizes().vec();
+    out_sizes.back() = h.size(-1);
+    const Tensor d_out = grads[0].defined() ? grads[0] : at::zeros(out_sizes, p.options());
+    const Tensor d_h = grads[1].defined() ? grads[1] : at::zeros_like(h);
+    if (lstm) {
+      const Tensor c = c0.unpack();
+      const Tensor d_c = grads[2].defined() ? grads[2] : at::zeros_like(c);
+      auto [d_p, d_h0, d_c0, d_w] = lstm_backward_op().call(p, h, c, w, d_out, d_h, d_c, reverse);
+      return {d_p, d_h0, d_c0, d_w};
+    }
+    const std::optional<Tensor> b = has_bias ? std::optional<Tensor>(b_hh.unpack()) : std::nullopt;
+    auto [d_p, d_h0, d_w, d_b] = gru_backward_op().call(p, h, w, b, d_out, d_h, reverse);
+    return {d_p, d_h0, d_w, has_bias ? d_b : Tensor()};
+  }
+  std::string name() const override {
+    return lstm ? "multicomposite::LSTMRecurrenceBackward" : "multicomposite::GRURecurrenceBackward";
+  }
+  void release_variables() override {
+    projected.reset_data();
+    h0.reset_data();
+    c0.reset_data();
+    w_hh.reset_data();
+    b_hh.reset_data();
+  }
+};
+
+bool has_tangent(const Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
+
+// The node's shapes (one sequence: what composites/recurrent.py passes at the level that records), and no forward-AD
+// tangent on any input (the recurrences have no forward AD: checked whether or not a node is made).
+void check_no_tangent(const char* op, std::initializer_list<Tensor> inputs) {
+  for (const Tensor& t : inputs) {
+    TORCH_CHECK(!has_tangent(t), op, " has no forward AD; the selector picks the unrolled composite under jvp and "
+                "jacfwd");
+  }
+}
+
+void check_recorded(const char* op, const Tensor& projected, const Tensor& h0, const Tensor& w_hh) {
+  TORCH_CHECK(projected.dim() == 3 && h0.dim() == 2 && w_hh.dim() == 2, op,
+              " records a node for one sequence of (steps, batch, gates) with states (batch, hidden); "
+              "composites/recurrent.py's primitives take others");
+}
+
+std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_autograd(const Tensor& projected, const Tensor& h0,
+                                                            const Tensor& c0, const Tensor& w_hh, bool reverse) {
+  check_no_tangent("multicomposite::lstm_recurrence", {projected, h0, c0, w_hh});
+  c10::intrusive_ptr<RecurrenceBackward> node;
+  if (torch::autograd::compute_requires_grad(projected, h0, c0, w_hh)) {
+    check_recorded("multicomposite::lstm_recurrence", projected, h0, w_hh);
+    node = c10::make_intrusive<RecurrenceBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(projected, h0, c0, w_hh));
+    node->reverse = reverse;
+    node->projected = torch::autograd::SavedVariable(projected, false);
+    node->h0 = torch::autograd::SavedVariable(h0, false);
+    node->c0 = torch::autograd::SavedVariable(c0, false);
+    node->w_hh = torch::autograd::SavedVariable(w_hh, false);
+  }
+  std::tuple<Tensor, Tensor, Tensor> result;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    result = lstm_recurrence_op().call(projected, h0, c0, w_hh, reverse);
+  }
+  if (node) {
+    torch::autograd::set_history(std::get<0>(result), node);
+    torch::autograd::set_history(std::get<1>(result), node);
+    torch::autograd::set_history(std::get<2>(result), node);
+  }
+  return result;
+}
+
+std::tuple<Tensor, Tensor> gru_recurrence_autograd(const Tensor& projected, const Tensor& h0, const Tensor& w_hh,
+                                                   const std::optional<Tensor>& b_hh, bool reverse) {
+  check_no_tangent("multicomposite::gru_recurrence", {projected, h0, w_hh, b_hh.value_or(Tensor())});
+  c10::intrusive_ptr<RecurrenceBackward> node;
+  if (torch::autograd::compute_requires_grad(projected, h0, w_hh, b_hh)) {
+    check_recorded("multicomposite::gru_recurrence", projected, h0, w_hh);
+    node = c10::make_intrusive<RecurrenceBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(projected, h0, w_hh, b_hh));
+    node->lstm = false;
+    node->reverse = reverse;
+    node->has_bias = b_hh.has_value() && b_hh->defined();
+    node->projected = torch::autograd::SavedVariable(projected, false);
+    node->h0 = torch::autograd::SavedVariable(h0, false);
+    node->w_hh = torch::autograd::SavedVariable(w_hh, false);
+    if (node->has_bias) node->b_hh = torch::autograd::SavedVariable(*b_hh, false);
+  }
+  std::tuple<Tensor, Tensor> result;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    result = gru_recurrence_op().call(projected, h0, w_hh, b_hh, reverse);
+  }
+  if (node) {
+    torch::autograd::set_history(std::get<0>(result), node);
+    torch::autograd::set_history(std::get<1>(result), node);
+  }
+  return result;
+}
+
+// The backward ops where autograd sees them: computed below it; where grad mode is on and an input requires grad,
+// the outputs get an error node (the NOTE above).
+template <typename Outputs, typename... Inputs>
+void no_derivative(const char* op, const Outputs& outputs, const Inputs&... inputs) {
+  if (!at::GradMode::is_enabled() || !torch::autograd::compute_requires_grad(inputs...)) return;
+  auto node = c10::make_intrusive<torch::autograd::Error>(
+      std::string(op) + " has no derivative: the recurrence primitives have a first derivative only; the selector "
+      "picks the unrolled composite for hessian and grad of grad",
+      torch::autograd::collect_next_edges(inputs...));
+  std::apply([&](const auto&... each) { (torch::autograd::set_history(each, node), ...); }, outputs);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_backward_autograd(const Tensor& projected, const Tensor& h0,
+                                                                  const Tensor& c0, const Tensor& w_hh,
+                                                                  const Tensor& d_out, const Tensor& d_h,
+                                                                  const Tensor& d_c, bool reverse) {
+  std::tuple<Tensor, Tensor, Tensor, Tensor> result;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    result = lstm_backward_op().call(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse);
+  }
+  no_derivative("multicomposite::lstm_steps_backward", result, projected, h0, c0, w_hh, d_out, d_h, d_c);
+  return result;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> gru_backward_autograd(const Tensor& projected, const Tensor& h0,
+                                                                 const Tensor& w_hh,
+                                                                 const std::optional<Tensor>& b_hh,
+                                                                 const Tensor& d_out, const Tensor& d_h,
+                                                                 bool reverse) {
+  std::tuple<Tensor, Tensor, Tensor, Tensor> result;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    result = gru_backward_op().call(projected, h0, w_hh, b_hh, d_out, d_h, reverse);
+  }
+  no_derivative("multicomposite::gru_steps_backward", result, projected, h0, w_hh, b_hh, d_out, d_h);
+  return result;
+}
+
+// The batching rules: each level's batch dimension in front of every sequence and state operand (the kernels take
+// any number of leading dimensions), one call one level down, every output batched at 0. Where no operand is batched
+// at this level the call goes down as it is.
+std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_batched(const Tensor& projected, const Tensor& h0,
+                                                           const Tensor& c0, const Tensor& w_hh, bool reverse) {
+  const Level level("multicomposite::lstm_recurrence");
+  level.check_weights("multicomposite::lstm_recurrence", w_hh);
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  if (!level.batched(projected) && !level.batched(h0) && !level.batched(c0)) {
+    return lstm_recurrence_op().call(projected, h0, c0, w_hh, reverse);
+  }
+  const Tensor p = level.front(projected), h = level.front(h0), c = level.front(c0);
+  const BelowLevels below(plain(p) && plain(h) && plain(c) && plain(w_hh));
+  auto [out, h_n, c_n] = lstm_recurrence_op().call(p, h, c, w_hh, reverse);
+  return {level.wrap(out), level.wrap(h_n), level.wrap(c_n)};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_backward_batched(const Tensor& projected, const Tensor& h0,
+                                                                 const Tensor& c0, const Tensor& w_hh,
+                                                                 const Tensor& d_out, const Tensor& d_h,
+                                                                 const Tensor& d_c, bool reverse) {
+  const Level level("multicomposite::lstm_steps_backward");
+  level.check_weights("multicomposite::lstm_steps_backward", w_hh);
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  if (!level.batched(projected) && !level.batched(h0) && !level.batched(c0) && !level.batched(d_out) &&
+      !level.batched(d_h) && !level.batched(d_c)) {
+    return lstm_backward_op().call(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse);
+  }
+  const Tensor p = level.front(projected), h = level.front(h0), c = level.front(c0);
+  const Tensor g_out = level.front(d_out), g_h = level.front(d_h), g_c = level.front(d_c);
+  const BelowLevels below(plain(p) && plain(h) && plain(c) && plain(w_hh) && plain(g_out) && plain(g_h) &&
+                          plain(g_c));
+  auto [d_p, d_h0, d_c0, d_w] = lstm_backward_op().call(p, h, c, w_hh, g_out, g_h, g_c, reverse);
+  return {level.wrap(d_p), level.wrap(d_h0), level.wrap(d_c0), level.wrap(d_w)};
+}
+
+std::tuple<Tensor, Tensor> gru_recurrence_batched(const Tensor& projected, const Tensor& h0, const Tensor& w_hh,
+                                                  const std::optional<Tensor>& b_hh, bool reverse) {
+  const Level level("multicomposite::gru_recurrence");
+  level.check_weights("multicomposite::gru_recurrence", w_hh, b_hh);
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  if (!level.batched(projected) && !level.batched(h0)) {
+    return gru_recurrence_op().call(projected, h0, w_hh, b_hh, reverse);
+  }
+  const Tensor p = level.front(projected), h = level.front(h0);
+  const BelowLevels below(plain(p) && plain(h) && plain(w_hh) && (!b_hh.has_value() || plain(*b_hh)));
+  auto [out, h_n] = gru_recurrence_op().call(p, h, w_hh, b_hh, reverse);
+  return {level.wrap(out), level.wrap(h_n)};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> gru_backward_batched(const Tensor& projected, const Tensor& h0,
+                                                                const Tensor& w_hh, const std::optional<Tensor>& b_hh,
+                                                                const Tensor& d_out, const Tensor& d_h,
+                                                                bool reverse) {
+  const Level level("multicomposite::gru_steps_backward");
+  level.check_weights("multicomposite::gru_steps_backward", w_hh, b_hh);
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  if (!level.batched(projected) && !level.batched(h0) && !level.batched(d_out) && !level.batched(d_h)) {
+    return gru_backward_op().call(projected, h0, w_hh, b_hh, d_out, d_h, reverse);
+  }
+  const Tensor p = level.front(projected), h = level.front(h0), g_out = level.front(d_out), g_h = level.front(d_h);
+  const BelowLevels below(plain(p) && plain(h) && plain(w_hh) && (!b_hh.has_value() || plain(*b_hh)) &&
+                          plain(g_out) && plain(g_h));
+  auto [d_p, d_h0, d_w, d_b] = gru_backward_op().call(p, h, w_hh, b_hh, g_out, g_h, reverse);
+  return {level.wrap(d_p), level.wrap(d_h0), level.wrap(d_w), d_b.defined() ? level.wrap(d_b) : d_b};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
@@ -363,9 +682,32 @@ TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
         "bool reverse) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
+TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
+  // The same recurrences as ops with their own node and batching rules (NOTE [recurrence ops]).
+  m.def("lstm_recurrence(Tensor projected, Tensor h0, Tensor c0, Tensor w_hh, bool reverse) -> "
+        "(Tensor, Tensor, Tensor)");
+  m.def("gru_recurrence(Tensor projected, Tensor h0, Tensor w_hh, Tensor? b_hh, bool reverse) -> (Tensor, Tensor)");
+}
+
 TORCH_LIBRARY_IMPL(multicomposite, CompositeExplicitAutograd, m) {
+  m.impl("lstm_recurrence", lstm_steps);
+  m.impl("gru_recurrence", gru_steps);
   m.impl("lstm_steps", lstm_steps);
   m.impl("lstm_steps_backward", lstm_steps_backward);
   m.impl("gru_steps", gru_steps);
   m.impl("gru_steps_backward", gru_steps_backward);
+}
+
+TORCH_LIBRARY_IMPL(multicomposite, Autograd, m) {
+  m.impl("lstm_recurrence", lstm_recurrence_autograd);
+  m.impl("gru_recurrence", gru_recurrence_autograd);
+  m.impl("lstm_steps_backward", lstm_backward_autograd);
+  m.impl("gru_steps_backward", gru_backward_autograd);
+}
+
+TORCH_LIBRARY_IMPL(multicomposite, FuncTorchBatched, m) {
+  m.impl("lstm_recurrence", lstm_recurrence_batched);
+  m.impl("gru_recurrence", gru_recurrence_batched);
+  m.impl("lstm_steps_backward", lstm_backward_batched);
+  m.impl("gru_steps_backward", gru_backward_batched);
 }
