@@ -793,8 +793,8 @@ def test_recurrence_op_under_nested_vmap_of_grad_equals_the_loop(op: str) -> Non
 @pytest.mark.usefixtures("cpp_routing")
 @pytest.mark.parametrize("op", ["lstm", "gru"])
 def test_per_sample_gradients_inside_use_run_the_recurrence_op(op: str) -> None:
-    """nn.LSTM and nn.GRU under vmap(grad) inside use(): the op and its node run (not the Python primitive), and the
-    per-sample gradients equal the loop."""
+    """nn.LSTM and nn.GRU under vmap(grad) inside use(): the op, its keeping forward and its backward from the kept
+    activations run (not the Python primitive), and the per-sample gradients equal the loop."""
     torch.manual_seed(0)
     model = (nn.LSTM if op == "lstm" else nn.GRU)(FEATURES, H, num_layers=2, bidirectional=True).double()
     params = {name: p.detach() for name, p in model.named_parameters()}
@@ -812,7 +812,9 @@ def test_per_sample_gradients_inside_use_run_the_recurrence_op(op: str) -> None:
         finally:
             primitive.forward = forward  # type: ignore[method-assign]
     names = {event.name for event in profile.events()}
-    assert {f"multicomposite::{op}_recurrence", f"multicomposite::{op}_steps_backward"} <= names
+    assert {f"multicomposite::{op}_recurrence", f"multicomposite::{op}_recurrence_keeping",
+            f"multicomposite::{op}_recurrence_backward"} <= names
+    assert f"multicomposite::{op}_steps_backward" not in names  # the kept activations, not the forward again
     for name, value in got.items():
         want = torch.stack([torch.autograd.grad(loss(dict(model.named_parameters()), x[b]),
                                                 dict(model.named_parameters())[name])[0] for b in range(SAMPLES)])
@@ -846,7 +848,7 @@ def test_recurrence_ops_refuse_what_they_do_not_take() -> None:
     projected, h0, c0, w_hh = (t.requires_grad_() for t in _recurrence_inputs("lstm", generator))
     out, _, _ = torch.ops.multicomposite.lstm_recurrence(projected, h0, c0, w_hh, False)
     (d_w,) = torch.autograd.grad(out.square().sum(), (w_hh,), create_graph=True)
-    with pytest.raises(RuntimeError, match="lstm_steps_backward has no derivative"):
+    with pytest.raises(RuntimeError, match="lstm_recurrence_backward has no derivative"):
         torch.autograd.grad(d_w.sum(), (w_hh,))
     with torch.autograd.forward_ad.dual_level():
         dual = torch.autograd.forward_ad.make_dual(projected.detach(), torch.ones_like(projected))

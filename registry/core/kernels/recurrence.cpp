@@ -23,6 +23,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -55,18 +56,22 @@ struct Shape {
   std::vector<int64_t> lead;
   int64_t lead_size = 1, steps = 0, batch = 0, gates = 0, hidden = 0;
 
-  // gate_count: 4 (the LSTM's i, f, g, o) or 3 (the GRU's r, z, n).
-  Shape(const Tensor& projected, const Tensor& h0, int64_t gate_count) {
-    TORCH_CHECK(projected.dim() >= 3 && h0.dim() == projected.dim() - 1,
+  // gate_count: 4 (the LSTM's i, f, g, o) or 3 (the GRU's r, z, n). `sequence` is the projection (*lead, T, N,
+  // gates * H), or with `steps_first` a tensor kept by a forward, (T, *lead, N, gates * H).
+  Shape(const Tensor& sequence, const Tensor& h0, int64_t gate_count, bool steps_first = false) {
+    TORCH_CHECK(sequence.dim() >= 3 && h0.dim() == sequence.dim() - 1,
                 "multicomposite: projected (*lead, T, N, gates * H) and states (*lead, N, H) expected");
-    lead.assign(projected.sizes().begin(), projected.sizes().end() - 3);
+    const auto sizes = sequence.sizes();
+    lead.assign(sizes.begin() + (steps_first ? 1 : 0), sizes.end() - (steps_first ? 2 : 3));
     for (int64_t size : lead) lead_size *= size;
-    steps = projected.size(-3);
-    batch = projected.size(-2);
-    gates = projected.size(-1);
+    steps = steps_first ? sizes[0] : sizes[sizes.size() - 3];
+    batch = sequence.size(-2);
+    gates = sequence.size(-1);
     hidden = h0.size(-1);
     TORCH_CHECK(gates == gate_count * hidden, "multicomposite: the projection's last size must be ", gate_count,
                 " * hidden");
+    TORCH_CHECK(h0.sizes() == at::IntArrayRef(state_sizes()),
+                "multicomposite: the states must have the projection's leading and batch sizes, (*lead, N, H)");
   }
   int64_t rows() const { return lead_size * batch; }
   // (*lead, T, N, W) -> (T, rows, W), contiguous.
@@ -84,6 +89,15 @@ struct Shape {
     sizes.insert(sizes.end(), {batch, hidden});
     return sizes;
   }
+  // (T, rows, W) viewed as (T, *lead, N, W): how a forward hands its kept steps to the backward.
+  Tensor steps_view(const Tensor& t, int64_t width) const {
+    std::vector<int64_t> sizes{steps};
+    sizes.insert(sizes.end(), lead.begin(), lead.end());
+    sizes.insert(sizes.end(), {batch, width});
+    return t.view(sizes);
+  }
+  // A kept (T, *lead, N, W) tensor as (T, rows, W), contiguous.
+  Tensor steps_rows(const Tensor& t, int64_t width) const { return t.reshape({steps, rows(), width}).contiguous(); }
   // The state after the last step taken, (*lead, N, H), from the steps' outputs `out` (T, rows, H).
   Tensor last_state(const Tensor& out, const Tensor& h0_rows, bool reverse) const {
     const Tensor last = steps == 0 ? h0_rows : out[reverse ? 0 : steps - 1];
@@ -92,10 +106,9 @@ struct Shape {
   // Each step's previous state, (T, rows, H): h0 before the first step taken, the step before's output after it.
   Tensor previous_states(const Tensor& out, const Tensor& h0_rows, bool reverse) const {
     Tensor previous = at::empty_like(out);
-    for (int64_t position = 0; position < steps; ++position) {
-      const int64_t t = reverse ? steps - 1 - position : position;
-      previous[t].copy_(position == 0 ? h0_rows : out[reverse ? t + 1 : t - 1]);
-    }
+    if (steps == 0) return previous;
+    previous.narrow(0, reverse ? 0 : 1, steps - 1).copy_(out.narrow(0, reverse ? 1 : 0, steps - 1));
+    previous[reverse ? steps - 1 : 0].copy_(h0_rows);
     return previous;
   }
   // (T, rows, W) -> (lead, T * N, W): each sample's rows over every step, for one product per sample.
@@ -186,29 +199,19 @@ std::tuple<Tensor, Tensor, Tensor> lstm_steps(const Tensor& projected, const Ten
   return {shape.lead_first(out, shape.hidden), shape.last_state(out, h_rows, reverse), c.view(shape.state_sizes())};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_steps_backward(const Tensor& projected, const Tensor& h0,
-                                                               const Tensor& c0, const Tensor& w_hh,
-                                                               const Tensor& d_out, const Tensor& d_h,
-                                                               const Tensor& d_c, bool reverse) {
-  check_inputs("multicomposite::lstm_steps_backward", {projected, h0, c0, d_out, d_h, d_c}, w_hh);
-  TORCH_CHECK(h0.sizes() == c0.sizes(), "multicomposite::lstm_steps_backward: h0 and c0 of one shape expected");
-  at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
-  const Shape shape(projected, h0, 4);
+// BPTT over kept steps (`kept` and the steps' outputs `out`, (T, rows, .)): (d_projected (*lead, T, N, 4H), d_h0,
+// d_c0, d_w_hh per lead index).
+std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_walk_back(const Shape& shape, const Kept& kept, const Tensor& out,
+                                                          const Tensor& h_rows, const Tensor& w_hh,
+                                                          const Tensor& d_out, const Tensor& d_h, const Tensor& d_c,
+                                                          bool reverse) {
   const int64_t rows = shape.rows(), hidden = shape.hidden, width = shape.gates, steps_count = shape.steps;
-  const Tensor steps = shape.steps_first(projected, width);
-  const Tensor h_rows = h0.reshape({rows, hidden}).contiguous();
-  Tensor c = c0.reshape({rows, hidden}).clone(at::MemoryFormat::Contiguous);
-  Tensor out = at::empty({steps_count, rows, hidden}, h0.options());
-  Kept kept{at::empty({steps_count, rows, width}, h0.options()), at::empty({steps_count, rows, hidden}, h0.options()),
-            at::empty({steps_count, rows, hidden}, h0.options())};
-  const Tensor w_t = w_hh.t();
   const Tensor d_out_steps = shape.steps_first(d_out, hidden);
   Tensor dh = d_h.reshape({rows, hidden}).clone(at::MemoryFormat::Contiguous);
   Tensor dc = d_c.reshape({rows, hidden}).clone(at::MemoryFormat::Contiguous);
-  Tensor d_gates = at::empty({steps_count, rows, width}, h0.options());
+  Tensor d_gates = at::empty({steps_count, rows, width}, h_rows.options());
   const Tensor w = w_hh.contiguous();
-  AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::lstm_steps_backward", [&] {
-    run_steps<scalar_t>(shape, steps, h_rows, c, w_t, reverse, out, &kept);
+  AT_DISPATCH_FLOATING_TYPES(h_rows.scalar_type(), "multicomposite::lstm_walk_back", [&] {
     for (int64_t position = 0; position < steps_count; ++position) {  // the forward's steps, last first
       const int64_t t = reverse ? position : steps_count - 1 - position;
       dh.add_(d_out_steps[t]);
@@ -246,6 +249,72 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_steps_backward(const Tensor& pro
   w_sizes.insert(w_sizes.end(), {width, hidden});
   return {shape.lead_first(d_gates, width), dh.view(shape.state_sizes()), dc.view(shape.state_sizes()),
           d_w.view(w_sizes)};
+}
+
+// The steps with their activations kept: run_steps' outputs in (T, rows, .) buffers.
+struct LstmForward {
+  Tensor h_rows, c, out;
+  Kept kept;
+};
+
+LstmForward lstm_forward_keeping(const Shape& shape, const Tensor& projected, const Tensor& h0, const Tensor& c0,
+                                 const Tensor& w_hh, bool reverse) {
+  const int64_t rows = shape.rows(), hidden = shape.hidden, width = shape.gates, steps_count = shape.steps;
+  const auto options = h0.options();
+  LstmForward forward{h0.reshape({rows, hidden}).contiguous(),
+                      c0.reshape({rows, hidden}).clone(at::MemoryFormat::Contiguous),
+                      at::empty({steps_count, rows, hidden}, options),
+                      Kept{at::empty({steps_count, rows, width}, options), at::empty({steps_count, rows, hidden}, options),
+                           at::empty({steps_count, rows, hidden}, options)}};
+  const Tensor steps = shape.steps_first(projected, width);
+  const Tensor w_t = w_hh.t();
+  AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::lstm_forward_keeping", [&] {
+    run_steps<scalar_t>(shape, steps, forward.h_rows, forward.c, w_t, reverse, forward.out, &forward.kept);
+  });
+  return forward;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_steps_backward(const Tensor& projected, const Tensor& h0,
+                                                               const Tensor& c0, const Tensor& w_hh,
+                                                               const Tensor& d_out, const Tensor& d_h,
+                                                               const Tensor& d_c, bool reverse) {
+  check_inputs("multicomposite::lstm_steps_backward", {projected, h0, c0, d_out, d_h, d_c}, w_hh);
+  TORCH_CHECK(h0.sizes() == c0.sizes(), "multicomposite::lstm_steps_backward: h0 and c0 of one shape expected");
+  at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
+  const Shape shape(projected, h0, 4);
+  const LstmForward forward = lstm_forward_keeping(shape, projected, h0, c0, w_hh, reverse);
+  return lstm_walk_back(shape, forward.kept, forward.out, forward.h_rows, w_hh, d_out, d_h, d_c, reverse);
+}
+
+// The forward that keeps its activations for the backward (NOTE [kept activations]): the outputs, and the steps'
+// gates, cell states before each step, tanh of the new cell states and outputs, (T, *lead, N, .) each.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_keeping(
+    const Tensor& projected, const Tensor& h0, const Tensor& c0, const Tensor& w_hh, bool reverse) {
+  check_inputs("multicomposite::lstm_recurrence_keeping", {projected, h0, c0}, w_hh);
+  TORCH_CHECK(h0.sizes() == c0.sizes(), "multicomposite::lstm_recurrence_keeping: h0 and c0 of one shape expected");
+  at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
+  const Shape shape(projected, h0, 4);
+  const LstmForward forward = lstm_forward_keeping(shape, projected, h0, c0, w_hh, reverse);
+  const int64_t hidden = shape.hidden;
+  return {shape.lead_first(forward.out, hidden), shape.last_state(forward.out, forward.h_rows, reverse),
+          forward.c.view(shape.state_sizes()), shape.steps_view(forward.kept.gates, shape.gates),
+          shape.steps_view(forward.kept.c_before, hidden), shape.steps_view(forward.kept.tanh_c, hidden),
+          shape.steps_view(forward.out, hidden)};
+}
+
+// BPTT from what lstm_recurrence_keeping kept: (d_projected, d_h0, d_c0, d_w_hh per lead index).
+std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward(
+    const Tensor& h0, const Tensor& w_hh, const Tensor& steps_gates, const Tensor& steps_c, const Tensor& steps_tanh_c,
+    const Tensor& steps_out, const Tensor& d_out, const Tensor& d_h, const Tensor& d_c, bool reverse) {
+  check_inputs("multicomposite::lstm_recurrence_backward",
+               {h0, steps_gates, steps_c, steps_tanh_c, steps_out, d_out, d_h, d_c}, w_hh);
+  at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
+  const Shape shape(steps_gates, h0, 4, /*steps_first=*/true);
+  const int64_t hidden = shape.hidden;
+  const Kept kept{shape.steps_rows(steps_gates, shape.gates), shape.steps_rows(steps_c, hidden),
+                  shape.steps_rows(steps_tanh_c, hidden)};
+  return lstm_walk_back(shape, kept, shape.steps_rows(steps_out, hidden), h0.reshape({shape.rows(), hidden}),
+                        w_hh, d_out, d_h, d_c, reverse);
 }
 
 // --- the GRU's recurrence (composites/recurrent.py's GRURecurrence), PyTorch's formulas ------------------------
@@ -313,33 +382,44 @@ std::tuple<Tensor, Tensor> gru_steps(const Tensor& projected, const Tensor& h0, 
   return {shape.lead_first(out, shape.hidden), shape.last_state(out, h_rows, reverse)};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> gru_steps_backward(const Tensor& projected, const Tensor& h0,
-                                                              const Tensor& w_hh, const std::optional<Tensor>& b_hh,
-                                                              const Tensor& d_out, const Tensor& d_h, bool reverse) {
-  check_inputs("multicomposite::gru_steps_backward", {projected, h0, d_out, d_h}, w_hh, b_hh);
-  at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
-  const Shape shape(projected, h0, 3);
+// The GRU's steps with their hidden products and activated gates kept, in (T, rows, .) buffers.
+struct GruForward {
+  Tensor h_rows, out, hw, gates;
+};
+
+GruForward gru_forward_keeping(const Shape& shape, const Tensor& projected, const Tensor& h0, const Tensor& w_hh,
+                               const std::optional<Tensor>& b_hh, bool reverse) {
   const int64_t rows = shape.rows(), hidden = shape.hidden, width = shape.gates, steps_count = shape.steps;
+  const auto options = h0.options();
+  GruForward forward{h0.reshape({rows, hidden}).contiguous(), at::empty({steps_count, rows, hidden}, options),
+                     at::empty({steps_count, rows, width}, options), at::empty({steps_count, rows, width}, options)};
   const Tensor steps = shape.steps_first(projected, width);
-  const Tensor h_rows = h0.reshape({rows, hidden}).contiguous();
-  Tensor out = at::empty({steps_count, rows, hidden}, h0.options());
-  Tensor kept_hw = at::empty({steps_count, rows, width}, h0.options());
-  Tensor kept_gates = at::empty({steps_count, rows, width}, h0.options());
   const Tensor w_t = w_hh.t();
+  AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::gru_forward_keeping", [&] {
+    run_gru_steps<scalar_t>(shape, steps, forward.h_rows, b_hh, w_t, reverse, forward.out, &forward.hw,
+                            &forward.gates);
+  });
+  return forward;
+}
+
+// BPTT over kept steps: (d_projected (*lead, T, N, 3H), d_h0, d_w_hh and d_b_hh per lead index).
+std::tuple<Tensor, Tensor, Tensor, Tensor> gru_walk_back(const Shape& shape, const GruForward& kept,
+                                                         const Tensor& w_hh, const Tensor& d_out, const Tensor& d_h,
+                                                         bool reverse) {
+  const int64_t rows = shape.rows(), hidden = shape.hidden, width = shape.gates, steps_count = shape.steps;
+  const auto options = kept.h_rows.options();
   const Tensor w = w_hh.contiguous();
   const Tensor d_out_steps = shape.steps_first(d_out, hidden);
   Tensor dh = d_h.reshape({rows, hidden}).clone(at::MemoryFormat::Contiguous);
-  Tensor d_inputs = at::empty({steps_count, rows, width}, h0.options());
-  Tensor d_hidden = at::empty({steps_count, rows, width}, h0.options());
-  Tensor previous;
-  AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::gru_steps_backward", [&] {
-    run_gru_steps<scalar_t>(shape, steps, h_rows, b_hh, w_t, reverse, out, &kept_hw, &kept_gates);
-    previous = shape.previous_states(out, h_rows, reverse);
+  Tensor d_inputs = at::empty({steps_count, rows, width}, options);
+  Tensor d_hidden = at::empty({steps_count, rows, width}, options);
+  const Tensor previous = shape.previous_states(kept.out, kept.h_rows, reverse);
+  AT_DISPATCH_FLOATING_TYPES(kept.h_rows.scalar_type(), "multicomposite::gru_walk_back", [&] {
     for (int64_t position = 0; position < steps_count; ++position) {  // the forward's steps, last first
       const int64_t t = reverse ? position : steps_count - 1 - position;
       dh.add_(d_out_steps[t]);
-      const scalar_t* hw_ptr = kept_hw[t].const_data_ptr<scalar_t>();
-      const scalar_t* g_ptr = kept_gates[t].const_data_ptr<scalar_t>();
+      const scalar_t* hw_ptr = kept.hw[t].const_data_ptr<scalar_t>();
+      const scalar_t* g_ptr = kept.gates[t].const_data_ptr<scalar_t>();
       const scalar_t* hp_ptr = previous[t].const_data_ptr<scalar_t>();
       scalar_t* dh_ptr = dh.data_ptr<scalar_t>();
       scalar_t* di_ptr = d_inputs[t].data_ptr<scalar_t>();
@@ -373,20 +453,61 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gru_steps_backward(const Tensor& proj
   return {shape.lead_first(d_inputs, width), dh.view(shape.state_sizes()), d_w.view(w_sizes), d_b.view(b_sizes)};
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor> gru_steps_backward(const Tensor& projected, const Tensor& h0,
+                                                              const Tensor& w_hh, const std::optional<Tensor>& b_hh,
+                                                              const Tensor& d_out, const Tensor& d_h, bool reverse) {
+  check_inputs("multicomposite::gru_steps_backward", {projected, h0, d_out, d_h}, w_hh, b_hh);
+  at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
+  const Shape shape(projected, h0, 3);
+  return gru_walk_back(shape, gru_forward_keeping(shape, projected, h0, w_hh, b_hh, reverse), w_hh, d_out, d_h,
+                       reverse);
+}
+
+// The GRU's forward that keeps its hidden products, activated gates and outputs, (T, *lead, N, .) each.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> gru_recurrence_keeping(const Tensor& projected, const Tensor& h0,
+                                                                          const Tensor& w_hh,
+                                                                          const std::optional<Tensor>& b_hh,
+                                                                          bool reverse) {
+  check_inputs("multicomposite::gru_recurrence_keeping", {projected, h0}, w_hh, b_hh);
+  at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
+  const Shape shape(projected, h0, 3);
+  const GruForward forward = gru_forward_keeping(shape, projected, h0, w_hh, b_hh, reverse);
+  return {shape.lead_first(forward.out, shape.hidden), shape.last_state(forward.out, forward.h_rows, reverse),
+          shape.steps_view(forward.hw, shape.gates), shape.steps_view(forward.gates, shape.gates),
+          shape.steps_view(forward.out, shape.hidden)};
+}
+
+// BPTT from what gru_recurrence_keeping kept: (d_projected, d_h0, d_w_hh, d_b_hh per lead index).
+std::tuple<Tensor, Tensor, Tensor, Tensor> gru_recurrence_backward(const Tensor& h0, const Tensor& w_hh,
+                                                                   const Tensor& steps_hw, const Tensor& steps_gates,
+                                                                   const Tensor& steps_out, const Tensor& d_out,
+                                                                   const Tensor& d_h, bool reverse) {
+  check_inputs("multicomposite::gru_recurrence_backward", {h0, steps_hw, steps_gates, steps_out, d_out, d_h}, w_hh);
+  at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
+  const Shape shape(steps_gates, h0, 3, /*steps_first=*/true);
+  const GruForward kept{h0.reshape({shape.rows(), shape.hidden}), shape.steps_rows(steps_out, shape.hidden),
+                        shape.steps_rows(steps_hw, shape.gates), shape.steps_rows(steps_gates, shape.gates)};
+  return gru_walk_back(shape, kept, w_hh, d_out, d_h, reverse);
+}
 
 // --- the recurrences as ops: one autograd node, batching rules ----------------------------------------------------
 //
 // NOTE [recurrence ops]: composites/recurrent.py's LSTMRecurrence and GRURecurrence primitives run under vmap(grad)
 // through Python at every level: the single-level autograd.Function (forward, setup_context, backward), the vmap rule
-// with its moves of the batch dimensions, and the same again for the backward primitive; profiled on bench.models'
-// nn.LSTM classifier at batch 4, that Python was about a third of the recurrence's time around its steps.
-// multicomposite::lstm_recurrence and gru_recurrence are the same recurrences as ops: the steps above as their
-// kernel, one node (RecurrenceBackward) whose backward is lstm_steps_backward or gru_steps_backward, and batching
-// rules that put each level's batch dimension in front as one more leading dimension (Shape's lead) of one call.
-// The hidden weight and bias must not be batched (the primitives take an ensemble's); composites/recurrent.py calls
-// the ops only where they are not, under vmap and grad levels alone (the primitives have no forward AD). The backward
-// ops have no derivative, as the primitives' backward has none: where grad mode is on and an input requires grad,
-// their outputs get an error node that raises if something differentiates them.
+// with its moves of the batch dimensions, and the same again for the backward primitive. multicomposite::
+// lstm_recurrence and gru_recurrence are the same recurrences as ops: the steps above as their kernel, one node
+// (RecurrenceBackward) whose backward is lstm_recurrence_backward or gru_recurrence_backward, and one batching rule
+// (fold_batch) that puts each level's batch dimension in front as one more leading dimension (Shape's lead) of one
+// call. Measured on bench.models' nn.LSTM classifier at batch 4 (one thread): the step 1.68 -> 1.12 ms. The hidden
+// weight and bias must not be batched (the primitives take an ensemble's); composites/recurrent.py calls the ops only
+// where they are not, under vmap and grad levels alone (the primitives have no forward AD). The backward ops have no
+// derivative, as the primitives' backward has none: where grad mode is on and an input requires grad, their outputs
+// get an error node that raises if something differentiates them.
+//
+// NOTE [kept activations]: where the forward records a node, it runs lstm_recurrence_keeping (gru_...) instead,
+// which hands the steps' activations to the node (the gates, the cell states, tanh of them, the outputs: (T, *lead,
+// N, .) each, views of the buffers the steps wrote), and the backward walks them back without recomputing the
+// forward, as PyTorch's own LSTM backward does with its workspace.
 
 using torch::autograd::variable_list;
 using multicomposite_functorch::BelowLevels;
@@ -398,274 +519,220 @@ const at::functorch::BatchedTensorImpl* batched_at(const Tensor& t, int64_t leve
   return batched != nullptr && batched->level() == level ? batched : nullptr;
 }
 
-// A batching rule's view of its level: the level, its batch size, and each operand with the level's batch dimension
-// in front (an operand not batched there expanded to the batch size, as the primitives' vmap rules do).
-struct Level {
-  int64_t id = 0, batch = 0;
+// Where an operand of the ops carries the batch, by its name in the schema: the weights (w_hh, b_hh) carry none (the
+// NOTE above); the kept steps (steps_*) are (T, *lead, N, .), their batch after the steps; every other tensor
+// (*lead, ...), its batch in front.
+enum class Carries { nothing, front, after_steps };
 
-  Level(const char* op) {
-    const auto layer = at::functorch::maybeCurrentDynamicLayer();
-    TORCH_INTERNAL_ASSERT(layer.has_value(), op, "'s batching rule ran outside vmap");
-    id = layer->layerId();
-    batch = layer->batchSize().guard_int(__FILE__, __LINE__);
+Carries carries(const std::string& name) {
+  if (name.rfind("w_", 0) == 0 || name.rfind("b_", 0) == 0) return Carries::nothing;
+  return name.rfind("steps_", 0) == 0 ? Carries::after_steps : Carries::front;
+}
+
+// The batching rule of every recurrence op: each operand with this level's batch dimension where `carries` puts it
+// (an operand not batched here expanded to the batch size there, as the primitives' vmap rules do), one call one
+// level down, each output batched where its name puts it. Where no operand is batched here the call goes down as it
+// is.
+void fold_batch(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto layer = at::functorch::maybeCurrentDynamicLayer();
+  TORCH_INTERNAL_ASSERT(layer.has_value(), schema.name(), "'s batching rule ran outside vmap");
+  const int64_t level = layer->layerId();
+  const int64_t batch = layer->batchSize().guard_int(__FILE__, __LINE__);
+  const auto& arguments = schema.arguments();
+  const size_t first = stack->size() - arguments.size();
+  bool batched = false;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& value = (*stack)[first + i];
+    if (!value.isTensor()) continue;
+    const bool here = batched_at(value.toTensor(), level) != nullptr;
+    TORCH_CHECK(!(here && carries(arguments[i].name()) == Carries::nothing), schema.name(),
+                " takes a hidden weight and bias that vmap does not batch; composites/recurrent.py's recurrence "
+                "primitives take batched ones (an ensemble's)");
+    batched = batched || here;
   }
-  bool batched(const Tensor& t) const { return batched_at(t, id) != nullptr; }
-  bool batched(const std::optional<Tensor>& t) const { return t.has_value() && batched(*t); }
-  Tensor front(const Tensor& t) const {
-    if (const auto* b = batched_at(t, id)) return b->bdim() == 0 ? b->value() : b->value().movedim(b->bdim(), 0);
-    std::vector<int64_t> sizes{batch};
-    sizes.insert(sizes.end(), t.sizes().begin(), t.sizes().end());
-    return t.expand(sizes);
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  if (!batched) {
+    op.callBoxed(stack);
+    return;
   }
-  Tensor wrap(const Tensor& t) const { return at::functorch::makeBatched(t, 0, id); }
-  // The weights are the same for every sample: the ops take no batched weight (the NOTE above).
-  void check_weights(const char* op, const Tensor& w_hh, const std::optional<Tensor>& b_hh = std::nullopt) const {
-    TORCH_CHECK(!batched(w_hh) && !batched(b_hh), op, " takes a hidden weight and bias that vmap does not batch; "
-                "composites/recurrent.py's recurrence primitives take batched ones (an ensemble's)");
+  bool operands_plain = true;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    c10::IValue& value = (*stack)[first + i];
+    if (!value.isTensor()) continue;
+    Tensor t = value.toTensor();
+    const Carries where = carries(arguments[i].name());
+    if (where != Carries::nothing) {
+      const int64_t position = where == Carries::front ? 0 : 1;
+      if (const auto* b = batched_at(t, level)) {
+        t = b->bdim() == position ? b->value() : b->value().movedim(b->bdim(), position);
+      } else {
+        std::vector<int64_t> sizes = t.sizes().vec();
+        sizes.insert(sizes.begin() + position, batch);
+        t = t.unsqueeze(position).expand(sizes);
+      }
+      value = t;
+    }
+    operands_plain = operands_plain && plain(t);
   }
-};
+  {
+    const BelowLevels below(operands_plain);
+    op.callBoxed(stack);
+  }
+  const auto& returns = schema.returns();
+  const size_t outputs = stack->size() - returns.size();
+  for (size_t i = 0; i < returns.size(); ++i) {
+    c10::IValue& value = (*stack)[outputs + i];
+    if (!value.isTensor() || !value.toTensor().defined()) continue;
+    const int64_t position = carries(returns[i].name()) == Carries::after_steps ? 1 : 0;
+    value = at::functorch::makeBatched(value.toTensor(), position, level);
+  }
+}
+
+// The backward ops (and the keeping forwards) where autograd sees them: computed below it; where grad mode is on and
+// an input requires grad, the outputs get an error node (the NOTE above).
+void no_derivative(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  std::vector<Tensor> inputs;
+  for (const c10::IValue& value : torch::jit::last(*stack, schema.arguments().size())) {
+    if (value.isTensor() && value.toTensor().defined()) inputs.push_back(value.toTensor());
+  }
+  const bool recorded = at::GradMode::is_enabled() &&
+                        std::any_of(inputs.begin(), inputs.end(), [](const Tensor& t) { return t.requires_grad(); });
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.callBoxed(stack);
+  }
+  if (!recorded) return;
+  auto node = c10::make_intrusive<torch::autograd::Error>(
+      schema.name() + " has no derivative: the recurrence primitives have a first derivative only; the selector "
+      "picks the unrolled composite for hessian and grad of grad",
+      torch::autograd::collect_next_edges(at::ArrayRef<Tensor>(inputs)));
+  for (const c10::IValue& value : torch::jit::last(*stack, schema.returns().size())) {
+    if (value.isTensor() && value.toTensor().defined()) torch::autograd::set_history(value.toTensor(), node);
+  }
+}
+
+template <typename Signature>
+const c10::TypedOperatorHandle<Signature>& typed_op(const char* name) {
+  // One handle per Signature: each op below has a signature of its own.
+  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+  return handle;
+}
 
 using LstmSignature = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                          bool);
+using LstmKeepingSignature = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
 using LstmBackwardSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(
-    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+    const Tensor&, const Tensor&, bool);
 using GruSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                 const std::optional<Tensor>&, bool);
+using GruKeepingSignature = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, bool);
 using GruBackwardSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(
-    const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, bool);
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool);
 
-const c10::TypedOperatorHandle<LstmSignature>& lstm_recurrence_op() {
-  static const auto handle =
-      c10::Dispatcher::singleton().findSchemaOrThrow("multicomposite::lstm_recurrence", "").typed<LstmSignature>();
-  return handle;
-}
-const c10::TypedOperatorHandle<LstmBackwardSignature>& lstm_backward_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("multicomposite::lstm_steps_backward", "")
-                                 .typed<LstmBackwardSignature>();
-  return handle;
-}
-const c10::TypedOperatorHandle<GruSignature>& gru_recurrence_op() {
-  static const auto handle =
-      c10::Dispatcher::singleton().findSchemaOrThrow("multicomposite::gru_recurrence", "").typed<GruSignature>();
-  return handle;
-}
-const c10::TypedOperatorHandle<GruBackwardSignature>& gru_backward_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("multicomposite::gru_steps_backward", "")
-                                 .typed<GruBackwardSignature>();
-  return handle;
-}
-
-// The recurrence's node: its saved inputs, and the backward op of its recurrence (BPTT with the forward recomputed).
+// The recurrence's node: h0, the hidden weight and what the forward kept (NOTE [kept activations]).
 struct RecurrenceBackward : public torch::autograd::Node {
   bool lstm = true, reverse = false, has_bias = false;
-  torch::autograd::SavedVariable projected, h0, c0, w_hh, b_hh;
+  torch::autograd::SavedVariable h0, w_hh;
+  std::vector<torch::autograd::SavedVariable> kept;  // steps_* of the keeping forward, in its order
 
   variable_list apply(variable_list&& grads) override {
-    const Tensor p = projected.unpack(), h = h0.unpack(), w = w_hh.unpack();
-    std::vector<int64_t> out_sizes = p.sizes().vec();
-    out_sizes.back() = h.size(-1);
-    const Tensor d_out = grads[0].defined() ? grads[0] : at::zeros(out_sizes, p.options());
+    const Tensor h = h0.unpack(), w = w_hh.unpack();
+    std::vector<Tensor> steps;
+    for (auto& each : kept) steps.push_back(each.unpack());
+    const Tensor& steps_out = steps.back();
+    std::vector<int64_t> out_sizes(steps_out.sizes().begin() + 1, steps_out.sizes().end() - 2);  // lead
+    out_sizes.insert(out_sizes.end(), {steps_out.size(0), steps_out.size(-2), steps_out.size(-1)});
+    const Tensor d_out = grads[0].defined() ? grads[0] : at::zeros(out_sizes, h.options());
     const Tensor d_h = grads[1].defined() ? grads[1] : at::zeros_like(h);
     if (lstm) {
-      const Tensor c = c0.unpack();
-      const Tensor d_c = grads[2].defined() ? grads[2] : at::zeros_like(c);
-      auto [d_p, d_h0, d_c0, d_w] = lstm_backward_op().call(p, h, c, w, d_out, d_h, d_c, reverse);
+      const Tensor d_c = grads[2].defined() ? grads[2] : at::zeros_like(h);
+      auto [d_p, d_h0, d_c0, d_w] = typed_op<LstmBackwardSignature>("multicomposite::lstm_recurrence_backward")
+                                        .call(h, w, steps[0], steps[1], steps[2], steps[3], d_out, d_h, d_c, reverse);
       return {d_p, d_h0, d_c0, d_w};
     }
-    const std::optional<Tensor> b = has_bias ? std::optional<Tensor>(b_hh.unpack()) : std::nullopt;
-    auto [d_p, d_h0, d_w, d_b] = gru_backward_op().call(p, h, w, b, d_out, d_h, reverse);
+    auto [d_p, d_h0, d_w, d_b] = typed_op<GruBackwardSignature>("multicomposite::gru_recurrence_backward")
+                                     .call(h, w, steps[0], steps[1], steps[2], d_out, d_h, reverse);
     return {d_p, d_h0, d_w, has_bias ? d_b : Tensor()};
   }
   std::string name() const override {
     return lstm ? "multicomposite::LSTMRecurrenceBackward" : "multicomposite::GRURecurrenceBackward";
   }
   void release_variables() override {
-    projected.reset_data();
     h0.reset_data();
-    c0.reset_data();
     w_hh.reset_data();
-    b_hh.reset_data();
+    kept.clear();
   }
 };
 
 bool has_tangent(const Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
 
-// The node's shapes (one sequence: what composites/recurrent.py passes at the level that records), and no forward-AD
-// tangent on any input (the recurrences have no forward AD: checked whether or not a node is made).
-void check_no_tangent(const char* op, std::initializer_list<Tensor> inputs) {
+// No forward-AD tangent on any input (the recurrences have no forward AD: checked whether or not a node is made),
+// and where a node is made, one sequence (what composites/recurrent.py passes at the level that records).
+void check_recordable(const char* op, std::initializer_list<Tensor> inputs, bool recorded) {
   for (const Tensor& t : inputs) {
     TORCH_CHECK(!has_tangent(t), op, " has no forward AD; the selector picks the unrolled composite under jvp and "
                 "jacfwd");
   }
+  const Tensor& projected = *inputs.begin();
+  TORCH_CHECK(!recorded || projected.dim() == 3, op, " records a node for one sequence of (steps, batch, gates); "
+              "composites/recurrent.py's primitives take others");
 }
 
-void check_recorded(const char* op, const Tensor& projected, const Tensor& h0, const Tensor& w_hh) {
-  TORCH_CHECK(projected.dim() == 3 && h0.dim() == 2 && w_hh.dim() == 2, op,
-              " records a node for one sequence of (steps, batch, gates) with states (batch, hidden); "
-              "composites/recurrent.py's primitives take others");
+c10::intrusive_ptr<RecurrenceBackward> make_node(bool lstm, bool reverse, const Tensor& h0, const Tensor& w_hh) {
+  auto node = c10::make_intrusive<RecurrenceBackward>();
+  node->lstm = lstm;
+  node->reverse = reverse;
+  node->h0 = torch::autograd::SavedVariable(h0, false);
+  node->w_hh = torch::autograd::SavedVariable(w_hh, false);
+  return node;
+}
+
+// The keeping forward's kept outputs (at `Index...`) into the node.
+template <typename Outputs, size_t... Index>
+void keep(RecurrenceBackward& node, const Outputs& outputs, std::index_sequence<Index...>) {
+  (node.kept.emplace_back(std::get<Index>(outputs), false), ...);
 }
 
 std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_autograd(const Tensor& projected, const Tensor& h0,
                                                             const Tensor& c0, const Tensor& w_hh, bool reverse) {
-  check_no_tangent("multicomposite::lstm_recurrence", {projected, h0, c0, w_hh});
-  c10::intrusive_ptr<RecurrenceBackward> node;
-  if (torch::autograd::compute_requires_grad(projected, h0, c0, w_hh)) {
-    check_recorded("multicomposite::lstm_recurrence", projected, h0, w_hh);
-    node = c10::make_intrusive<RecurrenceBackward>();
-    node->set_next_edges(torch::autograd::collect_next_edges(projected, h0, c0, w_hh));
-    node->reverse = reverse;
-    node->projected = torch::autograd::SavedVariable(projected, false);
-    node->h0 = torch::autograd::SavedVariable(h0, false);
-    node->c0 = torch::autograd::SavedVariable(c0, false);
-    node->w_hh = torch::autograd::SavedVariable(w_hh, false);
+  const bool recorded = torch::autograd::compute_requires_grad(projected, h0, c0, w_hh);
+  check_recordable("multicomposite::lstm_recurrence", {projected, h0, c0, w_hh}, recorded);
+  at::AutoDispatchBelowADInplaceOrView below;
+  if (!recorded) {
+    return typed_op<LstmSignature>("multicomposite::lstm_recurrence").call(projected, h0, c0, w_hh, reverse);
   }
-  std::tuple<Tensor, Tensor, Tensor> result;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    result = lstm_recurrence_op().call(projected, h0, c0, w_hh, reverse);
-  }
-  if (node) {
-    torch::autograd::set_history(std::get<0>(result), node);
-    torch::autograd::set_history(std::get<1>(result), node);
-    torch::autograd::set_history(std::get<2>(result), node);
-  }
+  const auto outputs = typed_op<LstmKeepingSignature>("multicomposite::lstm_recurrence_keeping")
+                           .call(projected, h0, c0, w_hh, reverse);
+  auto node = make_node(true, reverse, h0, w_hh);
+  node->set_next_edges(torch::autograd::collect_next_edges(projected, h0, c0, w_hh));
+  keep(*node, outputs, std::index_sequence<3, 4, 5, 6>{});
+  const std::tuple<Tensor, Tensor, Tensor> result{std::get<0>(outputs), std::get<1>(outputs), std::get<2>(outputs)};
+  std::apply([&](const auto&... each) { (torch::autograd::set_history(each, node), ...); }, result);
   return result;
 }
 
 std::tuple<Tensor, Tensor> gru_recurrence_autograd(const Tensor& projected, const Tensor& h0, const Tensor& w_hh,
                                                    const std::optional<Tensor>& b_hh, bool reverse) {
-  check_no_tangent("multicomposite::gru_recurrence", {projected, h0, w_hh, b_hh.value_or(Tensor())});
-  c10::intrusive_ptr<RecurrenceBackward> node;
-  if (torch::autograd::compute_requires_grad(projected, h0, w_hh, b_hh)) {
-    check_recorded("multicomposite::gru_recurrence", projected, h0, w_hh);
-    node = c10::make_intrusive<RecurrenceBackward>();
-    node->set_next_edges(torch::autograd::collect_next_edges(projected, h0, w_hh, b_hh));
-    node->lstm = false;
-    node->reverse = reverse;
-    node->has_bias = b_hh.has_value() && b_hh->defined();
-    node->projected = torch::autograd::SavedVariable(projected, false);
-    node->h0 = torch::autograd::SavedVariable(h0, false);
-    node->w_hh = torch::autograd::SavedVariable(w_hh, false);
-    if (node->has_bias) node->b_hh = torch::autograd::SavedVariable(*b_hh, false);
+  const bool recorded = torch::autograd::compute_requires_grad(projected, h0, w_hh, b_hh);
+  check_recordable("multicomposite::gru_recurrence", {projected, h0, w_hh, b_hh.value_or(Tensor())}, recorded);
+  at::AutoDispatchBelowADInplaceOrView below;
+  if (!recorded) {
+    return typed_op<GruSignature>("multicomposite::gru_recurrence").call(projected, h0, w_hh, b_hh, reverse);
   }
-  std::tuple<Tensor, Tensor> result;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    result = gru_recurrence_op().call(projected, h0, w_hh, b_hh, reverse);
-  }
-  if (node) {
-    torch::autograd::set_history(std::get<0>(result), node);
-    torch::autograd::set_history(std::get<1>(result), node);
-  }
+  const auto outputs = typed_op<GruKeepingSignature>("multicomposite::gru_recurrence_keeping")
+                           .call(projected, h0, w_hh, b_hh, reverse);
+  auto node = make_node(false, reverse, h0, w_hh);
+  node->has_bias = b_hh.has_value() && b_hh->defined();
+  node->set_next_edges(torch::autograd::collect_next_edges(projected, h0, w_hh, b_hh));
+  keep(*node, outputs, std::index_sequence<2, 3, 4>{});
+  const std::tuple<Tensor, Tensor> result{std::get<0>(outputs), std::get<1>(outputs)};
+  std::apply([&](const auto&... each) { (torch::autograd::set_history(each, node), ...); }, result);
   return result;
-}
-
-// The backward ops where autograd sees them: computed below it; where grad mode is on and an input requires grad,
-// the outputs get an error node (the NOTE above).
-template <typename Outputs, typename... Inputs>
-void no_derivative(const char* op, const Outputs& outputs, const Inputs&... inputs) {
-  if (!at::GradMode::is_enabled() || !torch::autograd::compute_requires_grad(inputs...)) return;
-  auto node = c10::make_intrusive<torch::autograd::Error>(
-      std::string(op) + " has no derivative: the recurrence primitives have a first derivative only; the selector "
-      "picks the unrolled composite for hessian and grad of grad",
-      torch::autograd::collect_next_edges(inputs...));
-  std::apply([&](const auto&... each) { (torch::autograd::set_history(each, node), ...); }, outputs);
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_backward_autograd(const Tensor& projected, const Tensor& h0,
-                                                                  const Tensor& c0, const Tensor& w_hh,
-                                                                  const Tensor& d_out, const Tensor& d_h,
-                                                                  const Tensor& d_c, bool reverse) {
-  std::tuple<Tensor, Tensor, Tensor, Tensor> result;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    result = lstm_backward_op().call(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse);
-  }
-  no_derivative("multicomposite::lstm_steps_backward", result, projected, h0, c0, w_hh, d_out, d_h, d_c);
-  return result;
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor> gru_backward_autograd(const Tensor& projected, const Tensor& h0,
-                                                                 const Tensor& w_hh,
-                                                                 const std::optional<Tensor>& b_hh,
-                                                                 const Tensor& d_out, const Tensor& d_h,
-                                                                 bool reverse) {
-  std::tuple<Tensor, Tensor, Tensor, Tensor> result;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    result = gru_backward_op().call(projected, h0, w_hh, b_hh, d_out, d_h, reverse);
-  }
-  no_derivative("multicomposite::gru_steps_backward", result, projected, h0, w_hh, b_hh, d_out, d_h);
-  return result;
-}
-
-// The batching rules: each level's batch dimension in front of every sequence and state operand (the kernels take
-// any number of leading dimensions), one call one level down, every output batched at 0. Where no operand is batched
-// at this level the call goes down as it is.
-std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_batched(const Tensor& projected, const Tensor& h0,
-                                                           const Tensor& c0, const Tensor& w_hh, bool reverse) {
-  const Level level("multicomposite::lstm_recurrence");
-  level.check_weights("multicomposite::lstm_recurrence", w_hh);
-  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
-  if (!level.batched(projected) && !level.batched(h0) && !level.batched(c0)) {
-    return lstm_recurrence_op().call(projected, h0, c0, w_hh, reverse);
-  }
-  const Tensor p = level.front(projected), h = level.front(h0), c = level.front(c0);
-  const BelowLevels below(plain(p) && plain(h) && plain(c) && plain(w_hh));
-  auto [out, h_n, c_n] = lstm_recurrence_op().call(p, h, c, w_hh, reverse);
-  return {level.wrap(out), level.wrap(h_n), level.wrap(c_n)};
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_backward_batched(const Tensor& projected, const Tensor& h0,
-                                                                 const Tensor& c0, const Tensor& w_hh,
-                                                                 const Tensor& d_out, const Tensor& d_h,
-                                                                 const Tensor& d_c, bool reverse) {
-  const Level level("multicomposite::lstm_steps_backward");
-  level.check_weights("multicomposite::lstm_steps_backward", w_hh);
-  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
-  if (!level.batched(projected) && !level.batched(h0) && !level.batched(c0) && !level.batched(d_out) &&
-      !level.batched(d_h) && !level.batched(d_c)) {
-    return lstm_backward_op().call(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse);
-  }
-  const Tensor p = level.front(projected), h = level.front(h0), c = level.front(c0);
-  const Tensor g_out = level.front(d_out), g_h = level.front(d_h), g_c = level.front(d_c);
-  const BelowLevels below(plain(p) && plain(h) && plain(c) && plain(w_hh) && plain(g_out) && plain(g_h) &&
-                          plain(g_c));
-  auto [d_p, d_h0, d_c0, d_w] = lstm_backward_op().call(p, h, c, w_hh, g_out, g_h, g_c, reverse);
-  return {level.wrap(d_p), level.wrap(d_h0), level.wrap(d_c0), level.wrap(d_w)};
-}
-
-std::tuple<Tensor, Tensor> gru_recurrence_batched(const Tensor& projected, const Tensor& h0, const Tensor& w_hh,
-                                                  const std::optional<Tensor>& b_hh, bool reverse) {
-  const Level level("multicomposite::gru_recurrence");
-  level.check_weights("multicomposite::gru_recurrence", w_hh, b_hh);
-  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
-  if (!level.batched(projected) && !level.batched(h0)) {
-    return gru_recurrence_op().call(projected, h0, w_hh, b_hh, reverse);
-  }
-  const Tensor p = level.front(projected), h = level.front(h0);
-  const BelowLevels below(plain(p) && plain(h) && plain(w_hh) && (!b_hh.has_value() || plain(*b_hh)));
-  auto [out, h_n] = gru_recurrence_op().call(p, h, w_hh, b_hh, reverse);
-  return {level.wrap(out), level.wrap(h_n)};
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor> gru_backward_batched(const Tensor& projected, const Tensor& h0,
-                                                                const Tensor& w_hh, const std::optional<Tensor>& b_hh,
-                                                                const Tensor& d_out, const Tensor& d_h,
-                                                                bool reverse) {
-  const Level level("multicomposite::gru_steps_backward");
-  level.check_weights("multicomposite::gru_steps_backward", w_hh, b_hh);
-  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
-  if (!level.batched(projected) && !level.batched(h0) && !level.batched(d_out) && !level.batched(d_h)) {
-    return gru_backward_op().call(projected, h0, w_hh, b_hh, d_out, d_h, reverse);
-  }
-  const Tensor p = level.front(projected), h = level.front(h0), g_out = level.front(d_out), g_h = level.front(d_h);
-  const BelowLevels below(plain(p) && plain(h) && plain(w_hh) && (!b_hh.has_value() || plain(*b_hh)) &&
-                          plain(g_out) && plain(g_h));
-  auto [d_p, d_h0, d_w, d_b] = gru_backward_op().call(p, h, w_hh, b_hh, g_out, g_h, reverse);
-  return {level.wrap(d_p), level.wrap(d_h0), level.wrap(d_w), d_b.defined() ? level.wrap(d_b) : d_b};
 }
 
 }  // namespace
@@ -680,34 +747,47 @@ TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
   m.def("gru_steps(Tensor projected, Tensor h0, Tensor w_hh, Tensor? b_hh, bool reverse) -> (Tensor, Tensor)");
   m.def("gru_steps_backward(Tensor projected, Tensor h0, Tensor w_hh, Tensor? b_hh, Tensor d_out, Tensor d_h, "
         "bool reverse) -> (Tensor, Tensor, Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
-  // The same recurrences as ops with their own node and batching rules (NOTE [recurrence ops]).
+  // The same recurrences as ops with their own node and batching rule (NOTE [recurrence ops]), the forwards that
+  // keep their activations, and the backwards from them (NOTE [kept activations]).
   m.def("lstm_recurrence(Tensor projected, Tensor h0, Tensor c0, Tensor w_hh, bool reverse) -> "
         "(Tensor, Tensor, Tensor)");
+  m.def("lstm_recurrence_keeping(Tensor projected, Tensor h0, Tensor c0, Tensor w_hh, bool reverse) -> (Tensor out, "
+        "Tensor h_n, Tensor c_n, Tensor steps_gates, Tensor steps_c, Tensor steps_tanh_c, Tensor steps_out)");
+  m.def("lstm_recurrence_backward(Tensor h0, Tensor w_hh, Tensor steps_gates, Tensor steps_c, Tensor steps_tanh_c, "
+        "Tensor steps_out, Tensor d_out, Tensor d_h, Tensor d_c, bool reverse) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gru_recurrence(Tensor projected, Tensor h0, Tensor w_hh, Tensor? b_hh, bool reverse) -> (Tensor, Tensor)");
+  m.def("gru_recurrence_keeping(Tensor projected, Tensor h0, Tensor w_hh, Tensor? b_hh, bool reverse) -> (Tensor out, "
+        "Tensor h_n, Tensor steps_hw, Tensor steps_gates, Tensor steps_out)");
+  m.def("gru_recurrence_backward(Tensor h0, Tensor w_hh, Tensor steps_hw, Tensor steps_gates, Tensor steps_out, "
+        "Tensor d_out, Tensor d_h, bool reverse) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, CompositeExplicitAutograd, m) {
-  m.impl("lstm_recurrence", lstm_steps);
-  m.impl("gru_recurrence", gru_steps);
   m.impl("lstm_steps", lstm_steps);
   m.impl("lstm_steps_backward", lstm_steps_backward);
   m.impl("gru_steps", gru_steps);
   m.impl("gru_steps_backward", gru_steps_backward);
+  m.impl("lstm_recurrence", lstm_steps);
+  m.impl("lstm_recurrence_keeping", lstm_recurrence_keeping);
+  m.impl("lstm_recurrence_backward", lstm_recurrence_backward);
+  m.impl("gru_recurrence", gru_steps);
+  m.impl("gru_recurrence_keeping", gru_recurrence_keeping);
+  m.impl("gru_recurrence_backward", gru_recurrence_backward);
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, Autograd, m) {
   m.impl("lstm_recurrence", lstm_recurrence_autograd);
   m.impl("gru_recurrence", gru_recurrence_autograd);
-  m.impl("lstm_steps_backward", lstm_backward_autograd);
-  m.impl("gru_steps_backward", gru_backward_autograd);
+  for (const char* name : {"lstm_steps_backward", "gru_steps_backward", "lstm_recurrence_keeping",
+                           "lstm_recurrence_backward", "gru_recurrence_keeping", "gru_recurrence_backward"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_derivative>());
+  }
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, FuncTorchBatched, m) {
-  m.impl("lstm_recurrence", lstm_recurrence_batched);
-  m.impl("gru_recurrence", gru_recurrence_batched);
-  m.impl("lstm_steps_backward", lstm_backward_batched);
-  m.impl("gru_steps_backward", gru_backward_batched);
+  for (const char* name : {"lstm_recurrence", "lstm_recurrence_keeping", "lstm_recurrence_backward",
+                           "lstm_steps_backward", "gru_recurrence", "gru_recurrence_keeping",
+                           "gru_recurrence_backward", "gru_steps_backward"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fold_batch>());
+  }
 }
