@@ -40,6 +40,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("routing.cpp", "fuse
                                                                 "batch_rules.cpp", "group_norm.cpp",
                                                                 "linear.cpp", "first_order.cpp", "entries.cpp",
                                                                 "output_pool.cpp", "recurrence.cpp"))
+# Included by the sources: part of what a build depends on (build_id), not compiled on their own.
+HEADERS = (Path(__file__).with_name("functorch_levels.h"),)
 CACHE_ENV = "MULTICOMPOSITE_KERNELS_DIR"
 # -O3: gcc vectorizes the fused ops' loops only there (its -O2 cost model refuses loops of unknown length).
 # -fopenmp: at::parallel_for is a header template over OpenMP (ATen/ParallelOpenMP.h); without the flag its pragma is
@@ -82,7 +84,8 @@ def build_id() -> str:
     """What a build depends on: torch, Python, the compiler flags and the sources (not the compiler's path, so that a
     runtime image without a compiler loads what its build stage compiled)."""
     digest = hashlib.sha256()
-    for part in (torch.__version__, sys.version, " ".join(FLAGS), *(source.read_text() for source in SOURCES)):
+    for part in (torch.__version__, sys.version, " ".join(FLAGS),
+                 *(source.read_text() for source in (*SOURCES, *HEADERS))):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:16]

@@ -36,6 +36,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include "functorch_levels.h"
+
 #include <algorithm>
 #include <atomic>
 #include <memory>
@@ -65,18 +67,8 @@ bool plain(const at::Tensor& t) {
 // so each op runs as it would have after the fallback (eager autograd records what it would have recorded, autocast
 // casts what it would have cast). Measured: the CPU flash attention backward's three 32 KB at::zeros took 14-17 us
 // each inside the rule, against 1-2 us outside; 30 us of a 0.41 ms vmap(grad) of one attention. Anywhere else (a
-// level below, an operand batched or wrapped) nothing changes. Declared the same in linear.cpp and fused_ops.cpp.
-class BelowLevels {
- public:
-  explicit BelowLevels(bool operands_plain);
-  ~BelowLevels();
-  BelowLevels(const BelowLevels&) = delete;
-  BelowLevels& operator=(const BelowLevels&) = delete;
-
- private:
-  std::optional<c10::impl::ForceDispatchKeyGuard> keys_;
-  std::optional<at::functorch::DynamicLayer> level_;
-};
+// level below, an operand batched or wrapped) nothing changes. Declared in functorch_levels.h, which every kernel
+// file with batching rules includes.
 
 // Off: each op a rule calls goes through functorch's back fallback (bench.below_levels' baseline).
 std::atomic<bool> below_levels_enabled{true};

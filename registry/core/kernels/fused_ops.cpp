@@ -23,6 +23,8 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
+#include "functorch_levels.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -84,21 +86,6 @@ const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor
 }
 
 }  // namespace multicomposite_fused
-
-namespace multicomposite_functorch {
-bool plain(const at::Tensor& t);  // batch_rules.cpp: not batched, not wrapped by any functorch level
-class BelowLevels {  // batch_rules.cpp: NOTE [kernels under the last level]
- public:
-  explicit BelowLevels(bool operands_plain);
-  ~BelowLevels();
-  BelowLevels(const BelowLevels&) = delete;
-  BelowLevels& operator=(const BelowLevels&) = delete;
-
- private:
-  std::optional<c10::impl::ForceDispatchKeyGuard> keys_;
-  std::optional<at::functorch::DynamicLayer> level_;
-};
-}  // namespace multicomposite_functorch
 
 namespace {
 

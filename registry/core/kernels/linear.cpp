@@ -37,6 +37,8 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include "functorch_levels.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <functional>
@@ -57,25 +59,11 @@ at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options);  // o
 bool streams(int64_t bytes);  // output_pool.cpp: whether a write of `bytes` takes streaming stores
 }
 
-namespace multicomposite_functorch {
-bool plain(const at::Tensor& t);  // batch_rules.cpp: not batched, not wrapped by any functorch level
-class BelowLevels {  // batch_rules.cpp: NOTE [kernels under the last level]
- public:
-  explicit BelowLevels(bool operands_plain);
-  ~BelowLevels();
-  BelowLevels(const BelowLevels&) = delete;
-  BelowLevels& operator=(const BelowLevels&) = delete;
-
- private:
-  std::optional<c10::impl::ForceDispatchKeyGuard> keys_;
-  std::optional<at::functorch::DynamicLayer> level_;
-};
-}
-
 namespace {
 
 using at::Tensor;
 using multicomposite_functorch::BelowLevels;
+using multicomposite_functorch::batched_at;
 using multicomposite_functorch::plain;
 using torch::autograd::variable_list;
 
@@ -87,11 +75,6 @@ Tensor batch_first(const at::functorch::BatchedTensorImpl& batched) {
   return batched.bdim() == 0 ? batched.value() : batched.value().movedim(batched.bdim(), 0);
 }
 
-// `t`'s batched implementation at vmap level `level`, or null where `t` is not batched there.
-const at::functorch::BatchedTensorImpl* batched_at(const Tensor& t, int64_t level) {
-  const auto* batched = at::functorch::maybeGetBatchedImpl(t);
-  return batched != nullptr && batched->level() == level ? batched : nullptr;
-}
 
 Tensor linear_aten(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
   return at::linear(input, weight, bias);

@@ -1,6 +1,7 @@
 // multicomposite::lstm_steps / lstm_steps_backward and gru_steps / gru_steps_backward: the recurrences of
 // composites/recurrent.py's LSTMRecurrence and GRURecurrence primitives (their forward, and BPTT with the forward
-// recomputed) on ordinary CPU tensors.
+// recomputed) on ordinary CPU tensors; and the same recurrences as ops with their own autograd node and batching rule
+// (lstm_recurrence, gru_recurrence: NOTE [recurrence ops] below).
 //
 // NOTE: why in C++. The primitive runs its steps on plain tensors, but in Python: about 9 ops a step forward and 30
 // backward (the recomputed forward and the gate gradients), each a Python call and a dispatch, about 600 for a
@@ -23,6 +24,8 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include "functorch_levels.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
@@ -31,21 +34,6 @@
 #include <tuple>
 #include <utility>
 #include <vector>
-
-namespace multicomposite_functorch {
-bool plain(const at::Tensor& t);  // batch_rules.cpp: not batched, not wrapped by any functorch level
-class BelowLevels {  // batch_rules.cpp: NOTE [kernels under the last level]
- public:
-  explicit BelowLevels(bool operands_plain);
-  ~BelowLevels();
-  BelowLevels(const BelowLevels&) = delete;
-  BelowLevels& operator=(const BelowLevels&) = delete;
-
- private:
-  std::optional<c10::impl::ForceDispatchKeyGuard> keys_;
-  std::optional<at::functorch::DynamicLayer> level_;
-};
-}  // namespace multicomposite_functorch
 
 namespace {
 
@@ -511,13 +499,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gru_recurrence_backward(const Tensor&
 
 using torch::autograd::variable_list;
 using multicomposite_functorch::BelowLevels;
+using multicomposite_functorch::batched_at;
 using multicomposite_functorch::plain;
 
-// `t`'s batched implementation at vmap level `level`, or null where `t` is not batched there.
-const at::functorch::BatchedTensorImpl* batched_at(const Tensor& t, int64_t level) {
-  const auto* batched = at::functorch::maybeGetBatchedImpl(t);
-  return batched != nullptr && batched->level() == level ? batched : nullptr;
-}
 
 // Where an operand of the ops carries the batch, by its name in the schema: the weights (w_hh, b_hh) carry none (the
 // NOTE above); the kept steps (steps_*) are (T, *lead, N, .), their batch after the steps; every other tensor

@@ -162,3 +162,14 @@ def test_cpp_waits_for_the_build(tmp_path: Path, real_extension: Path) -> None:
                           env=_env(tmp_path, compiler, **{routing.BACKEND_ENV: "cpp"}))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["cpp"] and _runs(tmp_path) == 1
+
+
+def test_the_build_id_follows_the_shared_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """functorch_levels.h is compiled into every kernel file that includes it: a change to it is a new build."""
+    assert kernels.HEADERS and all(header.exists() for header in kernels.HEADERS)
+    header = tmp_path / "functorch_levels.h"
+    header.write_text(kernels.HEADERS[0].read_text())
+    monkeypatch.setattr(kernels, "HEADERS", (header,))
+    before = kernels.build_id()
+    header.write_text(header.read_text() + "\n// changed\n")
+    assert kernels.build_id() != before
