@@ -461,6 +461,8 @@ def _lstm_steps(projected: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_hh:
 
 
 _CPP_STEPS_DTYPES = (torch.float32, torch.float64)
+# A module's parameter is an ordinary tensor to the kernels (no __torch_function__ of its own, no other storage).
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _cpp_steps(projected: torch.Tensor, states: Sequence[torch.Tensor], w_hh: torch.Tensor,
@@ -478,7 +480,7 @@ def _cpp_steps(projected: torch.Tensor, states: Sequence[torch.Tensor], w_hh: to
         return None
     dtype = projected.dtype
     tensors = (projected, *states, w_hh, *others, *(() if bias is None else (bias,)))
-    if dtype not in _CPP_STEPS_DTYPES or any(type(t) is not torch.Tensor or t.dtype != dtype or t.device.type != "cpu"
+    if dtype not in _CPP_STEPS_DTYPES or any(type(t) not in _PLAIN_TYPES or t.dtype != dtype or t.device.type != "cpu"
                                              or torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
         return None
     return torch.ops.multicomposite if kernels.fused_ops_available() else None
@@ -598,7 +600,7 @@ class LSTMRecurrenceBackward(Function):
 def _fused_recurrence(projected: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: torch.Tensor, reverse: bool):
     """(outputs (T, N, H), h_T, c_T) of one direction: ``multicomposite::lstm_recurrence`` where ``_recurrence_ops``
     allows, else ``LSTMRecurrence``."""
-    ops = _recurrence_ops(projected, (h0, c0), w_hh)
+    ops = _recurrence_ops(4, projected, (h0, c0), w_hh)
     if ops is not None:
         return ops.lstm_recurrence(projected, h0, c0, w_hh, reverse)
     return apply(LSTMRecurrence, projected, h0, c0, w_hh, reverse)
@@ -608,7 +610,7 @@ def _fused_gru(projected: torch.Tensor, h0: torch.Tensor, w_hh: torch.Tensor, b_
                reverse: bool):
     """(outputs (T, N, H), h_T) of one direction: ``multicomposite::gru_recurrence`` where ``_recurrence_ops``
     allows, else ``GRURecurrence``."""
-    ops = _recurrence_ops(projected, (h0,), w_hh, b_hh)
+    ops = _recurrence_ops(3, projected, (h0,), w_hh, b_hh)
     if ops is not None:
         return ops.gru_recurrence(projected, h0, w_hh, b_hh, reverse)
     return apply(GRURecurrence, projected, h0, w_hh, b_hh, reverse)
@@ -624,20 +626,20 @@ def _innermost(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _recurrence_ops(projected: torch.Tensor, states: Sequence[torch.Tensor], w_hh: torch.Tensor,
+def _recurrence_ops(gates: int, projected: torch.Tensor, states: Sequence[torch.Tensor], w_hh: torch.Tensor,
                     b_hh: torch.Tensor | None = None) -> Any:
-    """``torch.ops.multicomposite`` where a recurrence can run as its C++ op (recurrence.cpp's NOTE [recurrence
-    ops]), else None (the primitive): the C++ build loaded; no transform but vmap and grad levels (no forward AD, no
-    functionalize, not traced); one (T, N, G * H) projection with (N, H) states, a (G * H, H) hidden weight and a
-    (G * H) hidden bias or none, the weight and bias batched at no level; every tensor, under its functorch wrappers,
-    an ordinary CPU float or double tensor of one dtype."""
+    """``torch.ops.multicomposite`` where a recurrence of ``gates`` gates can run as its C++ op (recurrence.cpp's
+    NOTE [recurrence ops]), else None (the primitive): the C++ build loaded; no transform but vmap and grad levels (no
+    forward AD, no functionalize, not traced); one (T, N, G * H) projection with (N, H) states, a (G * H, H) hidden
+    weight and a (G * H) hidden bias or none, the weight and bias batched at no level; every tensor, under its
+    functorch wrappers, an ordinary CPU float or double tensor (or parameter) of one dtype."""
     from registry.core import kernels
 
     if torch.compiler.is_compiling() or torch.autograd.forward_ad._current_level >= 0:
         return None
     if any(transform not in _OP_TRANSFORMS for transform, _ in functorch_stack()):
         return None
-    if projected.dim() != 3 or w_hh.dim() != 2 or projected.shape[-1] != w_hh.shape[0]:
+    if projected.dim() != 3 or w_hh.dim() != 2 or not projected.shape[-1] == w_hh.shape[0] == gates * w_hh.shape[1]:
         return None
     state_shape = (projected.shape[1], w_hh.shape[1])
     if any(state.shape != state_shape for state in states) or (b_hh is not None and b_hh.shape != w_hh.shape[:1]):
@@ -648,7 +650,7 @@ def _recurrence_ops(projected: torch.Tensor, states: Sequence[torch.Tensor], w_h
     dtype = projected.dtype
     for tensor in (projected, *states, *weights):
         inner = _innermost(tensor)
-        if type(inner) is not torch.Tensor or inner.dtype != dtype or inner.device.type != "cpu":
+        if type(inner) not in _PLAIN_TYPES or inner.dtype != dtype or inner.device.type != "cpu":
             return None
     if dtype not in _CPP_STEPS_DTYPES:
         return None

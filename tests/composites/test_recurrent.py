@@ -823,21 +823,23 @@ def test_per_sample_gradients_inside_use_run_the_recurrence_op(op: str) -> None:
 
 @pytest.mark.usefixtures("cpp_routing")
 def test_recurrence_op_is_not_taken_where_the_primitive_must_run() -> None:
-    """A hidden weight batched at some level (an ensemble), forward AD, a functionalize level, an integer or a
-    half-precision tensor: the primitive (None); plain float tensors: the op."""
+    """A hidden weight batched at some level (an ensemble), forward AD, a functionalize level, a half-precision
+    tensor, a weight of another gate count: the primitive (None); plain float tensors and parameters: the op."""
     generator = torch.Generator().manual_seed(23)
     projected, h0, c0, w_hh = _recurrence_inputs("lstm", generator, dtype=torch.float32)
-    assert recurrent._recurrence_ops(projected, (h0, c0), w_hh) is torch.ops.multicomposite
-    assert recurrent._recurrence_ops(projected.half(), (h0.half(), c0.half()), w_hh.half()) is None
+    assert recurrent._recurrence_ops(4, projected, (h0, c0), w_hh) is torch.ops.multicomposite
+    assert recurrent._recurrence_ops(4, projected, (h0, c0), nn.Parameter(w_hh)) is torch.ops.multicomposite
+    assert recurrent._recurrence_ops(3, projected, (h0, c0), w_hh) is None  # a GRU's gate count: not this weight
+    assert recurrent._recurrence_ops(4, projected.half(), (h0.half(), c0.half()), w_hh.half()) is None
     ensemble = torch.stack([w_hh, w_hh])
-    assert vmap(lambda w: torch.tensor(recurrent._recurrence_ops(projected, (h0, c0), w) is None))(ensemble).all()
-    assert vmap(lambda p: torch.tensor(recurrent._recurrence_ops(p, (h0, c0), w_hh) is not None))(
+    assert vmap(lambda w: torch.tensor(recurrent._recurrence_ops(4, projected, (h0, c0), w) is None))(ensemble).all()
+    assert vmap(lambda p: torch.tensor(recurrent._recurrence_ops(4, p, (h0, c0), w_hh) is not None))(
         torch.stack([projected, projected])).all()
     with torch.autograd.forward_ad.dual_level():
         dual = torch.autograd.forward_ad.make_dual(projected, torch.ones_like(projected))
-        assert recurrent._recurrence_ops(dual, (h0, c0), w_hh) is None
+        assert recurrent._recurrence_ops(4, dual, (h0, c0), w_hh) is None
     seen: list[object] = []
-    torch.func.functionalize(lambda p: seen.append(recurrent._recurrence_ops(p, (h0, c0), w_hh)) or p)(projected)
+    torch.func.functionalize(lambda p: seen.append(recurrent._recurrence_ops(4, p, (h0, c0), w_hh)) or p)(projected)
     assert seen == [None]
 
 
@@ -860,3 +862,30 @@ def test_recurrence_ops_refuse_what_they_do_not_take() -> None:
     with pytest.raises(RuntimeError, match="takes a hidden weight and bias that vmap does not batch"):
         vmap(lambda w: torch.ops.multicomposite.lstm_recurrence(projected, h0, c0, w, False)[0])(
             torch.stack([w_hh, w_hh]).detach())
+
+
+@pytest.mark.usefixtures("cpp_routing")
+@pytest.mark.parametrize("make", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_input_gradients_through_a_module_with_its_own_parameters_run_the_recurrence_op(
+        make: Callable[..., nn.Module]) -> None:
+    """vmap(grad) of a loss of the module's input inside use(), the module's own parameters (nn.Parameter, no
+    functional_call): the op runs (not the primitive), and each sample's input gradient equals autograd's on that
+    sample alone."""
+    torch.manual_seed(1)
+    model = make(FEATURES, H, num_layers=2, bidirectional=True).double()
+    x = torch.randn(SAMPLES, T, N, FEATURES, dtype=torch.float64)
+
+    def loss(sample: torch.Tensor) -> torch.Tensor:
+        return model(sample)[0].square().sum()
+
+    with registry.use(), torch.profiler.profile() as profile:
+        got = vmap(grad(loss))(x)
+    assert f"multicomposite::{make.__name__.lower()}_recurrence" in {event.name for event in profile.events()}
+    want = torch.stack([_input_gradient(loss, x[b]) for b in range(SAMPLES)])
+    torch.testing.assert_close(got, want)
+
+
+def _input_gradient(loss: Callable[[torch.Tensor], torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
+    """The reference: autograd on one sample, no transform."""
+    sample = sample.clone().requires_grad_()
+    return torch.autograd.grad(loss(sample), sample)[0]
