@@ -1,4 +1,5 @@
-"""Inside an automatically functionalized region: buffers made from outside tensors become functional too.
+"""Inside an automatically functionalized region: buffers made from outside tensors become functional too; inside a
+batched-buffers region: buffers made at the level are batched.
 
 ``functionalize`` wraps the function's arguments and the tensors its factories make (``torch.zeros(5)``), but an op
 whose only tensor input lives outside the region (a closure, a parameter read from its module, a module buffer) returns
@@ -11,32 +12,55 @@ mutated), so the buffer they return is functional.
 Functionalization also turns ``copy_`` into ``aten::copy``, which has no batching rule (vmap's per-sample loop); in a
 region it is computed from ops that batch.
 
+A batched-buffers region (``BatchedRegion``; NOTE [batched fresh buffers] in functionalization.py) is the cheaper
+answer to the same write: every buffer the function makes at the vmap level (``torch.zeros``, ``ones``, ``empty``,
+``full``, the ``*_like`` and ``new_*`` ops of a tensor vmap does not batch) is made batched, one copy of its value per
+sample, so that writing per-sample values into it is an ordinary batched write. The values every sample sees are the
+ones it would have seen unbatched.
+
 The kernels are registered the first time a region opens (never, in a process that needs none) and do nothing
 outside a region of their own thread.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have no public API
+    CVmapInterpreterPtr,
+    TransformType,
+    _add_batch_dim,
+    _wrap_for_grad,
     _wrap_functional_tensor,
     get_interpreter_stack,
+    get_unwrapped,
+    is_functorch_wrapped_tensor,
     maybe_current_level,
     maybe_get_level,
+    peek_interpreter_stack,
+    pop_dynamic_layer_stack,
+    push_dynamic_layer_stack,
 )
 
-from registry.core.context import DISPATCH_KEY
+from registry.core.context import DISPATCH_KEY, vmap_levels
 
 # Ops that make a new tensor from one input's shape, dtype or values (the input is ``self``, the first argument).
 BUFFER_MAKERS = ("empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",
                  "new_full", "clone")
+# Factories (no tensor input): a batched-buffers region batches what they make; a functionalized region leaves them to
+# functionalize, which wraps them itself.
+FACTORIES = ("zeros", "ones", "empty.memory_format", "full")
+# The largest buffer a batched-buffers region batches, in elements over the batch (64 MiB of float32): a larger one is
+# made as the function makes it, and a per-sample write into it sends the level to functionalization instead.
+BATCHED_BUFFER_LIMIT = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -48,11 +72,82 @@ class Region:
 
 
 class _Local(threading.local):
-    regions: list[Region]
+    regions: list[Region | BatchedRegion]
     busy = False  # inside a region kernel's own call: pass through
 
     def __init__(self) -> None:
         self.regions = []
+
+
+@dataclass(frozen=True)
+class BatchedRegion:
+    """A batched-buffers region: the vmap level whose function's fresh buffers it batches."""
+
+    vmap_level: int
+
+
+def current_batched_region() -> BatchedRegion:
+    """The region being entered: called first thing inside the vmap level (the innermost interpreter)."""
+    return BatchedRegion(get_interpreter_stack()[-1].level())
+
+
+@contextlib.contextmanager
+def _below_every_level() -> Iterator[None]:
+    """Every functorch level off the stack (ops run on ordinary tensors), then back in order."""
+    saved = []
+    while peek_interpreter_stack() is not None:
+        saved.append(pop_dynamic_layer_stack())
+    try:
+        yield
+    finally:
+        for layer in reversed(saved):
+            push_dynamic_layer_stack(layer)
+
+
+def _innermost(tensor: torch.Tensor) -> torch.Tensor:
+    while is_functorch_wrapped_tensor(tensor):
+        tensor = get_unwrapped(tensor)
+    return tensor
+
+
+_DIFFERENTIATING = (TransformType.Grad, TransformType.Jvp)
+
+
+def _batched_buffer(overload: torch._ops.OpOverload, region: BatchedRegion, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The buffer ``overload`` makes, batched at the region's vmap level and every vmap level outside it (one copy
+    of its value per sample), or None where it is not batched: a call functorch or a layer below makes (not the
+    function's own, at or above the level), an input batched at some level (its own batching rule decides), a buffer
+    that requires grad or one over ``BATCHED_BUFFER_LIMIT``, a grad or jvp level outside the region's vmap (what
+    such a level would make of the buffer is left to functionalization), another transform on the stack."""
+    level = maybe_current_level()
+    if level is None or level < region.vmap_level or kwargs.get("requires_grad"):
+        return None
+    template = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if template is not None and vmap_levels(template):
+        return None
+    layers = [(interpreter.key(), interpreter.level(), interpreter) for interpreter in get_interpreter_stack()
+              if interpreter.level() <= level]
+    sizes = []
+    for key, layer_level, interpreter in layers:
+        if key == TransformType.Vmap and layer_level <= region.vmap_level:
+            sizes.append(CVmapInterpreterPtr(interpreter).batchSize())
+        elif key not in (TransformType.Vmap, *_DIFFERENTIATING) or layer_level < region.vmap_level:
+            return None
+    with _below_every_level():
+        made = overload(*((_innermost(template), *args[1:]) if template is not None else args), **kwargs)
+        if made.numel() * math.prod(sizes) > BATCHED_BUFFER_LIMIT:
+            return None
+        made = made.expand(*sizes, *made.shape).clone()
+    # Batched at each vmap level, outermost first; made inside each grad or jvp level between the region's vmap
+    # and this call, as the function's own buffer would be: wrapped at each (a tensor a level did not wrap is one
+    # captured from outside it, which it refuses to write).
+    for key, layer_level, _ in layers:
+        if key == TransformType.Vmap and layer_level <= region.vmap_level:
+            made = _add_batch_dim(made, 0, layer_level)
+        elif key in _DIFFERENTIATING:
+            made = _wrap_for_grad(made, layer_level)
+    return made
 
 
 def current_region() -> Region:
@@ -77,8 +172,13 @@ def _outside(tensor: Any, region: Region) -> bool:
 def _make_buffer_maker(overload: torch._ops.OpOverload, native: Any, local: _Local) -> Any:
     call_native = native.call_boxed
 
+    batchable = overload.__name__.split(".")[0] != "clone"  # a clone copies values: never batched
+
     def kernel(keyset: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
         regions = local.regions
+        if regions and isinstance(regions[-1], BatchedRegion):
+            made = _batched_buffer(overload, regions[-1], (self, *args), kwargs) if batchable else None
+            return call_native(keyset, self, *args, **kwargs) if made is None else made
         if regions and not local.busy and _called_inside(regions[-1]) and _outside(self, regions[-1]):
             functional = _wrap_functional_tensor(self, regions[-1].functionalize_level)
             local.busy = True
@@ -87,6 +187,22 @@ def _make_buffer_maker(overload: torch._ops.OpOverload, native: Any, local: _Loc
             finally:
                 local.busy = False
         return call_native(keyset, self, *args, **kwargs)
+
+    kernel.__name__ = f"multicomposite_region_{overload.__name__.replace('.', '_')}"
+    return kernel
+
+
+def _make_factory(overload: torch._ops.OpOverload, native: Any, local: _Local) -> Any:
+    """A factory (``FACTORIES``): batched in a batched-buffers region, PyTorch's kernel elsewhere."""
+    call_native = native.call_boxed
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        regions = local.regions
+        if regions and isinstance(regions[-1], BatchedRegion):
+            made = _batched_buffer(overload, regions[-1], args, kwargs)
+            if made is not None:
+                return made
+        return call_native(keyset, *args, **kwargs)
 
     kernel.__name__ = f"multicomposite_region_{overload.__name__.replace('.', '_')}"
     return kernel
@@ -102,7 +218,8 @@ def _make_copy(native: Any, local: _Local) -> Any:
     call_native = native.call_boxed
 
     def kernel(keyset: Any, self: Any, src: Any, non_blocking: bool = False) -> Any:
-        if local.regions and not local.busy and not _called_inside(local.regions[-1]):
+        regions = local.regions
+        if regions and isinstance(regions[-1], Region) and not local.busy and not _called_inside(regions[-1]):
             local.busy = True
             try:
                 return functional_copy(self, src, non_blocking)
@@ -133,7 +250,7 @@ class FreshBuffers:
         self.compiled: ModuleType | None = None  # the compiled routing, while its Library exists
         self.compiled_registered = False  # the kernels are in the compiled routing's Library
 
-    def push(self, region: Region) -> None:
+    def push(self, region: Region | BatchedRegion) -> None:
         self.local.regions.append(region)
         self._count_regions()
 
@@ -172,6 +289,10 @@ class FreshBuffers:
                                                 torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY), self.local)
                        for name in BUFFER_MAKERS}
             kernels["copy"] = _make_copy(torch.library.get_kernel("aten::copy", DISPATCH_KEY), self.local)
+            for name in FACTORIES:
+                packet, _, overload_name = name.partition(".")
+                kernels[name] = _make_factory(getattr(getattr(torch.ops.aten, packet), overload_name or "default"),
+                                              torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY), self.local)
             if self.compiled is not None:
                 for name, kernel in kernels.items():
                     self.compiled.register_region_kernel(name, kernel)

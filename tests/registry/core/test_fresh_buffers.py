@@ -122,3 +122,127 @@ def test_a_remembered_function_gets_the_kernels_after_a_backend_switch(routing_b
                 torch.testing.assert_close(per_sample(X), expected)
     finally:
         routing.set_routing_backend(routing_backend)
+
+
+# --- batched fresh buffers (NOTE [batched fresh buffers] in registry/core/functionalization.py) -------------------
+
+INDEX = torch.tensor([[0, 2, 2], [1, 1, 0], [2, 0, 1], [0, 0, 0]])  # each sample's own scatter targets
+
+
+def _aggregates(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A graph library's aggregation: per-sample values into ``torch.zeros`` and ``new_zeros`` of an outside
+    tensor, then a degree from ``torch.ones``, as message-passing layers write them."""
+    out = torch.zeros(3, dtype=x.dtype).index_add_(0, index, x * WEIGHT)
+    degree = WEIGHT.new_zeros(3).scatter_add_(0, index, torch.ones(3, dtype=x.dtype))
+    return (out / degree.clamp(min=1) * torch.full((3,), 2.0, dtype=x.dtype)).square().sum()
+
+
+def _loop_gradients(loss: Callable[..., torch.Tensor], *samples: torch.Tensor) -> torch.Tensor:
+    rows = []
+    for b in range(X.shape[0]):
+        x = samples[0][b].clone().requires_grad_()
+        rows.append(torch.autograd.grad(loss(x, *(s[b] for s in samples[1:])), x)[0])
+    return torch.stack(rows)
+
+
+@pytest.fixture
+def remembered() -> Iterator[Any]:
+    """The default registry's functionalization patch, forgetting what it remembered before and after the test."""
+    from registry.core import functionalization
+
+    patch = functionalization.PATCH
+    with patch.remembering_apart():
+        yield patch
+
+
+def test_writes_into_fresh_buffers_run_with_the_buffers_batched(remembered: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """vmap(grad) of the aggregation inside use(): the level runs with its fresh buffers batched, not functionalized
+    (functionalize never called), remembered so, and every call equals the loop."""
+    from registry.core import functionalization
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("functionalize called")
+
+    monkeypatch.setattr(functionalization, "functionalize", refuse)
+    want = _loop_gradients(_aggregates, X, INDEX)
+    with registry.use():
+        for _ in range(2):  # the retry, then the remembered run
+            torch.testing.assert_close(func.vmap(func.grad(_aggregates))(X, INDEX), want)
+    assert remembered.batched_buffers and remembered.batched_buffers <= remembered.functionalized
+
+
+def test_batched_buffers_under_plain_vmap_and_nested_vmap_equal_the_loop(remembered: Any) -> None:
+    """The values (no grad level) and an inner vmap level's buffers (vmap of vmap): each sample's own."""
+    want = torch.stack([_aggregates(X[b], INDEX[b]) for b in range(X.shape[0])])
+    pairs = torch.stack([X, X.flip(0)]), torch.stack([INDEX, INDEX.flip(0)])
+    with registry.use():
+        torch.testing.assert_close(func.vmap(_aggregates)(X, INDEX), want)
+        nested = func.vmap(func.vmap(_aggregates))(*pairs)
+    torch.testing.assert_close(nested, torch.stack([want, want.flip(0)]))
+    # Batched at both levels by the inner one's retry: nothing fell back to functionalization.
+    assert remembered.batched_buffers and remembered.batched_buffers == remembered.functionalized
+
+
+@pytest.fixture
+def batching_fails(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
+    """While ``["now"]`` is true, making a batched buffer raises (a stand-in for whatever a function does that a
+    batched buffer cannot take)."""
+    fails = {"now": True}
+    make = fresh_buffers._batched_buffer
+
+    def maybe_failing(*args: Any, **kwargs: Any) -> Any:
+        if fails["now"]:
+            raise RuntimeError("a batched buffer cannot be used here")
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(fresh_buffers, "_batched_buffer", maybe_failing)
+    return fails
+
+
+def test_a_level_that_fails_with_its_buffers_batched_runs_functionalized(remembered: Any,
+                                                                         batching_fails: dict[str, bool]) -> None:
+    """The batched run fails: the level runs functionalized, as before, and is remembered as functionalized, not
+    batched."""
+    want = _loop_gradients(_aggregates, X, INDEX)
+    with registry.use():
+        torch.testing.assert_close(func.vmap(func.grad(_aggregates))(X, INDEX), want)
+    assert remembered.functionalized and not remembered.batched_buffers
+
+
+def test_a_remembered_batched_function_that_fails_later_moves_to_functionalized(
+        remembered: Any, batching_fails: dict[str, bool]) -> None:
+    """A later call that fails with its buffers batched runs functionalized, and so does every one after it."""
+    want = _loop_gradients(_aggregates, X, INDEX)
+    batching_fails["now"] = False
+    with registry.use():
+        torch.testing.assert_close(func.vmap(func.grad(_aggregates))(X, INDEX), want)
+        assert remembered.batched_buffers
+        batching_fails["now"] = True
+        torch.testing.assert_close(func.vmap(func.grad(_aggregates))(X, INDEX), want)
+        assert not remembered.batched_buffers and remembered.functionalized
+        torch.testing.assert_close(func.vmap(func.grad(_aggregates))(X, INDEX), want)
+
+
+def test_a_buffer_read_as_a_number_stays_batched(remembered: Any) -> None:
+    """A batched buffer read with .item() (the same value for every sample) runs batched, as use()'s vmap reads a
+    value the samples agree on."""
+
+    def loss(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(3, dtype=x.dtype).index_add_(0, index, x)
+        return (out * torch.zeros(1, dtype=x.dtype).add_(2.0).item()).square().sum()
+
+    want = _loop_gradients(loss, X, INDEX)
+    with registry.use():
+        torch.testing.assert_close(func.vmap(func.grad(loss))(X, INDEX), want)
+    assert remembered.batched_buffers
+
+
+def test_a_buffer_over_the_limit_is_not_batched(remembered: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer larger than BATCHED_BUFFER_LIMIT over the batch is made as the function makes it: the write into it
+    sends the level to functionalization."""
+    monkeypatch.setattr(fresh_buffers, "BATCHED_BUFFER_LIMIT", 4)
+    want = _loop_gradients(_aggregates, X, INDEX)
+    with registry.use():
+        torch.testing.assert_close(func.vmap(func.grad(_aggregates))(X, INDEX), want)
+    assert remembered.functionalized and not remembered.batched_buffers
