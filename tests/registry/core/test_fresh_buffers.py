@@ -246,3 +246,36 @@ def test_a_buffer_over_the_limit_is_not_batched(remembered: Any, monkeypatch: py
     with registry.use():
         torch.testing.assert_close(func.vmap(func.grad(_aggregates))(X, INDEX), want)
     assert remembered.functionalized and not remembered.batched_buffers
+
+
+class _Cube(torch.autograd.Function):
+    """A user's autograd.Function: functionalize cannot run one ("NYI: Functionalize rule for
+    custom_function_call")."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * x * x
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * grad
+
+
+def test_a_write_beside_an_autograd_function_runs_with_its_buffers_batched(remembered: Any) -> None:
+    """A write into a fresh buffer of what a torch.autograd.Function returns: functionalized, the level could not
+    run (the retry raised); with the buffers batched it runs and equals the loop."""
+
+    def loss(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(3, dtype=x.dtype).index_add_(0, index, _Cube.apply(x)).square().sum()
+
+    want = _loop_gradients(loss, X, INDEX)
+    with registry.use():
+        torch.testing.assert_close(func.vmap(func.grad(loss))(X, INDEX), want)
+    assert remembered.batched_buffers
