@@ -42,7 +42,7 @@ from torch.autograd import Function
 
 from composites import linear as linear_maps
 from registry.core import rules
-from registry.core.context import functorch_stack, vmap_levels
+from registry.core.context import functorch_stack, innermost, vmap_levels
 from registry.core.ops import overloads
 from registry.core.primitive import apply, batch_first
 from registry.core.registration import define_op, register, register_derivative
@@ -478,12 +478,18 @@ def _cpp_steps(projected: torch.Tensor, states: Sequence[torch.Tensor], w_hh: to
     state_shape = projected.shape[:-3] + projected.shape[-2:-1] + states[0].shape[-1:]
     if any(state.shape != state_shape for state in states):
         return None
-    dtype = projected.dtype
     tensors = (projected, *states, w_hh, *others, *(() if bias is None else (bias,)))
-    if dtype not in _CPP_STEPS_DTYPES or any(type(t) not in _PLAIN_TYPES or t.dtype != dtype or t.device.type != "cpu"
-                                             or torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors) or not _ordinary_cpu(tensors,
+                                                                                                      projected.dtype):
         return None
     return torch.ops.multicomposite if kernels.fused_ops_available() else None
+
+
+def _ordinary_cpu(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether every tensor is what the C++ steps take: an ordinary CPU tensor (or parameter) of ``dtype``, float or
+    double."""
+    return dtype in _CPP_STEPS_DTYPES and all(type(t) in _PLAIN_TYPES and t.dtype == dtype and t.device.type == "cpu"
+                                              for t in tensors)
 
 
 class LSTMRecurrence(Function):
@@ -496,7 +502,7 @@ class LSTMRecurrence(Function):
     def forward(projected, h0, c0, w_hh, reverse):
         ops = _cpp_steps(projected, (h0, c0), w_hh)
         if ops is not None:
-            return ops.lstm_steps(projected, h0, c0, w_hh, reverse)
+            return ops.lstm_recurrence(projected, h0, c0, w_hh, reverse)
         out, h, c, _ = _lstm_steps(projected, h0, c0, w_hh, reverse, keep=False)
         return out, h, c
 
@@ -619,13 +625,6 @@ def _fused_gru(projected: torch.Tensor, h0: torch.Tensor, w_hh: torch.Tensor, b_
 _OP_TRANSFORMS = frozenset(("vmap", "grad"))
 
 
-def _innermost(tensor: torch.Tensor) -> torch.Tensor:
-    """What every functorch level's wrapper of ``tensor`` wraps."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-        tensor = torch._C._functorch.get_unwrapped(tensor)
-    return tensor
-
-
 def _recurrence_ops(gates: int, projected: torch.Tensor, states: Sequence[torch.Tensor], w_hh: torch.Tensor,
                     b_hh: torch.Tensor | None = None) -> Any:
     """``torch.ops.multicomposite`` where a recurrence of ``gates`` gates can run as its C++ op (recurrence.cpp's
@@ -647,12 +646,7 @@ def _recurrence_ops(gates: int, projected: torch.Tensor, states: Sequence[torch.
     weights = (w_hh,) if b_hh is None else (w_hh, b_hh)
     if any(vmap_levels(weight) for weight in weights):
         return None
-    dtype = projected.dtype
-    for tensor in (projected, *states, *weights):
-        inner = _innermost(tensor)
-        if type(inner) not in _PLAIN_TYPES or inner.dtype != dtype or inner.device.type != "cpu":
-            return None
-    if dtype not in _CPP_STEPS_DTYPES:
+    if not _ordinary_cpu([innermost(tensor) for tensor in (projected, *states, *weights)], projected.dtype):
         return None
     return torch.ops.multicomposite if kernels.fused_ops_available() else None
 
@@ -692,7 +686,7 @@ class GRURecurrence(Function):
     def forward(projected, h0, w_hh, b_hh, reverse):
         ops = _cpp_steps(projected, (h0,), w_hh, bias=b_hh)
         if ops is not None:
-            return ops.gru_steps(projected, h0, w_hh, b_hh, reverse)
+            return ops.gru_recurrence(projected, h0, w_hh, b_hh, reverse)
         out, h, _ = _gru_steps(projected, h0, w_hh, b_hh, reverse, keep=False)
         return out, h
 

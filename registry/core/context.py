@@ -12,6 +12,7 @@ from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have n
     get_interpreter_stack,
     get_unwrapped,
     is_batchedtensor,
+    is_functorch_wrapped_tensor,
     maybe_get_bdim,
     maybe_get_level,
 )
@@ -101,6 +102,13 @@ def vmap_levels(tensor: torch.Tensor) -> tuple[int, ...]:
         except RuntimeError:  # a wrapper functorch cannot peel (functionalization): nothing batched below it
             break
     return levels
+
+
+def innermost(tensor: torch.Tensor) -> torch.Tensor:
+    """What every functorch level's wrapper of ``tensor`` wraps (``tensor`` itself where none does)."""
+    while is_functorch_wrapped_tensor(tensor):
+        tensor = get_unwrapped(tensor)
+    return tensor
 
 
 def batch_size(tensor: torch.Tensor) -> int:

@@ -41,8 +41,6 @@ from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have n
     _wrap_for_grad,
     _wrap_functional_tensor,
     get_interpreter_stack,
-    get_unwrapped,
-    is_functorch_wrapped_tensor,
     maybe_current_level,
     maybe_get_level,
     peek_interpreter_stack,
@@ -50,7 +48,7 @@ from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have n
     push_dynamic_layer_stack,
 )
 
-from registry.core.context import DISPATCH_KEY, vmap_levels
+from registry.core.context import DISPATCH_KEY, innermost, vmap_levels
 
 # Ops that make a new tensor from one input's shape, dtype or values (the input is ``self``, the first argument).
 BUFFER_MAKERS = ("empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",
@@ -104,12 +102,6 @@ def _below_every_level() -> Iterator[None]:
             push_dynamic_layer_stack(layer)
 
 
-def _innermost(tensor: torch.Tensor) -> torch.Tensor:
-    while is_functorch_wrapped_tensor(tensor):
-        tensor = get_unwrapped(tensor)
-    return tensor
-
-
 _DIFFERENTIATING = (TransformType.Grad, TransformType.Jvp)
 
 
@@ -135,7 +127,7 @@ def _batched_buffer(overload: torch._ops.OpOverload, region: BatchedRegion, args
         elif key not in (TransformType.Vmap, *_DIFFERENTIATING) or layer_level < region.vmap_level:
             return None
     with _below_every_level():
-        made = overload(*((_innermost(template), *args[1:]) if template is not None else args), **kwargs)
+        made = overload(*((innermost(template), *args[1:]) if template is not None else args), **kwargs)
         if made.numel() * math.prod(sizes) > BATCHED_BUFFER_LIMIT:
             return None
         made = made.expand(*sizes, *made.shape).clone()

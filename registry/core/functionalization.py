@@ -219,20 +219,25 @@ class Functionalization:
     def functionalizing(self, func: Callable[..., Any]) -> Callable[..., Any]:
         """``functionalize(func)``, with the region kept on this thread's stack while it runs (fresh_buffers reads
         it)."""
+        return functionalize(self._in_region(func, fresh_buffers.current_region))
+
+    def _in_region(self, func: Callable[..., Any],
+                   region: Callable[[], fresh_buffers.Region | fresh_buffers.BatchedRegion]) -> Callable[..., Any]:
+        """``func`` with the region ``region()`` finds on entry kept on this thread's stack while it runs."""
         fresh = self.fresh_buffers
-        # Registered here, not only at the first retry: a function remembered as needing it runs functionalized from
-        # the start, and the kernels may have gone since (the C++ ones go with the compiled routing's Library).
+        # Registered here, not only at the first retry: a function remembered as needing a region runs in one from the
+        # start, and the kernels may have gone since (the C++ ones go with the compiled routing's Library).
         fresh.register()
 
         @functools.wraps(func)
-        def region(*args: Any, **kwargs: Any) -> Any:
-            fresh.push(fresh_buffers.current_region())
+        def in_region(*args: Any, **kwargs: Any) -> Any:
+            fresh.push(region())
             try:
                 return func(*args, **kwargs)
             finally:
                 fresh.pop()
 
-        return functionalize(region)
+        return in_region
 
     def batching_buffers(self, func: Callable[..., Any]) -> Callable[..., Any]:
         """``func`` with a batched-buffers region kept on this thread's stack while it runs inside the vmap level.
@@ -243,20 +248,10 @@ class Functionalization:
         2.13 ms functionalized, against 1.19 ms with those buffers made batched by hand (measured, one thread). So the
         first retry runs the level with the function's fresh buffers batched (fresh_buffers.BatchedRegion: one copy
         of each buffer's value per sample, so every sample computes with the values it would have had), and the
-        write is an ordinary batched one. Where that run fails in any way (a buffer read as a Python number, in
-        control flow, written into a tensor from outside), the level runs functionalized, as before."""
-        fresh = self.fresh_buffers
-        fresh.register()
-
-        @functools.wraps(func)
-        def region(*args: Any, **kwargs: Any) -> Any:
-            fresh.push(fresh_buffers.current_batched_region())
-            try:
-                return func(*args, **kwargs)
-            finally:
-                fresh.pop()
-
-        return region
+        write is an ordinary batched one. Where that run fails in any way (a buffer written into a tensor from outside,
+        returned where out_dims says it is not batched, too large to batch), the level runs functionalized, as
+        before."""
+        return self._in_region(func, fresh_buffers.current_batched_region)
 
     def flat_vmap(self, func: Callable[..., Any], batch_size: int, flat_in_dims: list[int | None],
                   flat_args: list[Any], args_spec: Any, out_dims: Any, randomness: str, **kwargs: Any) -> Any:
@@ -312,7 +307,7 @@ class Functionalization:
         if not _may_be_write_refusal(failure):
             raise failure
         _restore_random_state(state)
-        key = function_key(func)
+        key = function_key(func) if key is None else key  # computed above where something was remembered
         try:
             result = self.levels.flat_vmap(self.batching_buffers(func), *args, **kwargs)
         except Exception:  # any failure with the buffers batched: functionalized instead (the NOTE above)
@@ -324,14 +319,14 @@ class Functionalization:
         try:
             result = self.levels.flat_vmap(self.functionalizing(func), *args, **kwargs)
         except SamplesDisagreeError as retry:  # functionalized, it ran past the write to a branch the samples split on
-            functionalized.add(function_key(func))
+            functionalized.add(key)
             return self.split(retry, state, func, *args, **kwargs)
         except Exception as retry:
             if not _functionalization_failed(retry) or (not _is_write_refusal(failure)
                                                          and _may_be_write_refusal(retry)):
                 raise  # an error of the function itself, which the first run did not reach
             raise OutsideWriteError(_outside_write_message(failure, retry)) from failure
-        functionalized.add(function_key(func))
+        functionalized.add(key)
         return result
 
     def split(self, error: SamplesDisagreeError, state: random_state.Saved | None,

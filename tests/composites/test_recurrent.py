@@ -649,7 +649,7 @@ def test_recurrence_steps_in_cpp_equal_the_python_steps(lead: tuple[int, ...], r
     assert ops is not None
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
     out, h, c, _ = recurrent._lstm_steps(projected, h0, c0, w_hh, reverse, keep=False)
-    for got, want in zip(ops.lstm_steps(projected, h0, c0, w_hh, reverse), (out, h, c), strict=True):
+    for got, want in zip(ops.lstm_recurrence(projected, h0, c0, w_hh, reverse), (out, h, c), strict=True):
         torch.testing.assert_close(got, want, **tolerance)
     monkeypatch.setattr(recurrent, "_cpp_steps", lambda *tensors, **kinds: None)  # the primitive's Python BPTT
     want = recurrent.LSTMRecurrenceBackward.forward(projected, h0, c0, w_hh, d_out, d_h, d_c, reverse)
@@ -680,7 +680,7 @@ def test_gru_recurrence_steps_in_cpp_equal_the_python_steps(lead: tuple[int, ...
     ops = recurrent._cpp_steps(projected, (h0, d_h), w_hh, bias=b_hh, others=(d_out,))
     assert ops is not None
     out, h, _ = recurrent._gru_steps(projected, h0, w_hh, b_hh, reverse, keep=False)
-    for got, want in zip(ops.gru_steps(projected, h0, w_hh, b_hh, reverse), (out, h), strict=True):
+    for got, want in zip(ops.gru_recurrence(projected, h0, w_hh, b_hh, reverse), (out, h), strict=True):
         torch.testing.assert_close(got, want)
     monkeypatch.setattr(recurrent, "_cpp_steps", lambda *tensors, **kinds: None)  # the primitive's Python BPTT
     want = recurrent.GRURecurrenceBackward.forward(projected, h0, w_hh, b_hh, d_out, d_h, reverse)

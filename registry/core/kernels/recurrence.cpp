@@ -1,7 +1,7 @@
-// multicomposite::lstm_steps / lstm_steps_backward and gru_steps / gru_steps_backward: the recurrences of
-// composites/recurrent.py's LSTMRecurrence and GRURecurrence primitives (their forward, and BPTT with the forward
-// recomputed) on ordinary CPU tensors; and the same recurrences as ops with their own autograd node and batching rule
-// (lstm_recurrence, gru_recurrence: NOTE [recurrence ops] below).
+// multicomposite::lstm_recurrence and gru_recurrence: the LSTM's and the GRU's recurrence over one direction, as
+// ops with their own autograd node and batching rule (NOTE [recurrence ops] below); on ordinary CPU tensors they are
+// also the forward of composites/recurrent.py's LSTMRecurrence and GRURecurrence primitives, whose BPTT (the forward
+// recomputed) is lstm_steps_backward / gru_steps_backward.
 //
 // NOTE: why in C++. The primitive runs its steps on plain tensors, but in Python: about 9 ops a step forward and 30
 // backward (the recomputed forward and the gate gradients), each a Python call and a dispatch, about 600 for a
@@ -172,8 +172,8 @@ void check_inputs(const char* op, std::initializer_list<Tensor> tensors, const T
 
 std::tuple<Tensor, Tensor, Tensor> lstm_steps(const Tensor& projected, const Tensor& h0, const Tensor& c0,
                                               const Tensor& w_hh, bool reverse) {
-  check_inputs("multicomposite::lstm_steps", {projected, h0, c0}, w_hh);
-  TORCH_CHECK(h0.sizes() == c0.sizes(), "multicomposite::lstm_steps: h0 and c0 of one shape expected");
+  check_inputs("multicomposite::lstm_recurrence", {projected, h0, c0}, w_hh);
+  TORCH_CHECK(h0.sizes() == c0.sizes(), "multicomposite::lstm_recurrence: h0 and c0 of one shape expected");
   at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
   const Shape shape(projected, h0, 4);
   const Tensor steps = shape.steps_first(projected, shape.gates);
@@ -181,7 +181,7 @@ std::tuple<Tensor, Tensor, Tensor> lstm_steps(const Tensor& projected, const Ten
   Tensor c = c0.reshape({shape.rows(), shape.hidden}).clone(at::MemoryFormat::Contiguous);
   Tensor out = at::empty({shape.steps, shape.rows(), shape.hidden}, h0.options());
   const Tensor w_t = w_hh.t();
-  AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::lstm_steps", [&] {
+  AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::lstm_recurrence", [&] {
     run_steps<scalar_t>(shape, steps, h_rows, c, w_t, reverse, out, nullptr);
   });
   return {shape.lead_first(out, shape.hidden), shape.last_state(out, h_rows, reverse), c.view(shape.state_sizes())};
@@ -357,14 +357,14 @@ void run_gru_steps(const Shape& shape, const Tensor& projected_steps, const Tens
 
 std::tuple<Tensor, Tensor> gru_steps(const Tensor& projected, const Tensor& h0, const Tensor& w_hh,
                                      const std::optional<Tensor>& b_hh, bool reverse) {
-  check_inputs("multicomposite::gru_steps", {projected, h0}, w_hh, b_hh);
+  check_inputs("multicomposite::gru_recurrence", {projected, h0}, w_hh, b_hh);
   at::AutoDispatchBelowADInplaceOrView below;  // ordinary tensors, called where nothing records
   const Shape shape(projected, h0, 3);
   const Tensor steps = shape.steps_first(projected, shape.gates);
   const Tensor h_rows = h0.reshape({shape.rows(), shape.hidden}).contiguous();
   Tensor out = at::empty({shape.steps, shape.rows(), shape.hidden}, h0.options());
   const Tensor w_t = w_hh.t();
-  AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::gru_steps", [&] {
+  AT_DISPATCH_FLOATING_TYPES(projected.scalar_type(), "multicomposite::gru_recurrence", [&] {
     run_gru_steps<scalar_t>(shape, steps, h_rows, b_hh, w_t, reverse, out, nullptr, nullptr);
   });
   return {shape.lead_first(out, shape.hidden), shape.last_state(out, h_rows, reverse)};
@@ -722,17 +722,15 @@ std::tuple<Tensor, Tensor> gru_recurrence_autograd(const Tensor& projected, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
-  // composites/recurrent.py's LSTMRecurrence on ordinary CPU tensors: (outputs, h_T, c_T).
-  m.def("lstm_steps(Tensor projected, Tensor h0, Tensor c0, Tensor w_hh, bool reverse) -> (Tensor, Tensor, Tensor)");
-  // Its backward (BPTT, the forward recomputed): (d_projected, d_h0, d_c0, d_w_hh per lead index).
+  // composites/recurrent.py's LSTMRecurrence's backward on ordinary CPU tensors (BPTT, the forward recomputed):
+  // (d_projected, d_h0, d_c0, d_w_hh per lead index).
   m.def("lstm_steps_backward(Tensor projected, Tensor h0, Tensor c0, Tensor w_hh, Tensor d_out, Tensor d_h, "
         "Tensor d_c, bool reverse) -> (Tensor, Tensor, Tensor, Tensor)");
-  // composites/recurrent.py's GRURecurrence: (outputs, h_T), and its backward (d_projected, d_h0, d_w_hh, d_b_hh).
-  m.def("gru_steps(Tensor projected, Tensor h0, Tensor w_hh, Tensor? b_hh, bool reverse) -> (Tensor, Tensor)");
+  // GRURecurrence's: (d_projected, d_h0, d_w_hh, d_b_hh per lead index).
   m.def("gru_steps_backward(Tensor projected, Tensor h0, Tensor w_hh, Tensor? b_hh, Tensor d_out, Tensor d_h, "
         "bool reverse) -> (Tensor, Tensor, Tensor, Tensor)");
-  // The same recurrences as ops with their own node and batching rule (NOTE [recurrence ops]), the forwards that
-  // keep their activations, and the backwards from them (NOTE [kept activations]).
+  // The recurrences, (outputs, h_T[, c_T]), as ops with their own node and batching rule (NOTE [recurrence ops]),
+  // the forwards that keep their activations, and the backwards from them (NOTE [kept activations]).
   m.def("lstm_recurrence(Tensor projected, Tensor h0, Tensor c0, Tensor w_hh, bool reverse) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("lstm_recurrence_keeping(Tensor projected, Tensor h0, Tensor c0, Tensor w_hh, bool reverse) -> (Tensor out, "
@@ -747,9 +745,7 @@ TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, CompositeExplicitAutograd, m) {
-  m.impl("lstm_steps", lstm_steps);
   m.impl("lstm_steps_backward", lstm_steps_backward);
-  m.impl("gru_steps", gru_steps);
   m.impl("gru_steps_backward", gru_steps_backward);
   m.impl("lstm_recurrence", lstm_steps);
   m.impl("lstm_recurrence_keeping", lstm_recurrence_keeping);

@@ -55,7 +55,8 @@ thread_local bool tls_native_policy = false;  // the innermost use() frame's pol
 thread_local bool tls_record = false;  // the innermost frame records (use(record=True)): Python kernels, whole
 thread_local bool tls_busy = false;  // inside a call a kernel decided: the layers below reach the kernel again
 thread_local std::vector<int64_t> tls_key;  // scratch: building the key allocates nothing on a hit
-// The automatically functionalized regions open on this thread (registry/core/fresh_buffers.py: set_open_regions).
+// The regions open on this thread, functionalized or batched-buffers (registry/core/fresh_buffers.py:
+// set_open_regions).
 thread_local int64_t tls_open_regions = 0;
 
 struct BusyGuard {
@@ -717,7 +718,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "is open on the calling thread, PyTorch's kernel there otherwise (the NOTE above RegionKernel)");
   m.def(
       "set_open_regions", [](int64_t count) { tls_open_regions = count; },
-      "How many automatically functionalized regions are open on this thread (the region kernels' gate)");
+      "How many regions (functionalized or batched-buffers) are open on this thread (the region kernels' gate)");
   m.def("registered", []() { return static_cast<bool>(library); }, "Whether the kernels are registered");
   m.def("register_out", &register_out_kernels,
         "Register the out= kernel of every aten out= overload without a kernel at the front key; factory(name) "
