@@ -133,9 +133,11 @@ def _program(stack: str) -> tuple[str, ...]:
     return ("compile", "vmap") if layers == ("compile",) else layers
 
 
-def _run(stack: str, case: _Case, call: Call, native: Call, weight: torch.Tensor | None) -> tuple[Any, Any]:
+def _run(stack: str, case: _Case, call: Call, native: Call, weight: torch.Tensor | None,
+         counted: tuple[fallback.KernelCalls, fallback.KernelCalls] | None = None) -> tuple[Any, Any]:
     """(actual, expected) for ``stack``; ``weight`` shapes the scalar loss ``sum(weight * y * y)`` of the gradient
-    stacks. A stack without vmap runs per sample, and so does its reference."""
+    stacks. A stack without vmap runs per sample, and so does its reference. ``counted``: the modes that count the
+    kernel calls of the transformed call and of the reference loop (a vmap stack's)."""
     layers = _program(stack)
     vmaps = layers.count("vmap")
     layout = Layout(in_dims=(case.in_dims,) * vmaps, wrt=case.argnums, loss=lambda y: (weight * y * y).sum())
@@ -144,12 +146,26 @@ def _run(stack: str, case: _Case, call: Call, native: Call, weight: torch.Tensor
         actual = [transformed(layers, f, layout)(*case.inputs(a)) for a in case.per_sample]
         return actual, [reference(layers, native_f, layout)(*case.inputs(a)) for a in case.per_sample]
     inputs = case.stacked(case.per_sample) if vmaps == 1 else case.stacked_twice()
-    return transformed(layers, f, layout)(*inputs), reference(layers, native_f, layout)(*inputs)
+    if counted is None:
+        return transformed(layers, f, layout)(*inputs), reference(layers, native_f, layout)(*inputs)
+    with counted[0]:
+        actual = transformed(layers, f, layout)(*inputs)
+    with counted[1]:
+        return actual, reference(layers, native_f, layout)(*inputs)
+
+
+def _samples(stack: str, batch: int) -> int:
+    """How many samples a vmap stack's reference loops over (vmap(vmap): two rows of ``batch``)."""
+    return batch * 2 if _program(stack).count("vmap") > 1 else batch
 
 
 def check(sample: Sample, stack: str, pattern: str, call: Call | None = None, *, batch: int = 3,
-          seed: int = 0) -> Outcome:
-    """Run ``call`` (default: the op's method entry point) under ``stack`` and compare with the native loop."""
+          seed: int = 0, count_loops: bool = False) -> Outcome:
+    """Run ``call`` (default: the op's method entry point) under ``stack`` and compare with the native loop.
+
+    ``count_loops`` (for PyTorch's own op, outside ``use()``): a vmap stack's call also counts as slow where it ran
+    the op once per sample without vmap's warning (``fallback.silent_loop_note``). Off by default: the counting is a
+    Python dispatch mode, which a routed call inside ``use()`` must not run under."""
     call = call or entry_call(sample.op, sample)
     native = native_call(sample.op, sample)
     case = _Case(sample, pattern, batch, seed)
@@ -158,13 +174,18 @@ def check(sample: Sample, stack: str, pattern: str, call: Call | None = None, *,
         y0 = native(case.base)
         weight = torch.randn(y0.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         weight = weight.to(y0.dtype)
+    layers = _program(stack)
+    counted = ((fallback.KernelCalls(), fallback.KernelCalls())
+               if count_loops and "vmap" in layers and "compile" not in layers else None)
     with fallback.watch() as caught:
         try:
-            actual, expected = _run(stack, case, call, native, weight)
+            actual, expected = _run(stack, case, call, native, weight, counted)
         except Exception as error:  # the outcome of an op under a transform is data here, not a crash
             return Outcome("error", described(error))
     if (problem := compare(actual, expected)) is not None:
         return Outcome("mismatch", problem.detail, problem.max_abs_error, problem.max_rel_error)
     if (note := fallback.fallback_note(caught)) is not None:
+        return Outcome("slow", note)
+    if counted is not None and (note := fallback.silent_loop_note(sample.op, *counted, _samples(stack, batch))):
         return Outcome("slow", note)
     return Outcome("ok")

@@ -52,7 +52,7 @@ def _native_outcomes(op: str) -> dict[str, set[str]]:
             for pattern in PATTERNS:
                 if skip_reason(sample, stack, pattern):
                     continue
-                outcome = check(sample, stack, pattern, entry_call(op, sample))  # outside use(): PyTorch alone
+                outcome = check(sample, stack, pattern, entry_call(op, sample), count_loops=True)  # outside use()
                 statuses.setdefault(outcome.status, set()).add(f"{sample.name} {stack} {pattern}")
     return statuses
 
@@ -64,7 +64,8 @@ def test_rules_match_native_evidence(op: str) -> None:
     failing = {status: cases for status, cases in outcomes.items() if status != "ok"}
     # Every other argument set (Context.given): contiguous and to fail under vmap only with a memory_format.
     others = tuple(name for name in registry.OPS[op].params if name not in registry.OPS[op].tensor_args)
-    stacks_with_vmap = Context(stack=("vmap",), tensors=registry.OPS[op].tensor_args, given=others)
+    tensors = registry.OPS[op].tensor_args
+    stacks_with_vmap = Context(stack=("vmap",), tensors=tensors, batched=tensors, given=others)
     if rules.problem(op, "native", stacks_with_vmap) is None:
         assert failing == {}, f"native {op} fails somewhere the rules do not know of"
     else:

@@ -41,3 +41,25 @@ def test_slow_for_a_per_sample_loop() -> None:
     outcome = check(sample, "vmap", "self", entry_call("masked_scatter", sample))
     assert outcome.status == "slow"
     assert "aten::masked_scatter" in outcome.detail
+
+
+INDEX_ADD = next(s for s in SAMPLES["index_add"] if s.name == "dim0-repeated" and s.dtype == torch.float64)
+
+
+def test_slow_for_a_loop_without_the_warning() -> None:
+    """functorch's index_add rule runs index_add once per sample where the index is batched, without vmap's warning:
+    counted, PyTorch's own op is slow there (3 samples: 3 calls, as the per-sample loop)."""
+    outcome = check(INDEX_ADD, "vmap", "others", entry_call("index_add", INDEX_ADD), count_loops=True)
+    assert outcome.status == "slow"
+    assert outcome.detail == ("vmap ran aten::index_add once per sample (3 calls for 3 samples, as the per-sample "
+                              "loop): its batching rule loops without vmap's warning")
+    nested = check(INDEX_ADD, "vmap(vmap)", "others", entry_call("index_add", INDEX_ADD), count_loops=True)
+    assert nested.status == "slow"
+    assert "(6 calls for 6 samples" in nested.detail
+
+
+def test_ok_where_the_batching_rule_batches() -> None:
+    """Only self batched, index_add's rule makes one call: counting finds no loop; without counting, none is
+    looked for."""
+    assert check(INDEX_ADD, "vmap", "self", entry_call("index_add", INDEX_ADD), count_loops=True).status == "ok"
+    assert check(INDEX_ADD, "vmap", "others", entry_call("index_add", INDEX_ADD)).status == "ok"
