@@ -19,7 +19,9 @@ sample, so that writing per-sample values into it is an ordinary batched write. 
 ones it would have seen unbatched.
 
 The kernels are registered the first time a region opens (never, in a process that needs none) and do nothing
-outside a region of their own thread.
+outside a region of their own thread. Where they are the compiled routing's, a batched-buffers region's buffers are
+made in C++ by the same rule as ``_batched_buffer`` (``kernels/fresh_buffers.cpp``, NOTE [batched buffers in C++]),
+without the GIL; the Python kernels serve functionalized regions and the Python routing backend.
 """
 
 from __future__ import annotations
@@ -200,6 +202,14 @@ def _make_factory(overload: torch._ops.OpOverload, native: Any, local: _Local) -
     return kernel
 
 
+def _buffer_role(name: str) -> int:
+    """How the C++ region kernel of ``name`` treats a call in a batched-buffers region (routing.cpp's BufferRole):
+    1 a factory, 2 an op that takes a template tensor first, 0 never batched (clone, copy)."""
+    if name in FACTORIES:
+        return 1
+    return 2 if name in BUFFER_MAKERS and name != "clone" else 0
+
+
 def functional_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """``aten::copy``: a new tensor of ``self``'s shape, dtype and device holding ``src`` broadcast to it."""
     return src.to(device=self.device, dtype=self.dtype, non_blocking=non_blocking).expand(self.shape).clone()
@@ -241,6 +251,9 @@ class FreshBuffers:
         self.library: torch.library.Library | None = None  # the Python kernels' Library (no compiled routing)
         self.compiled: ModuleType | None = None  # the compiled routing, while its Library exists
         self.compiled_registered = False  # the kernels are in the compiled routing's Library
+        # Where the kernels are the compiled routing's, a batched-buffers region's buffers are made in C++; False:
+        # by the Python kernels (a test's way to reach them, and the same rule).
+        self.buffers_in_cpp = True
 
     def push(self, region: Region | BatchedRegion) -> None:
         self.local.regions.append(region)
@@ -253,7 +266,12 @@ class FreshBuffers:
     def _count_regions(self) -> None:
         compiled = self.compiled
         if compiled is not None:
-            compiled.set_open_regions(len(self.local.regions))
+            regions = self.local.regions
+            # A batched-buffers region's buffers are made in C++ where its kernels are there (NOTE [batched buffers
+            # in C++] in kernels/fresh_buffers.cpp); -1: the Python kernels decide.
+            batched = (regions[-1].vmap_level if regions and isinstance(regions[-1], BatchedRegion)
+                       and self.compiled_registered and self.buffers_in_cpp else -1)
+            compiled.set_open_regions(len(regions), batched, BATCHED_BUFFER_LIMIT)
 
     def install(self, active: Callable[[], bool]) -> None:
         """Nothing until the first region: a process that needs none registers nothing."""
@@ -287,8 +305,9 @@ class FreshBuffers:
                                               torch.library.get_kernel(f"aten::{name}", DISPATCH_KEY), self.local)
             if self.compiled is not None:
                 for name, kernel in kernels.items():
-                    self.compiled.register_region_kernel(name, kernel)
+                    self.compiled.register_region_kernel(name, kernel, _buffer_role(name))
                 self.compiled_registered = True
+                self._count_regions()  # a region already open on this thread: its C++ state
                 return
             library = torch.library.Library("aten", "IMPL")
             with warnings.catch_warnings():

@@ -36,6 +36,9 @@
 
 namespace py = pybind11;
 
+bool make_batched_buffer(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool has_template,
+                         int64_t region_level, int64_t limit);  // fresh_buffers.cpp
+
 namespace {
 
 // What a decision says about one call.
@@ -58,6 +61,10 @@ thread_local std::vector<int64_t> tls_key;  // scratch: building the key allocat
 // The regions open on this thread, functionalized or batched-buffers (registry/core/fresh_buffers.py:
 // set_open_regions).
 thread_local int64_t tls_open_regions = 0;
+// The vmap level of the innermost region where it is a batched-buffers region whose buffers are made in C++
+// (fresh_buffers.cpp), -1 otherwise; the largest buffer such a region batches, in elements over the batch.
+thread_local int64_t tls_batched_region_level = -1;
+thread_local int64_t tls_batched_buffer_limit = 0;
 
 struct BusyGuard {
   bool saved;
@@ -494,12 +501,28 @@ class RoutingKernel final : public c10::OperatorKernel {
 // there, every clone under vmap(grad) cost 7.2 us instead of 3.1, every ones_like 9.1 instead of 2.8 (measured, one
 // thread). This kernel calls the Python one only while a region is open on this thread, and PyTorch's kernel at
 // the key (captured when it was registered) otherwise.
+// Inside a batched-buffers region the buffer-making ops need no Python: fresh_buffers.cpp makes the buffer batched
+// where the region batches it, and PyTorch's kernel runs everywhere else (NOTE [batched buffers in C++]).
+enum class BufferRole : int64_t {
+  kOther = 0,     // never batched (clone, copy): PyTorch's kernel in a batched-buffers region
+  kFactory = 1,   // zeros, ones, empty, full: no tensor argument
+  kTemplate = 2,  // the *_like and new_* ops: the first argument is the tensor they take shape or options from
+};
+
 class RegionKernel final : public c10::OperatorKernel {
  public:
-  explicit RegionKernel(Overload* overload) : overload_(overload) {}
+  RegionKernel(Overload* overload, BufferRole role) : overload_(overload), role_(role) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
     if (tls_open_regions == 0) {
+      return overload_->native->callBoxed(op, keyset, stack);
+    }
+    if (tls_batched_region_level >= 0) {
+      if (role_ != BufferRole::kOther &&
+          make_batched_buffer(op, stack, role_ == BufferRole::kTemplate, tls_batched_region_level,
+                              tls_batched_buffer_limit)) {
+        return;
+      }
       return overload_->native->callBoxed(op, keyset, stack);
     }
     call_python(*overload_, overload_->slow, op, keyset, stack);
@@ -507,6 +530,7 @@ class RegionKernel final : public c10::OperatorKernel {
 
  private:
   Overload* overload_;
+  BufferRole role_;
 };
 
 // What makes the Python kernel of an out= overload from its name ("mul.out"), at its first call inside use():
@@ -708,17 +732,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "native_key");
   m.def(
       "register_region_kernel",
-      [](const std::string& name, py::object kernel) {
+      [](const std::string& name, py::object kernel, int64_t role) {
         constexpr auto key = c10::DispatchKey::FuncTorchDynamicLayerFrontMode;
+        TORCH_CHECK(role >= 0 && role <= 2, "register_region_kernel: role is 0 (other), 1 (factory) or 2 (template), "
+                    "not ", role);
         Overload* o = aten_overload(name, key, key);
         o->slow = std::move(kernel);
-        register_kernel(*o, std::make_unique<RegionKernel>(o));
+        register_kernel(*o, std::make_unique<RegionKernel>(o, static_cast<BufferRole>(role)));
       },
+      py::arg("name"), py::arg("kernel"), py::arg("role"),
       "Register a region kernel of one aten overload at the front key: kernel(keyset, *args, **kwargs) while a region "
-      "is open on the calling thread, PyTorch's kernel there otherwise (the NOTE above RegionKernel)");
+      "is open on the calling thread, PyTorch's kernel there otherwise (the NOTE above RegionKernel); role: how a "
+      "batched-buffers region's C++ treats it (0 other, 1 factory, 2 takes a template tensor first)");
   m.def(
-      "set_open_regions", [](int64_t count) { tls_open_regions = count; },
-      "How many regions (functionalized or batched-buffers) are open on this thread (the region kernels' gate)");
+      "set_open_regions",
+      [](int64_t count, int64_t batched_level, int64_t limit) {
+        tls_open_regions = count;
+        tls_batched_region_level = batched_level;
+        tls_batched_buffer_limit = limit;
+      },
+      py::arg("count"), py::arg("batched_level") = -1, py::arg("limit") = 0,
+      "How many regions (functionalized or batched-buffers) are open on this thread (the region kernels' gate); "
+      "batched_level: the innermost region's vmap level where it is a batched-buffers region whose buffers C++ makes "
+      "(-1: none), limit: the most elements over the batch such a buffer may have");
   m.def("registered", []() { return static_cast<bool>(library); }, "Whether the kernels are registered");
   m.def("register_out", &register_out_kernels,
         "Register the out= kernel of every aten out= overload without a kernel at the front key; factory(name) "

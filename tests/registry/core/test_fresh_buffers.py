@@ -57,7 +57,9 @@ def _clones(x: torch.Tensor) -> torch.Tensor:
     return (x.clone() * torch.ones_like(x)).sum()
 
 
-def test_a_region_makes_the_buffer_functional(region_kernel_calls: list[str]) -> None:
+def test_a_region_makes_the_buffer_functional(region_kernel_calls: list[str], batching_fails: dict[str, bool]) -> None:
+    """Where the level cannot run with its buffers batched, it runs functionalized, the weight's buffer made
+    functional by the region's kernel."""
     expected = torch.stack([torch.func.grad(_writes_into_a_buffer_of_the_weight)(sample) for sample in X])
     with registry.use():
         got = func.vmap(func.grad(_writes_into_a_buffer_of_the_weight))(X)
@@ -187,9 +189,10 @@ def test_batched_buffers_under_plain_vmap_and_nested_vmap_equal_the_loop(remembe
 @pytest.fixture
 def batching_fails(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
     """While ``["now"]`` is true, making a batched buffer raises (a stand-in for whatever a function does that a
-    batched buffer cannot take)."""
+    batched buffer cannot take): the Python kernels make the buffers, on the C++ backend too."""
     fails = {"now": True}
     make = fresh_buffers._batched_buffer
+    monkeypatch.setattr(fresh_buffers.PATCH, "buffers_in_cpp", False)
 
     def maybe_failing(*args: Any, **kwargs: Any) -> Any:
         if fails["now"]:
@@ -279,3 +282,60 @@ def test_a_write_beside_an_autograd_function_runs_with_its_buffers_batched(remem
     with registry.use():
         torch.testing.assert_close(func.vmap(func.grad(loss))(X, INDEX), want)
     assert remembered.batched_buffers
+
+
+def test_batched_buffers_are_made_in_cpp(region_kernel_calls: list[str], remembered: Any, routing_backend: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the C++ backend a batched-buffers region's buffers are made without Python (NOTE [batched buffers in C++]
+    in kernels/fresh_buffers.cpp): neither a region kernel nor ``_batched_buffer`` runs, first call and remembered,
+    and the gradients equal the loop's; on the Python backend the Python kernels make them."""
+    made_in_python: list[str] = []
+    make = fresh_buffers._batched_buffer
+
+    def counted(overload: Any, *args: Any, **kwargs: Any) -> Any:
+        made_in_python.append(overload.__name__)
+        return make(overload, *args, **kwargs)
+
+    monkeypatch.setattr(fresh_buffers, "_batched_buffer", counted)
+    want = _loop_gradients(_aggregates, X, INDEX)
+    with registry.use():
+        for _ in range(2):
+            torch.testing.assert_close(func.vmap(func.grad(_aggregates))(X, INDEX), want)
+    assert remembered.batched_buffers and remembered.batched_buffers == remembered.functionalized
+    if routing_backend == "cpp":
+        assert made_in_python == []
+        assert region_kernel_calls == []
+    else:
+        assert {"zeros.default", "new_zeros.default"} <= set(made_in_python)
+
+
+def test_buffers_made_in_cpp_follow_the_rule(remembered: Any) -> None:
+    """The C++ rule's cases, each equal to the loop: nested vmap (a buffer batched at both levels), a buffer made
+    from a template batched at an outer level (its batching rule decides), jacrev over the batched level (a grad level
+    outside the vmap: functionalized), and a buffer made under an inner vmap of the function (not the region's)."""
+    x2 = torch.stack([X, X.flip(0)])
+    index2 = torch.stack([INDEX, INDEX.flip(0)])
+    with registry.use():
+        torch.testing.assert_close(func.vmap(func.vmap(func.grad(_aggregates)))(x2, index2),
+                                   torch.stack([_loop_gradients(_aggregates, x2[i], index2[i]) for i in range(2)]))
+
+    def from_template(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x).index_add_(0, index, x * WEIGHT).square().sum()
+
+    with registry.use():
+        torch.testing.assert_close(func.vmap(func.grad(from_template))(X, INDEX),
+                                   _loop_gradients(from_template, X, INDEX))
+
+    def batched_losses(x: torch.Tensor) -> torch.Tensor:
+        return func.vmap(_aggregates)(x, INDEX)
+
+    want = torch.autograd.functional.jacobian(lambda x: torch.stack([_aggregates(x[b], INDEX[b]) for b in range(4)]), X)
+    with registry.use():
+        torch.testing.assert_close(func.jacrev(batched_losses)(X), want)
+
+    def inner_vmap(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        rows = func.vmap(lambda i: torch.zeros(3, dtype=x.dtype).index_add_(0, i, x * WEIGHT))(index.expand(2, 3))
+        return rows.square().sum()
+
+    with registry.use():
+        torch.testing.assert_close(func.vmap(func.grad(inner_vmap))(X, INDEX), _loop_gradients(inner_vmap, X, INDEX))
