@@ -57,7 +57,7 @@ def machine_name() -> str:
 def measure(path: Path, min_run_time: float, workloads: list[str]) -> dict[str, Any]:
     """One thread, thread CPU time (as ``sizes``): what other processes' load and the machine's core count move
     least; a context on which that load still fell is re-measured, then refused (``profile``)."""
-    from registry.profiling.timing import profile
+    from registry.profiling.timing import WORKLOAD_BATCHED, profile
 
     torch.set_num_threads(1)
     refused: list[str] = []
@@ -70,7 +70,7 @@ def measure(path: Path, min_run_time: float, workloads: list[str]) -> dict[str, 
         key = (entry.op, tuple(entry.stack), entry.dtype, entry.workload)
         context = contexts.setdefault(key, {"op": entry.op, "stack": list(entry.stack), "dtype": entry.dtype,
                                             "workload": entry.workload, "numel": NUMEL, "batch": entry.batch_size,
-                                            "times_us": {}})
+                                            "batched": list(WORKLOAD_BATCHED[entry.op]), "times_us": {}})
         context["times_us"][entry.composite] = round(entry.median_us, 2)
     document = {"machine": machine_name(), "measured_by": "python -m bench.reference measure",
                 "clock": "thread CPU time, one thread; interleaved rounds, ranked by median per-round ratio",

@@ -18,35 +18,12 @@ decision picks the composite, so such a routed call never enters Python.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 import composites.index  # noqa: F401 - defines index_fill, whose composite this module adds (define_op first)
 import composites.masked  # noqa: F401 - defines masked_fill and masked_scatter
+from composites.our_ops import OPS
 from registry.core.registration import register
-
-
-class CppOps:
-    """The C++ ops' overloads, looked up once they are registered (the extension loaded: the kind's rule loads it
-    before any decision picks a cpp_op composite; a direct call loads it here)."""
-
-    def __init__(self) -> None:
-        self._ops: Any = None
-
-    def get(self) -> Any:
-        ops = self._ops
-        if ops is None:
-            from registry.core import kernels
-
-            if not kernels.fused_ops_available():
-                raise RuntimeError("multicomposite's C++ ops are not built in this process; build them with "
-                                   f"`multicomposite build-kernels` ({kernels.HOW_TO})")
-            ops = self._ops = torch.ops.multicomposite
-        return ops
-
-
-OPS = CppOps()
 
 
 @register("masked_fill", "cpp_op", redirect="multicomposite::masked_fill")

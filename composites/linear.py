@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from composites.cpp_ops import OPS as CPP_OPS
+from composites.our_ops import OPS as CPP_OPS
 from registry.core import kernels, rules
 from registry.core.context import Context
 from registry.core.registration import define_op, register

@@ -27,7 +27,7 @@ from torch._C._functorch import (  # noqa: PLC2701 - functorch's bindings have n
     maybe_get_level,
 )
 
-from composites.cpp_ops import OPS as CPP_OPS
+from composites.our_ops import OPS as CPP_OPS
 from registry.core import rules
 from registry.core.context import Context, functorch_stack, vmap_levels
 from registry.core.ops import overloads

@@ -1,4 +1,6 @@
-"""Composites of the scatter-reduction family: ``index_reduce``, ``scatter_reduce``, ``segment_reduce``.
+"""Composites of the scatter-reduction family: ``index_reduce``, ``scatter_reduce``, ``segment_reduce``, and
+``scatter_add`` with a row index (a graph library's ``scatter(..., reduce="sum")``) as the rows op of our own under
+vmap(grad).
 
 All of them are written as ``scatter_reduce`` with ``include_self`` (which has a batching rule) over an index of
 ``src``'s shape, so a batched index is just one more dimension. The product is the exception: PyTorch's backward of
@@ -13,6 +15,8 @@ import math
 import torch
 
 from composites.checks import check_dim
+from composites.index import rows_under_per_sample_gradients
+from composites.our_ops import OPS as CPP_OPS
 from registry.core import rules
 from registry.core.cost import batch_and_numel
 from registry.core.registration import define_op, register
@@ -37,6 +41,24 @@ define_op(
         rules.no_batching_rule("aten::index_reduce"))},
     sizes=batch_and_numel,  # NOTE: vmap's loop beats the composite over a few small samples: by cost
 )
+
+# NOTE [rows ops] in registry/core/kernels/rows.cpp: graph libraries sum messages with scatter_add over an index
+# expanded from one row index (``index.view(-1, 1).expand_as(src)``); under vmap(grad) functorch's rule scatters with
+# the batched index and the backward gathers with it, an expanded index over every element.
+define_op(
+    "scatter_add", "", tensors=("self", "index", "src"),
+    doc="self with src summed into the positions index names along dim", opinfo=("scatter_add",),
+    preference=rows_under_per_sample_gradients("scatter_add"),
+)
+
+
+@register("scatter_add", "cpp_op", redirect="multicomposite::scatter_add.entry")
+def scatter_add_cpp_op(self, dim, index, src):
+    """Along the first dimension with an index that repeats one row index along the others: self plus
+    multicomposite::scatter_rows of src at that row index, whose backward is multicomposite::gather_rows (rows.cpp);
+    any other index: PyTorch's own scatter_add (multicomposite::scatter_add.entry decides in C++)."""
+    return CPP_OPS.get().scatter_add.entry(self, dim, index, src)
+
 
 define_op(
     "scatter_reduce", "two", tensors=("self", "index", "src"),

@@ -37,6 +37,10 @@ class ReferenceTimes:
     workload: str
     numel: int
     batch: int
+    # The op's tensor arguments the workload batched (None: a file that does not say; it then speaks for every
+    # context of its stack): a context that batches another is not what was measured. index_add with a shared index
+    # and with each sample's own are different calls (composites/index.py: NOTE [index_add's batched index]).
+    batched: frozenset[str] | None = None
 
 
 @functools.cache
@@ -51,18 +55,27 @@ def _load(path: Path) -> tuple[str, dict[tuple[str, tuple[str, ...], str], Refer
             key = (str(context["op"]), tuple(context["stack"]), str(context["dtype"]))
             table[key] = ReferenceTimes(times_us={str(k): float(v) for k, v in context["times_us"].items()},
                                         machine=machine, workload=str(context["workload"]),
-                                        numel=int(context["numel"]), batch=int(context["batch"]))
+                                        numel=int(context["numel"]), batch=int(context["batch"]),
+                                        batched=(frozenset(str(name) for name in context["batched"])
+                                                 if "batched" in context else None))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ReferenceError(f"{path}: unreadable reference profiles ({type(error).__name__}: {error}); regenerate "
                              "them with `python -m bench.reference measure`") from None
     return machine, table
 
 
-def reference_times(op: str, stack: tuple[str, ...], dtype: str | None) -> ReferenceTimes | None:
-    """The reference of ``op`` under ``stack`` (as the op's forward sees it) at ``dtype`` (float32 when unknown)."""
+def reference_times(op: str, stack: tuple[str, ...], dtype: str | None,
+                    batched: tuple[str, ...] | None = None) -> ReferenceTimes | None:
+    """The reference of ``op`` under ``stack`` (as the op's forward sees it) at ``dtype`` (float32 when unknown),
+    where the workload batched every argument ``batched`` names (None: whatever it batched). A context that batches
+    fewer is one the workload's rules also serve; one that batches another argument (index_add's index) is a call
+    the workload never made."""
     with _lock:
         _, table = _load(PATH)
-    return table.get((op, stack, dtype or "float32"))
+    found = table.get((op, stack, dtype or "float32"))
+    if found is None or batched is None or found.batched is None or found.batched >= frozenset(batched):
+        return found
+    return None
 
 
 def machine() -> str:

@@ -220,7 +220,7 @@ def _reference_choice(op: str, ctx: Context, policy: str, chosen: Composite, val
         # Where the rules keep PyTorch's own op, only a profile of this machine moves the choice off it.
         return None
     found = reference.reference_times(op, ctx.stack, None if ctx.dtype is None
-                                      else str(ctx.dtype).removeprefix("torch."))
+                                      else str(ctx.dtype).removeprefix("torch."), ctx.batched)
     if found is None:
         return None
     ranked = sorted((found.times_us[c.name], c.name) for c, _ in valid

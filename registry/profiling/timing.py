@@ -52,6 +52,16 @@ class WorkloadCase:
     tensors: tuple[torch.Tensor, ...]  # batched along dim 0
 
 
+# The op's tensor arguments (schema names) each seed workload batches: what a profile of it says something about
+# (registry/core/reference.py applies a shipped profile only where the same arguments are batched). index_add's and
+# index_copy's index is one the samples share.
+WORKLOAD_BATCHED: dict[str, tuple[str, ...]] = {
+    "index_add": ("self", "source"), "index_copy": ("self", "source"), "index_fill": ("self", "value"),
+    "masked_fill": ("self", "mask", "value"), "masked_scatter": ("self", "mask", "source"),
+    "contiguous": ("self",), "to": ("self",),
+}
+
+
 def workload_case(op: str, call: Callable[..., torch.Tensor], numel: int, batch: int, dtype: torch.dtype,
                   device: str) -> WorkloadCase:
     """The op as ``call`` (a composite, or PyTorch's own) on ``batch`` samples of ``numel`` elements."""

@@ -36,12 +36,12 @@ import torch
 # ``group_norm.cpp``, ``linear.cpp``: their TORCH_LIBRARY registrations run when the extension loads), the random
 # state's copy, and the batching rules that the routing registers (``batch_rules.cpp``), the graph check of
 # first-order grad (``first_order.cpp``), the LSTM recurrence primitive's steps (``recurrence.cpp``), and the buffers of
-# a batched-buffers region (``fresh_buffers.cpp``).
+# a batched-buffers region (``fresh_buffers.cpp``), and the rows ops of indexing and index_add (``rows.cpp``).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("routing.cpp", "fused_ops.cpp", "random_state.cpp",
                                                                 "batch_rules.cpp", "group_norm.cpp",
                                                                 "linear.cpp", "first_order.cpp", "entries.cpp",
                                                                 "output_pool.cpp", "recurrence.cpp",
-                                                                "fresh_buffers.cpp"))
+                                                                "fresh_buffers.cpp", "rows.cpp"))
 # Included by the sources: part of what a build depends on (build_id), not compiled on their own.
 HEADERS = (Path(__file__).with_name("functorch_levels.h"),)
 CACHE_ENV = "MULTICOMPOSITE_KERNELS_DIR"

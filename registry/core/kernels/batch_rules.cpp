@@ -17,6 +17,8 @@
 // - _scaled_dot_product_flash_attention_for_cpu and its _backward (F.scaled_dot_product_attention on 4-d CPU
 //   inputs): functorch has no rule for either, so vmap loops over the samples; attention is per (n, head), so the
 //   batch folds into N and each is one call.
+// - index.Tensor and index_put (x[index] and its backward) with one integer index batched with the tensor: one
+//   gather_rows and one scatter_rows over the folded rows (the rows section below; rows.cpp's NOTE [rows ops]).
 //
 // Each rule decides on the logical shapes before anything dispatches and runs the kernel it overrides where its fold
 // does not hold (nothing batched at this level, a batched weight, shapes or dtypes the kernel refuses, an empty
@@ -46,6 +48,11 @@
 #include <vector>
 
 bool batch_rules_apply();  // routing.cpp: inside use() under a policy other than "native"
+
+namespace multicomposite_rows {  // rows.cpp
+at::Tensor folded_rows(const at::Tensor& index, int64_t rows, int64_t batch, bool indexing);
+bool readable(const at::Tensor& t);
+}
 
 namespace multicomposite_functorch {
 // Whether `t` is an ordinary tensor: not batched at any vmap level, not wrapped by a grad or jvp level (an outer
@@ -975,12 +982,140 @@ class FlashAttentionBackward final : public BatchRule {
   }
 };
 
+// --- rows: x[index] and its backward's index_put with one integer index (NOTE [rows ops] in rows.cpp) ----------
+//
+// functorch's rules batch x[index], where self and index are both batched, as advanced indexing with a second,
+// arange index over the batch, and the backward's index_put(zeros, [index], grad, accumulate=True) the same way.
+// Folded, sample b's row r is row b * rows + r of one tensor: one multicomposite::gather_rows forward and one
+// multicomposite::scatter_rows backward (rows.cpp), each over every sample's rows at once. Only where both the
+// tensor and its one integer index on the first dimension are batched at this level and ordinary below it (a shared
+// index, a mask, several indices: functorch's rule, which is fine there).
+
+// The one integer index of `indices` where it indexes the first dimension alone and is batched at `level`.
+const at::functorch::BatchedTensorImpl* row_index_at(const c10::List<std::optional<Tensor>>& indices, int64_t level) {
+  if (indices.size() != 1) return nullptr;
+  const std::optional<Tensor> index = indices.get(0);
+  if (!index.has_value() || !index->defined() || !index->device().is_cpu() ||
+      (index->scalar_type() != at::kLong && index->scalar_type() != at::kInt)) {
+    return nullptr;
+  }
+  const auto* batched = batched_impl_at(*index, level);
+  return batched != nullptr && multicomposite_rows::readable(batched->value()) ? batched : nullptr;
+}
+
+const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)>& gather_rows_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::gather_rows", "")
+                                 .typed<Tensor(const Tensor&, const Tensor&)>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)>& scatter_rows_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::scatter_rows", "")
+                                 .typed<Tensor(const Tensor&, const Tensor&, int64_t)>();
+  return handle;
+}
+
+// (batch, rows, *rest) as (batch * rows, *rest).
+Tensor rows_folded(const Tensor& t) {
+  std::vector<int64_t> sizes = t.sizes().vec();
+  sizes.erase(sizes.begin());
+  sizes[0] = t.size(0) * t.size(1);
+  return t.reshape(sizes);
+}
+
+// index.Tensor(Tensor self, Tensor?[] indices) -> Tensor
+class IndexRows final : public BatchRule {
+ public:
+  using BatchRule::BatchRule;
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+    if (!rules_apply()) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    const size_t n = stack->size();
+    const Tensor self = (*stack)[n - 2].toTensor();
+    const auto indices = (*stack)[n - 1].to<c10::List<std::optional<Tensor>>>();
+    const int64_t level = current_level();
+    const auto* self_batched = level < 0 ? nullptr : batched_impl_at(self, level);
+    const auto* index_batched = level < 0 ? nullptr : row_index_at(indices, level);
+    if (self_batched == nullptr || index_batched == nullptr || self.dim() < 1 || !self.device().is_cpu() ||
+        !plain(self_batched->value())) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const Tensor self_p = unwrap(self, level).value, index_p = unwrap(indices.get(0).value(), level).value;
+    const int64_t batch = self_p.size(0), rows = self_p.size(1);
+    const Tensor flat = multicomposite_rows::folded_rows(index_p, rows, batch, /*indexing=*/true);
+    Tensor out;
+    {
+      const BelowLevels below(true);
+      out = gather_rows_op().call(rows_folded(self_p), flat);
+    }
+    std::vector<int64_t> sizes = index_p.sizes().vec();
+    sizes.insert(sizes.end(), self_p.sizes().begin() + 2, self_p.sizes().end());
+    torch::jit::drop(*stack, 2);
+    torch::jit::push(*stack, at::functorch::makeBatched(out.view(sizes), 0, level));
+  }
+};
+
+// index_put(Tensor self, Tensor?[] indices, Tensor values, bool accumulate=False) -> Tensor, with accumulate: what
+// x[index]'s backward calls (into zeros) under torch.func's grad.
+class IndexPutRows final : public BatchRule {
+ public:
+  using BatchRule::BatchRule;
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+    if (!rules_apply()) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    const size_t n = stack->size();
+    const Tensor self = (*stack)[n - 4].toTensor();
+    const auto indices = (*stack)[n - 3].to<c10::List<std::optional<Tensor>>>();
+    const Tensor values = (*stack)[n - 2].toTensor();
+    const bool accumulate = (*stack)[n - 1].toBool();
+    const int64_t level = current_level();
+    const auto* self_batched = level < 0 ? nullptr : batched_impl_at(self, level);
+    const auto* values_batched = level < 0 ? nullptr : batched_impl_at(values, level);
+    const auto* index_batched = level < 0 ? nullptr : row_index_at(indices, level);
+    if (!accumulate || self_batched == nullptr || values_batched == nullptr || index_batched == nullptr ||
+        self.dim() < 1 || !self.device().is_cpu() || values.scalar_type() != self.scalar_type() ||
+        !plain(self_batched->value()) || !plain(values_batched->value())) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    // values of exactly the gathered shape: (*index, *self.shape[1:]) (a broadcast value is functorch's).
+    const Tensor& index = indices.get(0).value();
+    std::vector<int64_t> gathered = index.sizes().vec();
+    gathered.insert(gathered.end(), self.sizes().begin() + 1, self.sizes().end());
+    if (values.sizes() != at::IntArrayRef(gathered)) {
+      return overridden_.callBoxed(op, keyset, stack);
+    }
+    c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    const Tensor self_p = unwrap(self, level).value, index_p = unwrap(index, level).value;
+    const Tensor values_p = unwrap(values, level).value;
+    const int64_t batch = self_p.size(0), rows = self_p.size(1);
+    const Tensor flat = multicomposite_rows::folded_rows(index_p, rows, batch, /*indexing=*/true);
+    std::vector<int64_t> value_rows = {flat.numel()};
+    value_rows.insert(value_rows.end(), self_p.sizes().begin() + 2, self_p.sizes().end());
+    Tensor out;
+    {
+      const BelowLevels below(true);
+      out = at::add(self_p, scatter_rows_op().call(values_p.reshape(value_rows), flat, batch * rows).view(
+                                self_p.sizes()));
+    }
+    torch::jit::drop(*stack, 4);
+    torch::jit::push(*stack, at::functorch::makeBatched(out, 0, level));
+  }
+};
+
 template <typename Rule>
-void override_batched(torch::Library& library, const char* name) {
+void override_batched(torch::Library& library, const char* name, const char* overload = "") {
   constexpr auto key = c10::DispatchKey::FuncTorchBatched;
-  const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
   auto overridden = handle.getComputedKernelForDispatchKey(key);
-  const std::string unqualified = std::string(name).substr(6);  // "aten::"
+  std::string unqualified = std::string(name).substr(6);  // "aten::"
+  if (*overload != '\0') unqualified += std::string(".") + overload;
   library.impl(unqualified.c_str(),
                torch::dispatch(key, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Rule>(overridden))));
 }
@@ -1003,5 +1138,7 @@ size_t register_batch_rules(torch::Library& library) {
   override_batched<FlashAttentionBackward>(library, "aten::_scaled_dot_product_flash_attention_for_cpu_backward");
   override_batched<EmbeddingDenseBackward>(library, "aten::embedding_dense_backward");
   override_batched<LayerNormBackward>(library, "aten::native_layer_norm_backward");
-  return 9;
+  override_batched<IndexRows>(library, "aten::index", "Tensor");
+  override_batched<IndexPutRows>(library, "aten::index_put");
+  return 11;
 }

@@ -56,6 +56,38 @@ def test_the_reference_ranks_the_valid_composites_where_nothing_was_measured(
         "(unverified: no measurement yet, the reference profiles decide).")
 
 
+def test_the_reference_speaks_only_where_the_same_arguments_are_batched(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A workload that batched self and source says nothing of a call that batches another argument too (index_add
+    with each sample's own index: functorch loops over the samples there), and speaks for one that batches fewer; a
+    file that does not name its batched arguments speaks for every context of its stack."""
+    path = tmp_path / "reference_profiles.json"
+    context = {"op": "masked_scatter", "stack": ["vmap", "grad"], "dtype": "float32", "workload": "vmap(grad)",
+               "numel": 1000, "batch": 256, "batched": ["self", "source"],
+               "times_us": {"native": 900.0, "functional": 11500.0, "primitive": 5100.0}}
+    path.write_text(json.dumps({"machine": "a test machine", "contexts": [context]}))
+    monkeypatch.setattr(reference, "PATH", path)
+    assert reference.reference_times("masked_scatter", ("vmap", "grad"), "float32", ("source", "self")) is not None
+    assert reference.reference_times("masked_scatter", ("vmap", "grad"), "float32", ("self", "mask", "source")) is None
+    assert reference.reference_times("masked_scatter", ("vmap", "grad"), "float32", ("source",)) is not None
+    assert reference.reference_times("masked_scatter", ("vmap", "grad"), "float32", None) is not None  # unsaid
+    selector.clear_cache()
+    assert "reference profiles" not in _select().reason  # self, mask, source batched: the rules decide
+    reference._load.cache_clear()
+    del context["batched"]
+    path.write_text(json.dumps({"machine": "a test machine", "contexts": [context]}))
+    selector.clear_cache()
+    assert _select().composite == "primitive"
+
+
+def test_the_shipped_index_add_reference_is_of_a_shared_index() -> None:
+    """The shipped index_add profile (a shared index) keeps its ranking where the index is shared and leaves a
+    per-sample index to the rules (the rows op, composites/index.py)."""
+    shared = reference.reference_times("index_add", ("vmap", "grad"), "float32", ("self", "source"))
+    assert shared is not None and shared.batched == frozenset({"self", "source"})
+    assert reference.reference_times("index_add", ("vmap", "grad"), "float32", ("self", "index", "source")) is None
+
+
 def test_an_invalid_composite_is_never_chosen_however_fast_its_reference(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # native loops under vmap(grad) (the rules say slow): its reference time does not make it a choice.

@@ -16,8 +16,9 @@ from registry.harness.samples import SAMPLES
 def test_every_seed_op_has_all_four_kinds() -> None:
     for op in SAMPLES:  # the seed ops: hand-written samples, hand-written composites of every kind
         kinds = {c.kind for c in registry.composites(op).values()}
-        # The fused primitives of the masked family and index_fill are also C++ ops (composites/cpp_ops.py).
-        extra = {"cpp_op"} if op in ("masked_fill", "masked_scatter", "index_fill") else set()
+        # The fused primitives of the masked family and index_fill are also C++ ops (composites/cpp_ops.py), and
+        # index_add is the rows op (composites/index.py).
+        extra = {"cpp_op"} if op in ("masked_fill", "masked_scatter", "index_fill", "index_add") else set()
         assert kinds == {"native", "mutating", "functional", "primitive"} | extra, op
 
 
