@@ -47,7 +47,8 @@ def redirect_target(redirect: str, overload: Overload) -> str | None:
     """``redirect``'s overload named as ``overload``'s ("multicomposite::masked_fill" for aten::masked_fill.Scalar:
     "multicomposite::masked_fill.Scalar"), or the one ``redirect`` names after a dot
     ("multicomposite::masked_scatter.entry"); None where that overload is missing or its argument types are not the
-    aten overload's."""
+    aten overload's. An in-place overload (masked_fill_.Scalar) finds its out-of-place twin's (the same overload
+    name, the same argument types)."""
     namespace, _, packet_name = redirect.partition("::")
     packet_name, _, name = packet_name.partition(".")
     if not name:
@@ -69,10 +70,10 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
     runners: dict[Callable[..., Any], Callable[..., Any]] = {}  # composite -> its runner, made once
     local, decide_call = router.local, router.decide
     # composite -> the C++ op that takes this overload's arguments as they are (Composite.redirect, with this
-    # overload's name): the kernel calls it without Python. Not where the overload is in place or its arguments are
-    # adapted.
+    # overload's name): the kernel calls it without Python, and for an in-place overload copies its result into
+    # self (routing.cpp's call_redirect, as ``runner`` does). Not where the arguments are adapted.
     redirects: dict[Callable[..., Any], str] = {}
-    if adapt is None and not inplace:
+    if adapt is None:
         redirects = {c.fn: target for c in router.table.composites.get(op.name, {}).values()
                      if c.redirect and (target := redirect_target(c.redirect, overload)) is not None}
 

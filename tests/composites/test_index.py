@@ -122,3 +122,26 @@ def test_index_add_the_rows_op_does_not_take_is_pytorchs() -> None:
         entry(self, 0, index, rows)
     with pytest.raises(RuntimeError, match="index 3 is out of bounds for dimension 0 with size 3"):
         self.index_add(0, index, rows)  # PyTorch's, the same error
+
+
+@pytest.mark.usefixtures("cpp_routing")
+def test_a_routed_in_place_call_runs_the_rows_op_without_python(python_calls: Any) -> None:
+    """``out.index_add_(...)`` routed to the cpp_op composite: the C++ routing calls multicomposite::index_add.entry
+    and copies its result into ``out`` (routing.cpp's call_redirect), the composite's Python function never runs, and
+    the per-sample gradients equal the loop's."""
+    import composites.our_ops
+
+    messages, targets, weight = _inputs()
+    step = vmap(grad(_aggregate_in_place), in_dims=(0, 0, None))
+    with registry.use(record=True) as block:
+        step(messages, targets, weight)
+    assert {(d.op, d.kind) for d in block.decisions if d.op == "index_add"} == {("index_add", "cpp_op")}
+    calls = python_calls(composites.our_ops.OPS)
+    with registry.use(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = step(messages, targets, weight)
+    assert "multicomposite::index_add" in {event.key for event in profile.key_averages()}
+    assert calls == []
+    for b in range(BATCH):
+        sample = messages[b].clone().requires_grad_()
+        (expected,) = torch.autograd.grad(_aggregate_in_place(sample, targets[b], weight), sample)
+        torch.testing.assert_close(got[b], expected)

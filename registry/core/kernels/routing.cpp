@@ -90,6 +90,9 @@ struct Overload {
   py::object decide;  // (*args, **kwargs) -> 0 | 1 | callable: the decision of a call, on a miss
   py::object slow;    // (keyset, *args, **kwargs) -> result: the Python kernel, for calls made while tracing
   std::vector<Argument> arguments;
+  // An in-place overload (its first argument written: index_add_): a redirect computes the result out of place,
+  // then copies it into that argument, as registry.core.runners.runner does in Python.
+  bool inplace = false;
 };
 
 // Never freed: the dispatcher may hold a kernel until the process ends, and freeing a py::object needs the GIL.
@@ -435,9 +438,22 @@ class RoutingKernel final : public c10::OperatorKernel {
     }
     if (entry.code == kOp) {
       BusyGuard busy;
-      return entry.op->callBoxed(stack);
+      return call_redirect(*entry.op, stack);
     }
     decide_and_run(op, keyset, stack, entry, seen);
+  }
+
+  // The op of ours a cpp_op composite names, on the call's arguments; for an in-place overload, out of place and
+  // then copied into self, which is the result (the Python runner's args[0].copy_(composite(...))).
+  void call_redirect(const c10::OperatorHandle& redirect, torch::jit::Stack* stack) {
+    if (!overload_->inplace) {
+      return redirect.callBoxed(stack);
+    }
+    at::Tensor self = (*stack)[stack->size() - overload_->arguments.size()].toTensor();
+    redirect.callBoxed(stack);
+    const at::Tensor result = torch::jit::pop(*stack).toTensor();
+    self.copy_(result);
+    torch::jit::push(*stack, std::move(self));
   }
 
  private:
@@ -487,7 +503,7 @@ class RoutingKernel final : public c10::OperatorKernel {
     }
     BusyGuard busy;
     if (code == kOp) {
-      return redirect->callBoxed(stack);
+      return call_redirect(*redirect, stack);
     }
     o.native->callBoxed(op, keyset, stack);
   }
@@ -623,6 +639,9 @@ Overload* new_overload(const std::string& name, const c10::OperatorHandle& handl
   o->name = name;
   o->key = key;
   o->native = handle.getComputedKernelForDispatchKey(native_key);
+  const auto& schema_arguments = handle.schema().arguments();
+  o->inplace = !schema_arguments.empty() && schema_arguments[0].alias_info() != nullptr &&
+               schema_arguments[0].alias_info()->isWrite();
   for (const auto& argument : handle.schema().arguments()) {
     o->arguments.push_back(Argument{py::str(argument.name()), argument.kwarg_only(),
                                     convert_of(argument.real_type()), argument.default_value()});
