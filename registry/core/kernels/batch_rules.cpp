@@ -52,6 +52,8 @@ bool batch_rules_apply();  // routing.cpp: inside use() under a policy other tha
 namespace multicomposite_rows {  // rows.cpp
 at::Tensor folded_rows(const at::Tensor& index, int64_t rows, int64_t batch, bool indexing);
 bool readable(const at::Tensor& t);
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)>& gather_rows_op();
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>& scatter_rows_op();
 }
 
 namespace multicomposite_functorch {
@@ -1003,27 +1005,44 @@ const at::functorch::BatchedTensorImpl* row_index_at(const c10::List<std::option
   return batched != nullptr && multicomposite_rows::readable(batched->value()) ? batched : nullptr;
 }
 
-const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)>& gather_rows_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("multicomposite::gather_rows", "")
-                                 .typed<Tensor(const Tensor&, const Tensor&)>();
-  return handle;
+// Whether the rows rules take `self` with the one integer index of `indices`: both batched at `level`, self an
+// ordinary CPU tensor of at least one dimension below it.
+bool rows_fold(const Tensor& self, const c10::List<std::optional<Tensor>>& indices, int64_t level) {
+  if (level < 0 || self.dim() < 1 || !self.device().is_cpu() || row_index_at(indices, level) == nullptr) {
+    return false;
+  }
+  const auto* batched = batched_impl_at(self, level);
+  return batched != nullptr && plain(batched->value());
 }
 
-const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)>& scatter_rows_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("multicomposite::scatter_rows", "")
-                                 .typed<Tensor(const Tensor&, const Tensor&, int64_t)>();
-  return handle;
-}
+// The physical self (batch, rows, *rest), folded as (batch * rows, *rest), and the flat rows of its index in it.
+struct FoldedRows {
+  Tensor self;    // (batch, rows, *rest)
+  Tensor index;   // (batch, *index)
+  Tensor flat;    // (batch * index.numel()), each b * rows + the sample's row
+  int64_t batch;
+  int64_t rows;
 
-// (batch, rows, *rest) as (batch * rows, *rest).
-Tensor rows_folded(const Tensor& t) {
-  std::vector<int64_t> sizes = t.sizes().vec();
-  sizes.erase(sizes.begin());
-  sizes[0] = t.size(0) * t.size(1);
-  return t.reshape(sizes);
-}
+  FoldedRows(const Tensor& logical_self, const Tensor& logical_index, int64_t level)
+      : self(unwrap(logical_self, level).value), index(unwrap(logical_index, level).value),
+        batch(self.size(0)), rows(self.size(1)) {
+    flat = multicomposite_rows::folded_rows(index, rows, batch, /*indexing=*/true);
+  }
+
+  Tensor folded_self() const {
+    std::vector<int64_t> sizes = self.sizes().vec();
+    sizes.erase(sizes.begin());
+    sizes[0] = batch * rows;
+    return self.reshape(sizes);
+  }
+
+  // (*index, *rest): the shape of what the index gathers, or of the values it scatters.
+  std::vector<int64_t> gathered() const {
+    std::vector<int64_t> sizes = index.sizes().vec();
+    sizes.insert(sizes.end(), self.sizes().begin() + 2, self.sizes().end());
+    return sizes;
+  }
+};
 
 // index.Tensor(Tensor self, Tensor?[] indices) -> Tensor
 class IndexRows final : public BatchRule {
@@ -1038,25 +1057,18 @@ class IndexRows final : public BatchRule {
     const Tensor self = (*stack)[n - 2].toTensor();
     const auto indices = (*stack)[n - 1].to<c10::List<std::optional<Tensor>>>();
     const int64_t level = current_level();
-    const auto* self_batched = level < 0 ? nullptr : batched_impl_at(self, level);
-    const auto* index_batched = level < 0 ? nullptr : row_index_at(indices, level);
-    if (self_batched == nullptr || index_batched == nullptr || self.dim() < 1 || !self.device().is_cpu() ||
-        !plain(self_batched->value())) {
+    if (!rows_fold(self, indices, level)) {
       return overridden_.callBoxed(op, keyset, stack);
     }
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
-    const Tensor self_p = unwrap(self, level).value, index_p = unwrap(indices.get(0).value(), level).value;
-    const int64_t batch = self_p.size(0), rows = self_p.size(1);
-    const Tensor flat = multicomposite_rows::folded_rows(index_p, rows, batch, /*indexing=*/true);
+    const FoldedRows folded(self, indices.get(0).value(), level);
     Tensor out;
     {
       const BelowLevels below(true);
-      out = gather_rows_op().call(rows_folded(self_p), flat);
+      out = multicomposite_rows::gather_rows_op().call(folded.folded_self(), folded.flat);
     }
-    std::vector<int64_t> sizes = index_p.sizes().vec();
-    sizes.insert(sizes.end(), self_p.sizes().begin() + 2, self_p.sizes().end());
     torch::jit::drop(*stack, 2);
-    torch::jit::push(*stack, at::functorch::makeBatched(out.view(sizes), 0, level));
+    torch::jit::push(*stack, at::functorch::makeBatched(out.view(folded.gathered()), 0, level));
   }
 };
 
@@ -1076,33 +1088,28 @@ class IndexPutRows final : public BatchRule {
     const Tensor values = (*stack)[n - 2].toTensor();
     const bool accumulate = (*stack)[n - 1].toBool();
     const int64_t level = current_level();
-    const auto* self_batched = level < 0 ? nullptr : batched_impl_at(self, level);
     const auto* values_batched = level < 0 ? nullptr : batched_impl_at(values, level);
-    const auto* index_batched = level < 0 ? nullptr : row_index_at(indices, level);
-    if (!accumulate || self_batched == nullptr || values_batched == nullptr || index_batched == nullptr ||
-        self.dim() < 1 || !self.device().is_cpu() || values.scalar_type() != self.scalar_type() ||
-        !plain(self_batched->value()) || !plain(values_batched->value())) {
+    if (!accumulate || !rows_fold(self, indices, level) || values_batched == nullptr ||
+        values.scalar_type() != self.scalar_type() || !plain(values_batched->value())) {
       return overridden_.callBoxed(op, keyset, stack);
     }
     // values of exactly the gathered shape: (*index, *self.shape[1:]) (a broadcast value is functorch's).
-    const Tensor& index = indices.get(0).value();
-    std::vector<int64_t> gathered = index.sizes().vec();
+    std::vector<int64_t> gathered = indices.get(0).value().sizes().vec();
     gathered.insert(gathered.end(), self.sizes().begin() + 1, self.sizes().end());
     if (values.sizes() != at::IntArrayRef(gathered)) {
       return overridden_.callBoxed(op, keyset, stack);
     }
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
-    const Tensor self_p = unwrap(self, level).value, index_p = unwrap(index, level).value;
+    const FoldedRows folded(self, indices.get(0).value(), level);
     const Tensor values_p = unwrap(values, level).value;
-    const int64_t batch = self_p.size(0), rows = self_p.size(1);
-    const Tensor flat = multicomposite_rows::folded_rows(index_p, rows, batch, /*indexing=*/true);
-    std::vector<int64_t> value_rows = {flat.numel()};
-    value_rows.insert(value_rows.end(), self_p.sizes().begin() + 2, self_p.sizes().end());
+    std::vector<int64_t> value_rows = {folded.flat.numel()};
+    value_rows.insert(value_rows.end(), folded.self.sizes().begin() + 2, folded.self.sizes().end());
     Tensor out;
     {
       const BelowLevels below(true);
-      out = at::add(self_p, scatter_rows_op().call(values_p.reshape(value_rows), flat, batch * rows).view(
-                                self_p.sizes()));
+      const Tensor summed = multicomposite_rows::scatter_rows_op().call(values_p.reshape(value_rows), folded.flat,
+                                                                        folded.batch * folded.rows);
+      out = at::add(folded.self, summed.view(folded.self.sizes()));
     }
     torch::jit::drop(*stack, 4);
     torch::jit::push(*stack, at::functorch::makeBatched(out, 0, level));

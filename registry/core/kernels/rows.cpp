@@ -38,6 +38,21 @@ namespace multicomposite_rows {
 
 using at::Tensor;
 
+const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)>& gather_rows_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::gather_rows", "")
+                                 .typed<Tensor(const Tensor&, const Tensor&)>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)>& scatter_rows_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::scatter_rows", "")
+                                 .typed<Tensor(const Tensor&, const Tensor&, int64_t)>();
+  return handle;
+}
+
+
 bool integral_index(const Tensor& index) {
   return index.scalar_type() == at::kLong || index.scalar_type() == at::kInt;
 }
@@ -97,25 +112,13 @@ namespace {
 
 using at::Tensor;
 using multicomposite_rows::folded_rows;
+using multicomposite_rows::gather_rows_op;
 using multicomposite_rows::integral_index;
+using multicomposite_rows::scatter_rows_op;
 using multicomposite_functorch::BelowLevels;
 using multicomposite_functorch::batched_at;
 using multicomposite_functorch::plain;
 using torch::autograd::variable_list;
-
-const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)>& gather_rows_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("multicomposite::gather_rows", "")
-                                 .typed<Tensor(const Tensor&, const Tensor&)>();
-  return handle;
-}
-
-const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)>& scatter_rows_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("multicomposite::scatter_rows", "")
-                                 .typed<Tensor(const Tensor&, const Tensor&, int64_t)>();
-  return handle;
-}
 
 // The sizes of a gather's result: the index's, then the rows' own (`rest`).
 std::vector<int64_t> joined(at::IntArrayRef index_sizes, at::IntArrayRef rest) {
