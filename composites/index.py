@@ -66,9 +66,8 @@ def rows_under_per_sample_gradients(op: str) -> Callable[[Context], rules.Order 
               "into the rows in one pass, and its backward is the other rows op")
 
     def preference(ctx: Context) -> rules.Order | None:
-        differentiating = ctx.stack.count("grad") + ctx.stack.count("jvp")
-        if (_index_batched(ctx) and "grad" in ctx.stack and differentiating == 1 and "autograd" not in ctx.stack
-                and "compile" not in ctx.stack):
+        # (Under torch.compile the cpp_op kind's own rule makes it invalid.)
+        if rules.per_sample_gradients(ctx) and _index_batched(ctx):
             return rules.Order(("cpp_op", "native"), reason)
         return None
 

@@ -46,10 +46,9 @@ def _shapes_outside_the_op(ctx: Context) -> bool:
 def _per_sample_gradients(ctx: Context) -> rules.Order | None:
     # Only under vmap(grad) and vmap(jacrev), one level that differentiates: elsewhere PyTorch's decomposition costs
     # what the op does (plain vmap folds it the same way) and stays PyTorch's.
-    differentiating = ctx.stack.count("grad") + ctx.stack.count("jvp")
     # An input the samples share (an LSTM's initial hidden state) too: the op forms each sample's weight gradient as
     # an outer product where PyTorch's mm multiplies with a contracted size of 1.
-    if rules.under_vmap(ctx) and "grad" in ctx.stack and differentiating == 1 and "autograd" not in ctx.stack:
+    if rules.per_sample_gradients(ctx):
         return rules.Order(("cpp_op", "native"),
                            "under vmap(grad) PyTorch's linear decomposes into t, view, addmm and add, each a node and "
                            "a batched call of its own; the C++ op records one node, folds the batch into one call and "

@@ -136,6 +136,13 @@ def under_vmap_with(transform: str) -> Callable[[Context], bool]:
     return lambda ctx: _under_vmap(ctx) and transform in ctx.stack
 
 
+def per_sample_gradients(ctx: Context) -> bool:
+    """vmap(grad) or vmap(jacrev): under vmap, one level that differentiates and it a grad level, and autograd not
+    recording outside the transforms. Where the per-sample ops of our own (linear's, the rows ops) are preferred."""
+    differentiating = ctx.stack.count("grad") + ctx.stack.count("jvp")
+    return _under_vmap(ctx) and "grad" in ctx.stack and differentiating == 1 and "autograd" not in ctx.stack
+
+
 def innermost_vmap(ctx: Context) -> bool:
     """The innermost transform is vmap. An op that decomposes under autograd (CompositeImplicitAutograd:
     ``narrow.Tensor``, ``column_stack``, ``lu_solve``, ``linalg.tensorsolve``) reaches the Batched key undecomposed

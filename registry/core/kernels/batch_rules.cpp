@@ -51,7 +51,8 @@ bool batch_rules_apply();  // routing.cpp: inside use() under a policy other tha
 
 namespace multicomposite_rows {  // rows.cpp
 at::Tensor folded_rows(const at::Tensor& index, int64_t rows, int64_t batch, bool indexing);
-bool readable(const at::Tensor& t);
+bool readable(const at::Tensor& t);  // includes: on the CPU
+bool integral_index(const at::Tensor& index);
 const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)>& gather_rows_op();
 const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>& scatter_rows_op();
 }
@@ -997,8 +998,7 @@ class FlashAttentionBackward final : public BatchRule {
 const at::functorch::BatchedTensorImpl* row_index_at(const c10::List<std::optional<Tensor>>& indices, int64_t level) {
   if (indices.size() != 1) return nullptr;
   const std::optional<Tensor> index = indices.get(0);
-  if (!index.has_value() || !index->defined() || !index->device().is_cpu() ||
-      (index->scalar_type() != at::kLong && index->scalar_type() != at::kInt)) {
+  if (!index.has_value() || !index->defined() || !multicomposite_rows::integral_index(*index)) {
     return nullptr;
   }
   const auto* batched = batched_impl_at(*index, level);

@@ -29,6 +29,12 @@ class BelowLevels {
   std::optional<at::functorch::DynamicLayer> level_;
 };
 
+// A batched tensor's physical value with its batch dimension in front (a movedim is two dispatched calls: skipped
+// where the dimension is in front already, as it mostly is).
+inline at::Tensor batch_first(const at::functorch::BatchedTensorImpl& batched) {
+  return batched.bdim() == 0 ? batched.value() : batched.value().movedim(batched.bdim(), 0);
+}
+
 // `t`'s batched implementation at vmap level `level`, or null where `t` is not batched there.
 inline const at::functorch::BatchedTensorImpl* batched_at(const at::Tensor& t, int64_t level) {
   const auto* batched = at::functorch::maybeGetBatchedImpl(t);

@@ -63,17 +63,13 @@ namespace {
 
 using at::Tensor;
 using multicomposite_functorch::BelowLevels;
+using multicomposite_functorch::batch_first;
 using multicomposite_functorch::batched_at;
 using multicomposite_functorch::plain;
 using torch::autograd::variable_list;
 
 bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
 
-// A batched tensor's physical value with its batch dimension in front (a movedim is two dispatched calls: skipped
-// where the dimension is in front already, as it mostly is).
-Tensor batch_first(const at::functorch::BatchedTensorImpl& batched) {
-  return batched.bdim() == 0 ? batched.value() : batched.value().movedim(batched.bdim(), 0);
-}
 
 
 Tensor linear_aten(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {

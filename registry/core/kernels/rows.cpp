@@ -116,6 +116,7 @@ using multicomposite_rows::gather_rows_op;
 using multicomposite_rows::integral_index;
 using multicomposite_rows::scatter_rows_op;
 using multicomposite_functorch::BelowLevels;
+using multicomposite_functorch::batch_first;
 using multicomposite_functorch::batched_at;
 using multicomposite_functorch::plain;
 using torch::autograd::variable_list;
@@ -253,10 +254,6 @@ Tensor scatter_rows_autograd(const Tensor& source, const Tensor& index, int64_t 
 }
 
 // --- batching rules: each level's batch folded into the rows ----------------------------------------------------
-
-Tensor batch_first(const at::functorch::BatchedTensorImpl& batched) {
-  return batched.bdim() == 0 ? batched.value() : batched.value().movedim(batched.bdim(), 0);
-}
 
 int64_t current_level(const char* op) {
   const auto layer = at::functorch::maybeCurrentDynamicLayer();
