@@ -145,3 +145,15 @@ def test_a_routed_in_place_call_runs_the_rows_op_without_python(python_calls: An
         sample = messages[b].clone().requires_grad_()
         (expected,) = torch.autograd.grad(_aggregate_in_place(sample, targets[b], weight), sample)
         torch.testing.assert_close(got[b], expected)
+
+
+def test_index_add_over_no_samples_inside_use() -> None:
+    """vmap over zero samples: the rows op returns the empty batch (PyTorch's vmap loop raises there, stacking no
+    results; a reshape to (-1) of the empty batch was ambiguous in the entry)."""
+    messages = torch.zeros(0, EDGES, FEATURES, dtype=torch.float64)
+    targets = torch.zeros(0, EDGES, dtype=torch.long)
+    weight = torch.ones(NODES, FEATURES, dtype=torch.float64)
+    with registry.use(record=True) as block:
+        got = vmap(grad(_aggregate), in_dims=(0, 0, None))(messages, targets, weight)
+    assert [(d.op, d.kind) for d in block.decisions] == [("index_add", "cpp_op")]
+    assert got.shape == (0, EDGES, FEATURES)

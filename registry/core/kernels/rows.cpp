@@ -362,7 +362,8 @@ Tensor index_add_entry(const Tensor& self, int64_t dim, const Tensor& index, con
                      source.size(0) == index.numel() && source.sizes().slice(1) == self.sizes().slice(1) &&
                      !alpha.isBoolean() && alpha.equal(1);
   if (!takes) return at::index_add(self, dim, index, source, alpha);
-  return at::add(self, scatter_rows_op().call(source, index.reshape({-1}), self.size(0)));
+  // A 0-d index as one row (reshape({-1}) of an empty batch under vmap would be ambiguous).
+  return at::add(self, scatter_rows_op().call(source, index.dim() == 1 ? index : index.reshape({1}), self.size(0)));
 }
 
 // scatter_add along the first dimension where the index repeats one row index along every other dimension
