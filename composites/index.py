@@ -137,8 +137,9 @@ def index_add_functional(self, dim, index, source, *, alpha=1):
 
 @register("index_add", "cpp_op", redirect="multicomposite::index_add.entry")
 def index_add_cpp_op(self, dim, index, source, *, alpha=1):
-    """Along the first dimension with alpha 1: self plus multicomposite::scatter_rows of the source at the index,
-    whose backward is multicomposite::gather_rows (rows.cpp, NOTE [rows ops]); anything else PyTorch's own index_add
+    """Along the first dimension with alpha 1: multicomposite::add_rows (self plus the source's rows summed at the
+    index), whose source's gradient is multicomposite::gather_rows (rows.cpp, NOTE [rows ops]); anything else
+    PyTorch's own index_add
     (multicomposite::index_add.entry decides in C++)."""
     return CPP_OPS.get().index_add.entry(self, dim, index, source, alpha=alpha)
 

@@ -54,8 +54,8 @@ define_op(
 
 @register("scatter_add", "cpp_op", redirect="multicomposite::scatter_add.entry")
 def scatter_add_cpp_op(self, dim, index, src):
-    """Along the first dimension with an index that repeats one row index along the others: self plus
-    multicomposite::scatter_rows of src at that row index, whose backward is multicomposite::gather_rows (rows.cpp);
+    """Along the first dimension with an index that repeats one row index along the others: multicomposite::add_rows
+    (self plus src's rows summed at that row index), whose src's gradient is multicomposite::gather_rows (rows.cpp);
     any other index: PyTorch's own scatter_add (multicomposite::scatter_add.entry decides in C++)."""
     return CPP_OPS.get().scatter_add.entry(self, dim, index, src)
 

@@ -31,7 +31,7 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def test_index_add_with_a_batched_index_runs_the_rows_op_inside_use() -> None:
-    """Natively functorch calls index_add once per sample; inside use() under vmap(grad) one folded scatter_rows
+    """Natively functorch calls index_add once per sample; inside use() under vmap(grad) one folded add_rows
     forward and one folded gather_rows backward (rows.cpp, NOTE [rows ops]), and the per-sample gradients equal
     autograd's one sample at a time. Under plain vmap the scatter_add composite: one call."""
     messages, targets, weight = _inputs()
@@ -45,7 +45,7 @@ def test_index_add_with_a_batched_index_runs_the_rows_op_inside_use() -> None:
     ran = {event.key: event.count for event in profile.key_averages()}
     assert [(d.op, d.kind) for d in block.decisions] == [("index_add", "cpp_op")]
     # Each once at the vmap level and once, folded, under it.
-    assert ran["multicomposite::scatter_rows"] == 2 and ran["multicomposite::gather_rows"] == 2
+    assert ran["multicomposite::add_rows"] == 2 and ran["multicomposite::gather_rows"] == 2
     assert "aten::index_add_" not in ran and "aten::gather" not in ran
     for b in range(BATCH):
         sample = messages[b].clone().requires_grad_()
@@ -91,8 +91,8 @@ _STACKS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]] = 
 
 @pytest.mark.parametrize("stack", list(_STACKS))
 def test_pinned_rows_op_equals_pytorchs_index_add(stack: str) -> None:
-    """Pinned, index_add's cpp_op runs under every stack (scatter_rows and gather_rows are each other's backward,
-    differentiable again, with tangents) and gives PyTorch's values."""
+    """Pinned, index_add's cpp_op runs under every stack (add_rows' source gradient is gather_rows, whose backward
+    is scatter_rows: differentiable again, with tangents) and gives PyTorch's values."""
     messages, targets, weight = _inputs()
     if "in place" in stack:  # natively vmap refuses the write into the weight's buffer: use()'s batched buffers
         with registry.use(pins={"index_add": "native"}):
@@ -157,3 +157,90 @@ def test_index_add_over_no_samples_inside_use() -> None:
         got = vmap(grad(_aggregate), in_dims=(0, 0, None))(messages, targets, weight)
     assert [(d.op, d.kind) for d in block.decisions] == [("index_add", "cpp_op")]
     assert got.shape == (0, EDGES, FEATURES)
+
+
+# --- multicomposite::add_rows: self plus rows summed at an index (registry/core/kernels/rows.cpp) -------------------
+
+def _add_rows_data(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    index = torch.randint(0, NODES, (BATCH, EDGES), generator=generator)
+    if dtype.is_floating_point or dtype.is_complex:
+        return (torch.randn(BATCH, NODES, FEATURES, generator=generator, dtype=dtype), index,
+                torch.randn(BATCH, EDGES, FEATURES, generator=generator, dtype=dtype))
+    return (torch.randint(-9, 9, (BATCH, NODES, FEATURES), generator=generator, dtype=dtype), index,
+            torch.randint(-9, 9, (BATCH, EDGES, FEATURES), generator=generator, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.int64, torch.complex64), ids=str)
+def test_add_rows_is_index_add(dtype: torch.dtype) -> None:
+    """Eagerly (a conjugate self too) and under vmap with whatever is batched: PyTorch's index_add of each sample."""
+    add_rows = CPP_OPS.get().add_rows
+    selfs, index, sources = _add_rows_data(dtype)
+    torch.testing.assert_close(add_rows(selfs[0], sources[0], index[0]), selfs[0].index_add(0, index[0], sources[0]))
+    if dtype.is_complex:
+        conjugate = selfs[0].conj()
+        torch.testing.assert_close(add_rows(conjugate, sources[0], index[0]),
+                                   conjugate.resolve_conj().index_add(0, index[0], sources[0]))
+    cases = {"all batched": (0, 0, 0), "shared self": (None, 0, 0), "shared source": (0, 0, None),
+             "shared index": (0, None, 0)}
+    for name, in_dims in cases.items():
+        args = [t if d == 0 else t[0] for t, d in zip((selfs, index, sources), in_dims, strict=True)]
+        got = vmap(lambda s, j, x: add_rows(s, x, j), in_dims=in_dims)(*args)
+        want = torch.stack([(s if in_dims[0] == 0 else args[0]).index_add(
+            0, j if in_dims[1] == 0 else args[1], x if in_dims[2] == 0 else args[2])
+            for s, j, x in zip(selfs, index, sources, strict=True)])
+        torch.testing.assert_close(got, want, msg=name)
+
+
+def test_add_rows_nested_vmap_and_an_index_batched_at_both_levels() -> None:
+    """vmap(vmap): the inner level's index is batched at the outer level too (its values cannot be read there), and
+    the op decomposes into scatter_rows and an add, whose rules take it."""
+    add_rows = CPP_OPS.get().add_rows
+    selfs, index, sources = _add_rows_data()
+    selfs, index, sources = (t[:4].reshape(2, 2, *t.shape[1:]) for t in (selfs, index, sources))
+    got = vmap(vmap(lambda s, j, x: add_rows(s, x, j)))(selfs, index, sources)
+    want = torch.stack([torch.stack([selfs[a, b].index_add(0, index[a, b], sources[a, b]) for b in range(2)])
+                        for a in range(2)])
+    torch.testing.assert_close(got, want)
+
+
+def test_add_rows_gradients_and_tangents() -> None:
+    """Its node: the output's gradient for self, gather_rows of it for the source, twice differentiable; its
+    forward-AD tangent with either tangent alone or both."""
+    add_rows = CPP_OPS.get().add_rows
+    selfs, index, sources = _add_rows_data()
+    self0, source0 = selfs[0].requires_grad_(), sources[0].requires_grad_()
+    assert torch.autograd.gradcheck(lambda s, x: add_rows(s, x, index[0]), (self0, source0))
+    assert torch.autograd.gradgradcheck(lambda s, x: add_rows(s, x, index[0]).square(), (self0, source0))
+    s, x = selfs[0].detach(), sources[0].detach()
+    ts, tx = torch.randn_like(s), torch.randn_like(x)
+    for tangents in ((ts, tx), (ts, torch.zeros_like(tx)), (torch.zeros_like(ts), tx)):
+        _, got = torch.func.jvp(lambda a, b: add_rows(a, b, index[0]), (s, x), tangents)
+        _, want = torch.func.jvp(lambda a, b: a.index_add(0, index[0], b), (s, x), tangents)
+        torch.testing.assert_close(got, want)
+    _, got = torch.func.jvp(lambda a: add_rows(a, x, index[0]), (s,), (ts,))
+    torch.testing.assert_close(got, ts)
+    _, got = torch.func.jvp(lambda b: add_rows(s, b, index[0]), (x,), (tx,))
+    torch.testing.assert_close(got, torch.zeros_like(s).index_add(0, index[0], tx))
+
+
+def test_add_rows_refuses_what_it_does_not_take() -> None:
+    """Its own errors for arguments it does not take; an index out of bounds is index_add's error, under vmap too."""
+    add_rows = CPP_OPS.get().add_rows
+    selfs, index, sources = _add_rows_data()
+    with pytest.raises(RuntimeError, match="at least one dimension"):
+        add_rows(torch.tensor(1.0), torch.randn(3), torch.tensor([0, 0, 0]))
+    with pytest.raises(RuntimeError, match="source's dtype Float must be self's, Double"):
+        add_rows(selfs[0], sources[0].float(), index[0])
+    with pytest.raises(RuntimeError, match="must be the index's"):
+        add_rows(selfs[0], sources[0][:, :2], index[0])
+    with pytest.raises(RuntimeError, match="int64 or int32 CPU index"):
+        add_rows(selfs[0], sources[0], index[0].double())
+    index[2, 3] = NODES
+    message = f"index {NODES} is out of bounds for dimension 0 with size {NODES}"
+    with pytest.raises(RuntimeError, match=message):
+        selfs[2].index_add(0, index[2], sources[2])  # PyTorch's
+    with pytest.raises(RuntimeError, match=message):
+        add_rows(selfs[2], sources[2], index[2])
+    with pytest.raises(RuntimeError, match=message):
+        vmap(lambda s, j, x: add_rows(s, x, j))(selfs, index, sources)

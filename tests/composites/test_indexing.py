@@ -132,14 +132,14 @@ def _ops_run(f: Callable[[], Any]) -> dict[str, int]:
 
 @pytest.mark.usefixtures("cpp_routing")  # the batching rules are the C++ backend's
 def test_per_sample_gradients_of_row_reads_run_the_rows_ops_and_equal_the_loop() -> None:
-    """vmap(grad) with each sample's own index: inside use() gather_rows forward and scatter_rows backward, folded,
+    """vmap(grad) with each sample's own index: inside use() gather_rows forward and add_rows backward, folded,
     where functorch indexes with an arange over the batch and backs it with index_put's accumulating kernel; outside
     use() PyTorch's rules as before. The gradients equal autograd's one sample at a time."""
     h, index = _rows_data()
     with no_vmap_fallback():
         ran = _ops_run(lambda: vmap(grad(_gathered))(h, index))
         got = vmap(grad(_gathered))(h, index)
-    assert ran["multicomposite::gather_rows"] == 2 and ran["multicomposite::scatter_rows"] == 2
+    assert ran["multicomposite::gather_rows"] == 2 and ran["multicomposite::add_rows"] == 2
     assert "aten::_index_put_impl_" not in ran
     assert ran["aten::index"] == 2  # the function's own two calls, each one rule
     torch.testing.assert_close(got, _loop_row_gradients(_gathered, h, index))

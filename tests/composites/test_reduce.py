@@ -98,7 +98,7 @@ def test_segment_reduce_max_gradient_skips_initial_and_splits_ties() -> None:
         assert torch.equal(vmap(grad(lambda d: _segment(d, "max", 6.0).sum()))(data.unsqueeze(0))[0], native)
 
 
-# --- scatter_add with a row index as multicomposite::scatter_rows (registry/core/kernels/rows.cpp) -----------------
+# --- scatter_add with a row index as multicomposite::add_rows (registry/core/kernels/rows.cpp) ---------------------
 
 NODES, EDGES, FEATURES, BATCH = 5, 8, 3, 4
 
@@ -127,7 +127,7 @@ def test_per_sample_gradients_of_a_scatter_sum_run_the_rows_ops_and_equal_the_lo
             got = vmap(grad(_messages))(src, target)
     assert {(d.op, d.kind) for d in run.decisions if d.op == "scatter_add"} == {("scatter_add", "cpp_op")}
     ran = {event.key for event in profile.key_averages()}
-    assert {"multicomposite::scatter_rows", "multicomposite::gather_rows"} <= ran
+    assert {"multicomposite::add_rows", "multicomposite::gather_rows"} <= ran
     assert "aten::gather" not in ran
     for b in range(BATCH):
         sample = src[b].clone().requires_grad_()

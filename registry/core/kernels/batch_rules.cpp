@@ -18,7 +18,7 @@
 //   inputs): functorch has no rule for either, so vmap loops over the samples; attention is per (n, head), so the
 //   batch folds into N and each is one call.
 // - index.Tensor and index_put (x[index] and its backward) with one integer index batched with the tensor: one
-//   gather_rows and one scatter_rows over the folded rows (the rows section below; rows.cpp's NOTE [rows ops]).
+//   gather_rows and one add_rows over the folded rows (the rows section below; rows.cpp's NOTE [rows ops]).
 //
 // Each rule decides on the logical shapes before anything dispatches and runs the kernel it overrides where its fold
 // does not hold (nothing batched at this level, a batched weight, shapes or dtypes the kernel refuses, an empty
@@ -54,7 +54,7 @@ at::Tensor folded_rows(const at::Tensor& index, int64_t rows, int64_t batch, boo
 bool readable(const at::Tensor& t);  // includes: on the CPU
 bool integral_index(const at::Tensor& index);
 const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)>& gather_rows_op();
-const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>& scatter_rows_op();
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>& add_rows_op();
 }
 
 namespace multicomposite_functorch {
@@ -990,7 +990,7 @@ class FlashAttentionBackward final : public BatchRule {
 // functorch's rules batch x[index], where self and index are both batched, as advanced indexing with a second,
 // arange index over the batch, and the backward's index_put(zeros, [index], grad, accumulate=True) the same way.
 // Folded, sample b's row r is row b * rows + r of one tensor: one multicomposite::gather_rows forward and one
-// multicomposite::scatter_rows backward (rows.cpp), each over every sample's rows at once. Only where both the
+// multicomposite::add_rows backward (rows.cpp), each over every sample's rows at once. Only where both the
 // tensor and its one integer index on the first dimension are batched at this level and ordinary below it (a shared
 // index, a mask, several indices: functorch's rule, which is fine there).
 
@@ -1107,9 +1107,9 @@ class IndexPutRows final : public BatchRule {
     Tensor out;
     {
       const BelowLevels below(true);
-      const Tensor summed = multicomposite_rows::scatter_rows_op().call(values_p.reshape(value_rows), folded.flat,
-                                                                        folded.batch * folded.rows);
-      out = at::add(folded.self, summed.view(folded.self.sizes()));
+      out = multicomposite_rows::add_rows_op()
+                .call(folded.folded_self(), values_p.reshape(value_rows), folded.flat)
+                .view(folded.self.sizes());
     }
     torch::jit::drop(*stack, 4);
     torch::jit::push(*stack, at::functorch::makeBatched(out, 0, level));

@@ -1,8 +1,9 @@
-// multicomposite::gather_rows and scatter_rows: a tensor's rows at an index (x[index]), and rows summed into a new
-// tensor by an index (what index_add into zeros sums), each one op with one autograd node, a forward-AD tangent and
-// one batching rule; and the entries of the cpp_op composites of aten::index_add (composites/index.py) and
-// aten::scatter_add (composites/reduce.py), which take aten's arguments. x[index] and its backward's index_put reach
-// them through batching rules (batch_rules.cpp's rows section), inside use().
+// multicomposite::gather_rows, scatter_rows and add_rows: a tensor's rows at an index (x[index]), rows summed into a
+// new tensor by an index (what index_add into zeros sums), and rows summed into a copy of a tensor (index_add itself),
+// each one op with one autograd node, a forward-AD tangent and one batching rule; and the entries of the cpp_op
+// composites of aten::index_add (composites/index.py) and aten::scatter_add (composites/reduce.py), which take aten's
+// arguments. x[index] and its backward's index_put reach them through batching rules (batch_rules.cpp's rows
+// section), inside use().
 //
 // NOTE [rows ops]: why ops of our own. Message passing (graph networks: a node's features at each edge's source,
 // h[row]; each edge's message summed at its target, out.index_add_(0, col, message)) gathers and scatters rows by an
@@ -14,6 +15,12 @@
 // 0.39 ms, index_put 0.30 ms, gather 0.20 ms of 2.1 ms). Here every call is one op: its batching rule folds each
 // level's batch into the rows (sample b's row r is row b * rows + r, checked and offset in one pass over the index),
 // and its kernel copies or adds whole rows; the backward of each is the other.
+//
+// add_rows (self plus the summed rows) is scatter_rows and an add as one op: under vmap(grad) each op is a call
+// through both levels forward and a node backward, and the entries' index_add and scatter_add, and x[index]'s
+// backward (index_put with accumulate into zeros), are each one call and one node (AddRowsBackward: the output's
+// gradient for self, gather_rows of it for the source) instead of two. Measured under vmap(grad) in bench.models'
+// graph network at batch 4: 3 calls a step.
 
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
@@ -49,6 +56,13 @@ const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)>& s
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("multicomposite::scatter_rows", "")
                                  .typed<Tensor(const Tensor&, const Tensor&, int64_t)>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&)>& add_rows_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::add_rows", "")
+                                 .typed<Tensor(const Tensor&, const Tensor&, const Tensor&)>();
   return handle;
 }
 
@@ -115,6 +129,7 @@ using multicomposite_rows::folded_rows;
 using multicomposite_rows::gather_rows_op;
 using multicomposite_rows::integral_index;
 using multicomposite_rows::scatter_rows_op;
+using multicomposite_rows::add_rows_op;
 using multicomposite_functorch::BelowLevels;
 using multicomposite_functorch::batch_first;
 using multicomposite_functorch::batched_at;
@@ -147,7 +162,7 @@ Tensor copy_rows(const Tensor& self, const Tensor& flat) {
 }
 
 template <typename scalar_t>
-void add_rows(scalar_t* out, const scalar_t* source, const int64_t* rows, int64_t count, int64_t width) {
+void accumulate_rows(scalar_t* out, const scalar_t* source, const int64_t* rows, int64_t count, int64_t width) {
   for (int64_t i = 0; i < count; ++i) {
     scalar_t* target = out + rows[i] * width;
     const scalar_t* row = source + i * width;
@@ -155,21 +170,27 @@ void add_rows(scalar_t* out, const scalar_t* source, const int64_t* rows, int64_
   }
 }
 
-// `source`'s rows (flat.numel() of them, each of shape `rest`) summed into `rows` new rows at `flat`.
-Tensor sum_rows(const Tensor& source, const Tensor& flat, int64_t rows, at::IntArrayRef rest) {
+// `source`'s rows (flat.numel() of them) added into the rows of `out` (contiguous, of `source`'s dtype, no conjugate
+// or negative bit) at `flat`.
+void add_rows_into(const Tensor& out, const Tensor& source, const Tensor& flat) {
   const int64_t count = flat.numel();
-  const int64_t width = c10::multiply_integers(rest);
-  Tensor out = at::zeros(joined({rows}, rest), source.options());
-  if (count == 0 || width == 0) return out;
+  const int64_t width = c10::multiply_integers(out.sizes().slice(1));
+  if (count == 0 || width == 0) return;
   const Tensor values = source.reshape({count, width}).contiguous();
   const int64_t* positions = flat.const_data_ptr<int64_t>();
   if (source.scalar_type() == at::kFloat && !values.is_conj() && !values.is_neg()) {
-    add_rows(out.mutable_data_ptr<float>(), values.const_data_ptr<float>(), positions, count, width);
+    accumulate_rows(out.mutable_data_ptr<float>(), values.const_data_ptr<float>(), positions, count, width);
   } else if (source.scalar_type() == at::kDouble && !values.is_neg()) {
-    add_rows(out.mutable_data_ptr<double>(), values.const_data_ptr<double>(), positions, count, width);
+    accumulate_rows(out.mutable_data_ptr<double>(), values.const_data_ptr<double>(), positions, count, width);
   } else {
-    out.view({rows, width}).index_add_(0, flat, values);
+    out.view({out.size(0), width}).index_add_(0, flat, values);
   }
+}
+
+// `source`'s rows (flat.numel() of them, each of shape `rest`) summed into `rows` new rows at `flat`.
+Tensor sum_rows(const Tensor& source, const Tensor& flat, int64_t rows, at::IntArrayRef rest) {
+  Tensor out = at::zeros(joined({rows}, rest), source.options());
+  add_rows_into(out, source, flat);
   return out;
 }
 
@@ -189,6 +210,25 @@ void check_scatter(const Tensor& source, const Tensor& index, int64_t rows) {
 Tensor scatter_rows_kernel(const Tensor& source, const Tensor& index, int64_t rows) {
   check_scatter(source, index, rows);
   return sum_rows(source, folded_rows(index, rows, 1, /*indexing=*/false), rows, source.sizes().slice(index.dim()));
+}
+
+void check_add_rows(const Tensor& self, const Tensor& source, const Tensor& index) {
+  TORCH_CHECK(self.dim() >= 1, "multicomposite::add_rows takes a self of at least one dimension");
+  TORCH_CHECK(source.scalar_type() == self.scalar_type(), "multicomposite::add_rows: source's dtype ",
+              source.scalar_type(), " must be self's, ", self.scalar_type());
+  TORCH_CHECK(source.dim() == index.dim() + self.dim() - 1 && source.sizes().slice(0, index.dim()) == index.sizes() &&
+                  source.sizes().slice(index.dim()) == self.sizes().slice(1),
+              "multicomposite::add_rows: source's shape ", source.sizes(), " must be the index's ", index.sizes(),
+              " then the shape of self's rows ", self.sizes().slice(1));
+}
+
+Tensor add_rows_kernel(const Tensor& self, const Tensor& source, const Tensor& index) {
+  check_add_rows(self, source, index);
+  const Tensor flat = folded_rows(index, self.size(0), 1, /*indexing=*/false);
+  Tensor out = at::empty(self.sizes(), self.options().memory_format(at::MemoryFormat::Contiguous));
+  out.copy_(self);  // a conjugate or negative bit resolved: add_rows_into writes plain values
+  add_rows_into(out, source, flat);
+  return out;
 }
 
 // --- autograd: each op's backward is the other ----------------------------------------------------------------------
@@ -213,6 +253,19 @@ struct ScatterRowsBackward : public torch::autograd::Node {
     return {gather_rows_op().call(grads[0], index.unpack())};
   }
   std::string name() const override { return "multicomposite::ScatterRowsBackward"; }
+  void release_variables() override { index.reset_data(); }
+};
+
+struct AddRowsBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable index;
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(2);
+    if (!grads[0].defined()) return out;
+    if (task_should_compute_output(0)) out[0] = grads[0];
+    if (task_should_compute_output(1)) out[1] = gather_rows_op().call(grads[0], index.unpack());
+    return out;
+  }
+  std::string name() const override { return "multicomposite::AddRowsBackward"; }
   void release_variables() override { index.reset_data(); }
 };
 
@@ -250,6 +303,31 @@ Tensor scatter_rows_autograd(const Tensor& source, const Tensor& index, int64_t 
   if (node) torch::autograd::set_history(out, node);
   const Tensor tangent = tangent_of(source);
   if (tangent.defined()) out._set_fw_grad(scatter_rows_op().call(tangent, index, rows), /*level=*/0, false);
+  return out;
+}
+
+Tensor add_rows_autograd(const Tensor& self, const Tensor& source, const Tensor& index) {
+  c10::intrusive_ptr<AddRowsBackward> node;
+  if (torch::autograd::compute_requires_grad(self, source)) {
+    node = c10::make_intrusive<AddRowsBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(self, source));
+    node->index = torch::autograd::SavedVariable(index, /*is_output=*/false);
+  }
+  Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    out = add_rows_op().call(self, source, index);
+  }
+  if (node) torch::autograd::set_history(out, node);
+  const Tensor self_tangent = tangent_of(self);
+  const Tensor source_tangent = tangent_of(source);
+  if (self_tangent.defined() && source_tangent.defined()) {
+    out._set_fw_grad(add_rows_op().call(self_tangent, source_tangent, index), /*level=*/0, false);
+  } else if (self_tangent.defined()) {
+    out._set_fw_grad(self_tangent.clone(), /*level=*/0, false);
+  } else if (source_tangent.defined()) {
+    out._set_fw_grad(scatter_rows_op().call(source_tangent, index, self.size(0)), /*level=*/0, false);
+  }
   return out;
 }
 
@@ -350,6 +428,51 @@ Tensor scatter_rows_batched(const Tensor& source, const Tensor& index, int64_t r
   return at::functorch::makeBatched(out.view(joined({batch, rows}, rest)), 0, level);
 }
 
+// add_rows where the index is batched at this level and readable: every sample's rows folded into one add_rows;
+// otherwise (a shared index, one batched at an outer level too) self plus scatter_rows, whose rule takes both.
+Tensor add_rows_batched(const Tensor& self, const Tensor& source, const Tensor& index) {
+  const int64_t level = current_level("multicomposite::add_rows");
+  const auto* index_batched = batched_at(index, level);
+  Tensor index_p;  // (batch, *index)
+  if (index_batched != nullptr && multicomposite_rows::readable(index_batched->value())) {
+    // Moved as an ordinary tensor: an op called here goes down through the levels below, and a grad or jvp level
+    // among them would wrap the view.
+    c10::impl::ExcludeDispatchKeyGuard ordinary(c10::DispatchKeySet(
+        {c10::DispatchKey::FuncTorchDynamicLayerFrontMode, c10::DispatchKey::FuncTorchDynamicLayerBackMode}));
+    index_p = batch_first(*index_batched);
+  }
+  if (!index_p.defined()) {
+    if (batched_at(self, level) == nullptr && batched_at(source, level) == nullptr && index_batched == nullptr) {
+      c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+      return add_rows_op().call(self, source, index);  // batched at outer levels only: theirs to batch
+    }
+    return at::add(self, scatter_rows_op().call(source, index, self.size(0)));
+  }
+  check_add_rows(self, source, index);  // the logical shapes, as the kernel checks them
+  const auto* self_batched = batched_at(self, level);
+  const auto* source_batched = batched_at(source, level);
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  const int64_t batch = index_p.size(0);
+  const auto physical = [batch](const Tensor& logical, const at::functorch::BatchedTensorImpl* batched) {
+    if (batched != nullptr) return batch_first(*batched);
+    std::vector<int64_t> expanded = logical.sizes().vec();
+    expanded.insert(expanded.begin(), batch);
+    return logical.unsqueeze(0).expand(expanded);
+  };
+  const Tensor self_p = physical(self, self_batched);        // (batch, rows, *rest)
+  const Tensor source_p = physical(source, source_batched);  // (batch, *index, *rest)
+  const int64_t rows = self_p.size(1);
+  const at::IntArrayRef rest = self_p.sizes().slice(2);
+  const Tensor flat = folded_rows(index_p, rows, batch, /*indexing=*/false);
+  Tensor out;
+  {
+    const BelowLevels below(plain(self_p) && plain(source_p));
+    out = add_rows_op().call(self_p.reshape(joined({batch * rows}, rest)),
+                             source_p.reshape(joined({flat.numel()}, rest)), flat);
+  }
+  return at::functorch::makeBatched(out.view(self_p.sizes()), 0, level);
+}
+
 // --- the entries: aten's arguments, PyTorch's own op where the rows ops do not take them ----------------------------
 
 // index_add along the first dimension with alpha 1, source of self's dtype (not bool) and shape: self plus the source's rows
@@ -363,7 +486,7 @@ Tensor index_add_entry(const Tensor& self, int64_t dim, const Tensor& index, con
                      !alpha.isBoolean() && alpha.equal(1);
   if (!takes) return at::index_add(self, dim, index, source, alpha);
   // A 0-d index as one row (reshape({-1}) of an empty batch under vmap would be ambiguous).
-  return at::add(self, scatter_rows_op().call(source, index.dim() == 1 ? index : index.reshape({1}), self.size(0)));
+  return add_rows_op().call(self, source, index.dim() == 1 ? index : index.reshape({1}));
 }
 
 // scatter_add along the first dimension where the index repeats one row index along every other dimension
@@ -379,7 +502,7 @@ Tensor scatter_add_entry(const Tensor& self, int64_t dim, const Tensor& index, c
   if (!takes) return at::scatter_add(self, dim, index, src);
   Tensor rows = index;
   while (rows.dim() > 1) rows = rows.select(-1, 0);
-  return at::add(self, scatter_rows_op().call(src, rows, self.size(0)));
+  return add_rows_op().call(self, src, rows);
 }
 
 }  // namespace
@@ -389,6 +512,8 @@ TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
   m.def("gather_rows(Tensor self, Tensor index) -> Tensor");
   // source's rows (source.shape = (*index.shape, *rest)) summed into `rows` new rows at index: (rows, *rest).
   m.def("scatter_rows(Tensor source, Tensor index, int rows) -> Tensor");
+  // self (rows, *rest) plus source's rows (source.shape = (*index.shape, *rest)) summed at index: (rows, *rest).
+  m.def("add_rows(Tensor self, Tensor source, Tensor index) -> Tensor");
   m.def("index_add.entry(Tensor self, int dim, Tensor index, Tensor source, *, Scalar alpha=1) -> Tensor");
   m.def("scatter_add.entry(Tensor self, int dim, Tensor index, Tensor src) -> Tensor");
 }
@@ -396,16 +521,19 @@ TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
 TORCH_LIBRARY_IMPL(multicomposite, CompositeExplicitAutograd, m) {
   m.impl("gather_rows", gather_rows_kernel);
   m.impl("scatter_rows", scatter_rows_kernel);
+  m.impl("add_rows", add_rows_kernel);
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, Autograd, m) {
   m.impl("gather_rows", gather_rows_autograd);
   m.impl("scatter_rows", scatter_rows_autograd);
+  m.impl("add_rows", add_rows_autograd);
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, FuncTorchBatched, m) {
   m.impl("gather_rows", gather_rows_batched);
   m.impl("scatter_rows", scatter_rows_batched);
+  m.impl("add_rows", add_rows_batched);
   // The entries decompose under vmap too (as entries.cpp's): the rows ops' rules batch them.
   m.impl("index_add.entry", index_add_entry);
   m.impl("scatter_add.entry", scatter_add_entry);
