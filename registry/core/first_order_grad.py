@@ -33,6 +33,10 @@ floating-point scalar that requires grad (any other: PyTorch's own, with its err
 override, autograd's debug logging off, no compiled-autograd compiler set (functorch switches it off for this call;
 one set: PyTorch's own). The context stash serves Python code that runs on the engine's device threads; the graph
 check above admits no node that runs Python.
+
+On the C++ backend that one engine call runs with grad's level set aside (``kernels/first_order.cpp``'s NOTE
+[first-order backward below the grad level]): nothing records at that level during a first-order backward, so each
+op of each node skips grad's interpreter and costs what the vmap levels below cost.
 """
 
 from __future__ import annotations
@@ -52,10 +56,13 @@ _set_autograd_compiler = torch._C._dynamo.compiled_autograd.set_autograd_compile
 _has_torch_function = torch._C._has_torch_function
 
 
-def first_order_backward(outputs: Sequence[torch.Tensor],
-                         inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+def first_order_backward(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                         below_grad: Callable[..., list[torch.Tensor | None]] | None = None,
+                         ) -> tuple[torch.Tensor, ...] | None:
     """functorch's ``_autograd_grad`` without ``create_graph`` for ``outputs`` whose backward is first-order, as one
-    call of the engine (NOTE [first-order engine call]); None where PyTorch's own must run."""
+    call of the engine (NOTE [first-order engine call]); None where PyTorch's own must run. ``below_grad``: the
+    compiled kernels' ``first_order_gradients``, which runs the engine with the grad level set aside
+    (``kernels/first_order.cpp``'s NOTE [first-order backward below the grad level])."""
     outputs, inputs = tuple(outputs), tuple(inputs)
     if not inputs or _has_torch_function(outputs + inputs) or autograd_graph.log.isEnabledFor(logging.DEBUG):
         return None
@@ -66,7 +73,10 @@ def first_order_backward(outputs: Sequence[torch.Tensor],
     try:
         if prior[0] is not None:
             return None
-        grads = _ENGINE.run_backward(outputs, ones, False, False, inputs, True, False)
+        if below_grad is not None:
+            grads = below_grad(list(outputs), list(ones), list(inputs))
+        else:
+            grads = _ENGINE.run_backward(outputs, ones, False, False, inputs, True, False)
     finally:
         _set_autograd_compiler(*prior)
     return tuple(torch.zeros_like(inp) if grad is None else grad for grad, inp in zip(grads, inputs, strict=True))
@@ -84,6 +94,8 @@ class FirstOrderGrad:
         self.enabled = True
         # Off: a first-order backward goes through torch.autograd.grad too (bench.transform_calls' baseline).
         self.engine_call = True
+        # Off: the first-order engine call runs with the grad level in place (bench.first_order_grad's baseline).
+        self.below_grad = True
 
     def install(self, active: Callable[[], bool]) -> None:
         with self.lock:
@@ -117,7 +129,9 @@ class FirstOrderGrad:
         ``first_order``, in one engine call where it can be (NOTE [first-order engine call])."""
         if create_graph and grad_outputs is None and self.first_order(outputs):
             if self.engine_call and not retain_graph:
-                grads = first_order_backward(outputs, inputs)
+                compiled = self.compiled
+                below_grad = compiled.first_order_gradients if self.below_grad and compiled is not None else None
+                grads = first_order_backward(outputs, inputs, below_grad)
                 if grads is not None:
                     return grads
             create_graph = False

@@ -13,6 +13,7 @@
 #include <ATen/functorch/BatchedTensorImpl.h>
 #include <ATen/functorch/DynamicLayer.h>
 #include <ATen/functorch/TensorWrapper.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <cstring>
@@ -110,4 +111,45 @@ bool backward_is_first_order(const std::vector<at::Tensor>& outputs) {
     }
   }
   return true;
+}
+
+// NOTE [first-order backward below the grad level]: where the backward is first-order (backward_is_first_order),
+// nothing records at the grad level while it runs, yet every op of every node still passes through grad's
+// interpreter: the saved tensors and the incoming gradients are grad's wrappers, so each op is unwrapped, called
+// through the levels below and its results wrapped again, one boxed call more per op than the vmap level alone
+// costs. Measured on a 2-core x86_64, one thread, under vmap(grad) at batch 4: a mul's node 19 us against 4 us for
+// the mul forward. So the engine runs with grad's level set aside: taken off functorch's stack and marked not alive
+// for the call, its wrappers are what functorch calls dead (its front fallback unwraps a dead wrapper before the
+// level below sees it, as for a wrapper that escaped its grad), and each op is the vmap level's alone. The gradients
+// come back as the level below's tensors (functorch's _unwrap_for_grad passes them through). The engine copies the
+// thread's functorch state when the call starts, so every node sees the stack without the level. The level goes back
+// (alive, on top of the stack) however the call ends.
+namespace {
+
+class GradLevelSetAside {
+ public:
+  GradLevelSetAside() : layer_(at::functorch::popDynamicLayer()) { layer_.interpreter().set_is_alive(false); }
+  ~GradLevelSetAside() {
+    layer_.interpreter().set_is_alive(true);
+    at::functorch::pushDynamicLayer(std::move(layer_));
+  }
+  GradLevelSetAside(const GradLevelSetAside&) = delete;
+  GradLevelSetAside& operator=(const GradLevelSetAside&) = delete;
+
+ private:
+  at::functorch::DynamicLayer layer_;
+};
+
+}  // namespace
+
+// The gradients of `outputs` (grad_outputs: their cotangents) with respect to `inputs`, first-order, with the grad
+// level set aside (the NOTE above); an input the outputs do not depend on gets an undefined tensor. The caller has
+// checked backward_is_first_order.
+std::vector<at::Tensor> first_order_gradients(const std::vector<at::Tensor>& outputs,
+                                              const std::vector<at::Tensor>& grad_outputs,
+                                              const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK(grad_over_vmaps_only(), "first_order_gradients runs inside grad with only vmap levels below it");
+  const GradLevelSetAside aside;
+  return torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false, /*create_graph=*/false,
+                               /*allow_unused=*/true);
 }

@@ -732,6 +732,9 @@ bool batch_rules_apply() { return tls_frame != 0 && !tls_native_policy; }
 void bind_random_state(py::module& m);  // random_state.cpp
 size_t register_batch_rules(torch::Library& library);  // batch_rules.cpp
 bool backward_is_first_order(const std::vector<at::Tensor>& outputs);  // first_order.cpp
+std::vector<at::Tensor> first_order_gradients(const std::vector<at::Tensor>& outputs,
+                                              const std::vector<at::Tensor>& grad_outputs,
+                                              const std::vector<at::Tensor>& inputs);  // first_order.cpp
 void set_batch_rules_enabled(bool enabled);            // batch_rules.cpp
 void set_below_levels_enabled(bool enabled);           // batch_rules.cpp
 
@@ -793,6 +796,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward_is_first_order", &backward_is_first_order, py::arg("outputs"),
         "Whether grad is the innermost functorch level with only vmap levels below it and nothing below the "
         "functorch wrappers can differentiate a backward of these outputs again (first_order.cpp)");
+  m.def("first_order_gradients", &first_order_gradients, py::arg("outputs"), py::arg("grad_outputs"),
+        py::arg("inputs"), py::call_guard<py::gil_scoped_release>(),
+        "The first-order gradients of outputs with respect to inputs with the grad level set aside while the engine "
+        "runs (first_order.cpp's NOTE); undefined (None) where an input is unused");
   m.def("batch_rules_registered", []() { return batch_rules_registered; },
         "Whether the C++ batching rules are registered");
   m.def("set_batch_rules_enabled", &set_batch_rules_enabled,

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import func
+from torch.utils._pytree import tree_leaves  # noqa: PLC2701 - PyTorch's pytree
 
 import registry
 from registry.core import first_order_grad
@@ -36,8 +37,8 @@ def create_graph_seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
             seen.append(create_graph)
         return pytorchs(outputs, inputs, grad_outputs, retain_graph, create_graph)
 
-    def engine_spy(outputs: Any, inputs: Any) -> Any:
-        grads = engine_call(outputs, inputs)
+    def engine_spy(outputs: Any, inputs: Any, below_grad: Any = None) -> Any:
+        grads = engine_call(outputs, inputs, below_grad)
         if grads is not None:  # served by one engine call, without create_graph
             seen.append(False)
         return grads
@@ -318,3 +319,73 @@ def test_uninstall_restores_functorchs() -> None:
         assert eager_transforms._autograd_grad is first_order_grad.PYTORCH_AUTOGRAD_GRAD
     finally:
         registry.install()
+
+
+# --- the engine call with grad's level set aside (kernels/first_order.cpp's NOTE) ------------------------------------
+
+def test_the_backward_runs_below_the_grad_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    """C++ backend: the engine call returns the vmap level's tensors, not grad's wrappers (nothing of grad's level
+    ran), grad's level is back on top of functorch's stack and alive afterwards, and the gradients equal PyTorch's."""
+    from registry.core import routing
+
+    registry.install()
+    compiled = first_order_grad.PATCH.compiled
+    if routing.routing_backend() != "cpp" or compiled is None:
+        pytest.skip("the C++ backend's")
+    weight, x = _inputs()
+    want = _per_sample()(weight, x)
+    seen: list[tuple[bool, bool, str]] = []
+    below_grad = compiled.first_order_gradients
+
+    def spy(outputs: list[torch.Tensor], ones: list[torch.Tensor], inputs: list[torch.Tensor]) -> Any:
+        grads = below_grad(outputs, ones, inputs)
+        top = torch._C._functorch.peek_interpreter_stack()
+        seen.extend((torch._C._functorch.is_gradtrackingtensor(g), torch._C._functorch.is_batchedtensor(g),
+                     str(top.key())) for g in grads)
+        outputs[0].sum()  # grad's wrapper is usable again (alive: an op on it goes through its level)
+        return grads
+
+    monkeypatch.setattr(compiled, "first_order_gradients", spy)
+    with registry.use():
+        got = _per_sample()(weight, x)
+    torch.testing.assert_close(got, want)
+    assert seen == [(False, True, "TransformType.Grad")]
+
+
+def test_an_error_in_the_backward_puts_the_level_back() -> None:
+    """A node that raises while grad's level is set aside (igamma's node: PyTorch has no derivative for its input):
+    PyTorch's error, then functorch's stack is as before and the next call is right."""
+    weight, x = _inputs()
+
+    def loss(w: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+        return torch.igamma(w.abs() + 1, sample.abs() + 1).sum()
+
+    def raised() -> str:
+        with pytest.raises(RuntimeError) as caught:
+            _per_sample(loss)(weight, x[:, :1].expand(SAMPLES, FEATURES))
+        return str(caught.value)
+
+    want = raised()
+    with registry.use():
+        got = raised()
+        assert torch._C._functorch.maybe_current_level() is None
+        torch.testing.assert_close(_per_sample()(weight, x), torch.stack([func.grad(_loss)(weight, s) for s in x]))
+    assert "the derivative for 'igamma: input' is not implemented" in want and got == want
+
+
+def test_grad_and_value_with_aux_below_the_grad_level() -> None:
+    """has_aux's intermediate (a wrapper of grad's level, alive again after the backward), an unbatched gradient
+    (one that does not depend on the samples) and the value: PyTorch's."""
+    weight, x = _inputs()
+    bias = torch.ones(OUT, dtype=torch.float64)
+
+    def loss(w: torch.Tensor, b: torch.Tensor, sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(sample @ w.T)
+        return hidden.pow(2).sum() + b.sum(), hidden
+
+    per_sample = func.vmap(func.grad_and_value(loss, argnums=(0, 1), has_aux=True), in_dims=(None, None, 0))
+    want = per_sample(weight, bias, x)
+    with registry.use():
+        got = per_sample(weight, bias, x)
+    for mine, theirs in zip(tree_leaves(got), tree_leaves(want), strict=True):
+        torch.testing.assert_close(mine, theirs)
