@@ -126,9 +126,10 @@ def test_index_add_the_rows_op_does_not_take_is_pytorchs() -> None:
 
 @pytest.mark.usefixtures("cpp_routing")
 def test_a_routed_in_place_call_runs_the_rows_op_without_python(python_calls: Any) -> None:
-    """``out.index_add_(...)`` routed to the cpp_op composite: the C++ routing calls multicomposite::index_add.entry
-    and copies its result into ``out`` (routing.cpp's call_redirect), the composite's Python function never runs, and
-    the per-sample gradients equal the loop's."""
+    """``out.index_add_(...)`` routed to the cpp_op composite: the C++ routing calls the entry's in-place twin,
+    multicomposite::index_add_.entry (routing.cpp's call_redirect), which adds the rows into ``out`` in place
+    (add_rows_: no copy_, one autograd node), the composite's Python function never runs, and the per-sample gradients
+    equal the loop's."""
     import composites.our_ops
 
     messages, targets, weight = _inputs()
@@ -139,7 +140,9 @@ def test_a_routed_in_place_call_runs_the_rows_op_without_python(python_calls: An
     calls = python_calls(composites.our_ops.OPS)
     with registry.use(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         got = step(messages, targets, weight)
-    assert "multicomposite::index_add" in {event.key for event in profile.key_averages()}
+    ran = {event.key: event.count for event in profile.key_averages()}
+    assert ran["multicomposite::index_add_"] == 1 and ran["multicomposite::add_rows_"] == 2  # the level's, folded
+    assert "multicomposite::index_add" not in ran  # not the out-of-place entry and a copy
     assert calls == []
     for b in range(BATCH):
         sample = messages[b].clone().requires_grad_()
@@ -244,3 +247,52 @@ def test_add_rows_refuses_what_it_does_not_take() -> None:
         add_rows(selfs[2], sources[2], index[2])
     with pytest.raises(RuntimeError, match=message):
         vmap(lambda s, j, x: add_rows(s, x, j))(selfs, index, sources)
+
+
+def test_add_rows_in_place_is_index_add_() -> None:
+    """add_rows_ (what the in-place entries call): PyTorch's index_add_ eagerly (a non-contiguous self through a
+    copy), under vmap folded into a self batched in front and through add_rows and copy_ otherwise, with PyTorch's
+    refusals."""
+    add_rows_ = CPP_OPS.get().add_rows_
+    selfs, index, sources = _add_rows_data()
+    mine, theirs = selfs[0].clone(), selfs[0].clone()
+    version = mine._version
+    assert add_rows_(mine, sources[0], index[0]) is mine and mine._version > version
+    torch.testing.assert_close(mine, theirs.index_add_(0, index[0], sources[0]))
+    strided, expected = selfs[0].t().contiguous().t(), selfs[0].clone()
+    add_rows_(strided, sources[0], index[0])
+    torch.testing.assert_close(strided, expected.index_add_(0, index[0], sources[0]))
+    want = torch.stack([s.clone().index_add_(0, j, x) for s, j, x in zip(selfs, index, sources, strict=True)])
+    for name, self_layout in (("batch in front", selfs), ("batch behind", selfs.movedim(0, 1).contiguous())):
+        batched_self = self_layout.clone()
+        in_dims = (0 if name == "batch in front" else 1, 0, 0)
+        vmap(lambda s, j, x: add_rows_(s, x, j), in_dims=in_dims)(batched_self, index, sources)
+        torch.testing.assert_close(batched_self if in_dims[0] == 0 else batched_self.movedim(1, 0), want, msg=name)
+    shared = selfs.clone()
+    vmap(lambda s, x: add_rows_(s, x, index[0]))(shared, sources)
+    torch.testing.assert_close(shared, torch.stack([s.clone().index_add_(0, index[0], x)
+                                                    for s, x in zip(selfs, sources, strict=True)]))
+    with pytest.raises(RuntimeError, match="vmap: .*is not possible because"):  # a per-sample write into one tensor
+        vmap(lambda j, x: add_rows_(selfs[0].clone(), x, j))(index, sources)
+    with pytest.raises(RuntimeError, match="unsupported operation"):  # index_add_'s overlap check
+        add_rows_(sources[0][:NODES], sources[0][:EDGES], torch.arange(EDGES) % NODES)
+
+
+def test_add_rows_in_place_records_as_pytorchs_in_place_ops() -> None:
+    """Its node takes self's old history: gradients (and second ones) and forward-AD tangents equal index_add_'s;
+    a leaf that requires grad is refused as PyTorch refuses it."""
+    add_rows_ = CPP_OPS.get().add_rows_
+    selfs, index, sources = _add_rows_data()
+    self0, source0 = selfs[0].requires_grad_(), sources[0].requires_grad_()
+    assert torch.autograd.gradcheck(lambda s, x: add_rows_(s * 2, x, index[0]), (self0, source0))
+    assert torch.autograd.gradgradcheck(lambda s, x: add_rows_(s.sin(), x, index[0]).square(), (self0, source0))
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place"):
+        add_rows_(self0, source0, index[0])
+    s, x = selfs[0].detach(), sources[0].detach()
+    tangents = (torch.randn_like(s), torch.randn_like(x))
+    for pair in (tangents, (tangents[0], torch.zeros_like(x)), (torch.zeros_like(s), tangents[1])):
+        _, got = torch.func.jvp(lambda a, b: add_rows_(a.clone(), b, index[0]), (s, x), pair)
+        _, want = torch.func.jvp(lambda a, b: a.clone().index_add_(0, index[0], b), (s, x), pair)
+        torch.testing.assert_close(got, want)
+    _, got = torch.func.jvp(lambda b: add_rows_(s.clone(), b, index[0]), (x,), (tangents[1],))
+    torch.testing.assert_close(got, torch.zeros_like(s).index_add(0, index[0], tangents[1]))

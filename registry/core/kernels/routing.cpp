@@ -13,6 +13,7 @@
 //     are symbolic, the whole call goes to the Python kernel, which records what torch.compile baked in.
 // The frame is an int that use() sets on enter and exit; Python keeps the frames themselves.
 
+#include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/functorch/BatchedTensorImpl.h>
 #include <ATen/functorch/DynamicLayer.h>
@@ -90,8 +91,9 @@ struct Overload {
   py::object decide;  // (*args, **kwargs) -> 0 | 1 | callable: the decision of a call, on a miss
   py::object slow;    // (keyset, *args, **kwargs) -> result: the Python kernel, for calls made while tracing
   std::vector<Argument> arguments;
-  // An in-place overload (its first argument written: index_add_): a redirect computes the result out of place,
-  // then copies it into that argument, as registry.core.runners.runner does in Python.
+  // An in-place overload (its first argument written: index_add_): a redirect calls its op's in-place twin where it
+  // has one, else computes the result out of place and copies it into that argument, as registry.core.runners.runner
+  // does in Python.
   bool inplace = false;
 };
 
@@ -129,6 +131,38 @@ const c10::OperatorHandle* op_handle(const std::string& name) {
         c10::Dispatcher::singleton().findSchemaOrThrow(base.c_str(), overload.c_str()));
   }
   return handle.get();
+}
+
+// Whether `self` is written under functionalization (a functionalize level on functorch's stack, or a functional
+// tensor): functionalization refuses an op of ours whose output aliases an input, so an in-place redirect copies there.
+bool functionalizing(const at::Tensor& self) {
+  if (at::functionalization::impl::isFunctionalTensor(self)) return true;
+  for (const auto& layer : at::functorch::getDynamicLayerStack()) {
+    if (layer.key() == at::functorch::TransformType::Functionalize) return true;
+  }
+  return false;
+}
+
+// The in-place twin of a redirect op (multicomposite::index_add_.entry for multicomposite::index_add.entry: the name
+// with "_" and the same overload), or null where it has none; never freed, as op_handle's.
+const c10::OperatorHandle* inplace_twin(const c10::OperatorHandle& redirect) {
+  static std::mutex mutex;
+  static auto* twins = new std::unordered_map<const c10::OperatorHandle*, std::unique_ptr<c10::OperatorHandle>>();
+  std::lock_guard<std::mutex> guard(mutex);
+  auto found = twins->find(&redirect);
+  if (found == twins->end()) {
+    const c10::OperatorName& name = redirect.operator_name();
+    auto twin = c10::Dispatcher::singleton().findOp({name.name + "_", name.overload_name});
+    // A twin takes the same arguments and writes its first: anything else of that name is not one.
+    if (twin && twin->hasSchema()) {
+      const auto& arguments = twin->schema().arguments();
+      const bool writes_first = !arguments.empty() && arguments[0].alias_info() != nullptr &&
+                                arguments[0].alias_info()->isWrite();
+      if (!writes_first || arguments.size() != redirect.schema().arguments().size()) twin.reset();
+    }
+    found = twins->emplace(&redirect, twin ? std::make_unique<c10::OperatorHandle>(*twin) : nullptr).first;
+  }
+  return found->second.get();
 }
 
 std::mutex table_mutex;
@@ -443,13 +477,17 @@ class RoutingKernel final : public c10::OperatorKernel {
     decide_and_run(op, keyset, stack, entry, seen);
   }
 
-  // The op of ours a cpp_op composite names, on the call's arguments; for an in-place overload, out of place and
-  // then copied into self, which is the result (the Python runner's args[0].copy_(composite(...))).
+  // The op of ours a cpp_op composite names, on the call's arguments; for an in-place overload, its in-place twin
+  // where it has one (one call and one autograd node: no copy) and nothing functionalizes, else out of place and then
+  // copied into self, which is the result (the Python runner's args[0].copy_(composite(...))).
   void call_redirect(const c10::OperatorHandle& redirect, torch::jit::Stack* stack) {
     if (!overload_->inplace) {
       return redirect.callBoxed(stack);
     }
     at::Tensor self = (*stack)[stack->size() - overload_->arguments.size()].toTensor();
+    if (const c10::OperatorHandle* twin = inplace_twin(redirect); twin != nullptr && !functionalizing(self)) {
+      return twin->callBoxed(stack);
+    }
     redirect.callBoxed(stack);
     const at::Tensor result = torch::jit::pop(*stack).toTensor();
     self.copy_(result);

@@ -1,8 +1,8 @@
-// multicomposite::gather_rows, scatter_rows and add_rows: a tensor's rows at an index (x[index]), rows summed into a
-// new tensor by an index (what index_add into zeros sums), and rows summed into a copy of a tensor (index_add itself),
-// each one op with one autograd node, a forward-AD tangent and one batching rule; and the entries of the cpp_op
-// composites of aten::index_add (composites/index.py) and aten::scatter_add (composites/reduce.py), which take aten's
-// arguments. x[index] and its backward's index_put reach them through batching rules (batch_rules.cpp's rows
+// multicomposite::gather_rows, scatter_rows, add_rows and add_rows_: a tensor's rows at an index (x[index]), rows
+// summed into a new tensor by an index (what index_add into zeros sums), and rows summed into a copy of a tensor or
+// into the tensor itself (index_add, index_add_), each one op with one autograd node, a forward-AD tangent and one
+// batching rule; and the entries of the cpp_op composites of aten::index_add (composites/index.py) and
+// aten::scatter_add (composites/reduce.py), out of place and in place, which take aten's arguments. x[index] and its backward's index_put reach them through batching rules (batch_rules.cpp's rows
 // section), inside use().
 //
 // NOTE [rows ops]: why ops of our own. Message passing (graph networks: a node's features at each edge's source,
@@ -19,15 +19,21 @@
 // add_rows (self plus the summed rows) is scatter_rows and an add as one op: under vmap(grad) each op is a call
 // through both levels forward and a node backward, and the entries' index_add and scatter_add, and x[index]'s
 // backward (index_put with accumulate into zeros), are each one call and one node (AddRowsBackward: the output's
-// gradient for self, gather_rows of it for the source) instead of two. Measured under vmap(grad) in bench.models'
-// graph network at batch 4: 3 calls a step.
+// gradient for self, gather_rows of it for the source) instead of two. add_rows_ writes into self, recorded as
+// PyTorch's in-place ops are (self's history rebased onto the node): the in-place entries (index_add_ and
+// scatter_add_ routed to the cpp_op composites: routing.cpp's call_redirect calls them) are one call and one node,
+// where out of place and a copy_ into self were two of each. In bench.models' graph network (three such calls a step)
+// the per-sample-gradient step at batch 4 went from 1.19 to 1.05 ms with both (measured with the below-grad backward
+// of first_order.cpp; one thread, thread CPU time).
 
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/functorch/BatchedTensorImpl.h>
 #include <ATen/functorch/DynamicLayer.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/irange.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -63,6 +69,13 @@ const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("multicomposite::add_rows", "")
                                  .typed<Tensor(const Tensor&, const Tensor&, const Tensor&)>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<Tensor&(Tensor&, const Tensor&, const Tensor&)>& add_rows_inplace_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("multicomposite::add_rows_", "")
+                                 .typed<Tensor&(Tensor&, const Tensor&, const Tensor&)>();
   return handle;
 }
 
@@ -130,6 +143,7 @@ using multicomposite_rows::gather_rows_op;
 using multicomposite_rows::integral_index;
 using multicomposite_rows::scatter_rows_op;
 using multicomposite_rows::add_rows_op;
+using multicomposite_rows::add_rows_inplace_op;
 using multicomposite_functorch::BelowLevels;
 using multicomposite_functorch::batch_first;
 using multicomposite_functorch::batched_at;
@@ -220,6 +234,22 @@ void check_add_rows(const Tensor& self, const Tensor& source, const Tensor& inde
                   source.sizes().slice(index.dim()) == self.sizes().slice(1),
               "multicomposite::add_rows: source's shape ", source.sizes(), " must be the index's ", index.sizes(),
               " then the shape of self's rows ", self.sizes().slice(1));
+}
+
+// In place: into self's own memory where it is contiguous and plain, else through a copy (as index_add_ writes).
+Tensor& add_rows_inplace_kernel(Tensor& self, const Tensor& source, const Tensor& index) {
+  check_add_rows(self, source, index);
+  at::assert_no_overlap(self, source);  // index_add_'s check: a source read while self is written
+  const Tensor flat = folded_rows(index, self.size(0), 1, /*indexing=*/false);
+  if (self.is_contiguous() && !self.is_conj() && !self.is_neg()) {
+    add_rows_into(self, source, flat);
+    return self;
+  }
+  Tensor out = at::empty(self.sizes(), self.options().memory_format(at::MemoryFormat::Contiguous));
+  out.copy_(self);
+  add_rows_into(out, source, flat);
+  self.copy_(out);
+  return self;
 }
 
 Tensor add_rows_kernel(const Tensor& self, const Tensor& source, const Tensor& index) {
@@ -329,6 +359,38 @@ Tensor add_rows_autograd(const Tensor& self, const Tensor& source, const Tensor&
     out._set_fw_grad(scatter_rows_op().call(source_tangent, index, self.size(0)), /*level=*/0, false);
   }
   return out;
+}
+
+// In place, as PyTorch's own in-place ops record themselves: self's history rebased onto the node (which takes self's
+// old history as its first input), its version bumped, its tangent updated where the source has one.
+Tensor& add_rows_inplace_autograd(Tensor& self, const Tensor& source, const Tensor& index) {
+  const bool requires_grad = torch::autograd::compute_requires_grad(self, source);
+  torch::autograd::check_inplace(self, requires_grad);
+  c10::intrusive_ptr<AddRowsBackward> node;
+  if (requires_grad) {
+    node = c10::make_intrusive<AddRowsBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(self, source));
+    node->index = torch::autograd::SavedVariable(index, /*is_output=*/false);
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    add_rows_inplace_op().call(self, source, index);
+  }
+  torch::autograd::increment_version(self);
+  if (node) torch::autograd::rebase_history(self, node);
+  // The tangent as PyTorch's in-place ops update it: self's own in place (a tangent self has keeps its identity),
+  // or, where self has none, the source's rows summed (self's own tangent alone is unchanged by the write).
+  const Tensor source_tangent = tangent_of(source);
+  if (source_tangent.defined()) {
+    Tensor self_tangent = tangent_of(self);
+    if (self_tangent.defined()) {
+      add_rows_inplace_op().call(self_tangent, source_tangent, index);
+    } else {
+      self._set_fw_grad(scatter_rows_op().call(source_tangent, index, self.size(0)), /*level=*/0,
+                        /*is_inplace_op=*/true);
+    }
+  }
+  return self;
 }
 
 // --- batching rules: each level's batch folded into the rows ----------------------------------------------------
@@ -473,36 +535,110 @@ Tensor add_rows_batched(const Tensor& self, const Tensor& source, const Tensor& 
   return at::functorch::makeBatched(out.view(self_p.sizes()), 0, level);
 }
 
-// --- the entries: aten's arguments, PyTorch's own op where the rows ops do not take them ----------------------------
-
-// index_add along the first dimension with alpha 1, source of self's dtype (not bool) and shape: self plus the source's rows
-// summed at the index; anything else aten::index_add (its checks, its errors).
-Tensor index_add_entry(const Tensor& self, int64_t dim, const Tensor& index, const Tensor& source,
-                       const at::Scalar& alpha) {
-  const bool takes = self.dim() >= 1 && self.scalar_type() != at::kBool && source.dim() == self.dim() && (dim == 0 || dim == -self.dim()) &&
-                     index.dim() <= 1 && integral_index(index) && self.device().is_cpu() && index.device().is_cpu() &&
-                     source.device().is_cpu() && source.scalar_type() == self.scalar_type() &&
-                     source.size(0) == index.numel() && source.sizes().slice(1) == self.sizes().slice(1) &&
-                     !alpha.isBoolean() && alpha.equal(1);
-  if (!takes) return at::index_add(self, dim, index, source, alpha);
-  // A 0-d index as one row (reshape({-1}) of an empty batch under vmap would be ambiguous).
-  return add_rows_op().call(self, source, index.dim() == 1 ? index : index.reshape({1}));
+// add_rows_ into a self batched at this level with its batch first, contiguous and ordinary below it, by an index
+// batched at this level and readable, from an ordinary source: every sample's rows added in place, folded. Anything
+// else is add_rows and a copy_ into self, whose rules take it (copy_'s refuses a write of batched values into a self
+// that is not batched, with functorch's message).
+Tensor& add_rows_inplace_batched(Tensor& self, const Tensor& source, const Tensor& index) {
+  const int64_t level = current_level("multicomposite::add_rows_");
+  const auto* self_batched = batched_at(self, level);
+  const auto* source_batched = batched_at(source, level);
+  const auto* index_batched = batched_at(index, level);
+  if (self_batched == nullptr && source_batched == nullptr && index_batched == nullptr) {
+    c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+    return add_rows_inplace_op().call(self, source, index);  // batched at outer levels only: theirs to batch
+  }
+  const bool folds = self_batched != nullptr && self_batched->bdim() == 0 && plain(self_batched->value()) &&
+                     self_batched->value().is_contiguous() && index_batched != nullptr &&
+                     multicomposite_rows::readable(index_batched->value()) &&
+                     (source_batched != nullptr ? plain(source_batched->value()) : plain(source));
+  if (!folds) {
+    return self.copy_(add_rows_op().call(self, source, index));
+  }
+  check_add_rows(self, source, index);  // the logical shapes, as the kernel checks them
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  const Tensor self_p = self_batched->value();  // (batch, rows, *rest)
+  const int64_t batch = self_p.size(0), rows = self_p.size(1);
+  const at::IntArrayRef rest = self_p.sizes().slice(2);
+  Tensor index_p, source_p;
+  {
+    // Moved as ordinary tensors (every operand is one below this level): an op called here would otherwise go down
+    // through the levels below, and a grad or jvp level among them would wrap the view.
+    c10::impl::ExcludeDispatchKeyGuard ordinary(c10::DispatchKeySet(
+        {c10::DispatchKey::FuncTorchDynamicLayerFrontMode, c10::DispatchKey::FuncTorchDynamicLayerBackMode}));
+    index_p = batch_first(*index_batched);
+    if (source_batched != nullptr) {
+      source_p = batch_first(*source_batched);
+    } else {
+      std::vector<int64_t> expanded = source.sizes().vec();
+      expanded.insert(expanded.begin(), batch);
+      source_p = source.unsqueeze(0).expand(expanded);
+    }
+  }
+  const Tensor flat = folded_rows(index_p, rows, batch, /*indexing=*/false);
+  {
+    const BelowLevels below(true);
+    Tensor folded = self_p.view(joined({batch * rows}, rest));
+    add_rows_inplace_op().call(folded, source_p.reshape(joined({flat.numel()}, rest)), flat);
+  }
+  return self;
 }
 
-// scatter_add along the first dimension where the index repeats one row index along every other dimension
-// (index.view(-1, 1).expand_as(src): graph libraries' scatter(..., reduce="sum")), of src's shape, into a self of
-// src's trailing shape: self plus the source's rows summed at that row index; anything else aten::scatter_add.
-Tensor scatter_add_entry(const Tensor& self, int64_t dim, const Tensor& index, const Tensor& src) {
+// --- the entries: aten's arguments, PyTorch's own op where the rows ops do not take them ----------------------------
+
+// Whether index_add's cpp_op takes the call: along the first dimension with alpha 1, a source of self's dtype (not
+// bool) and shape, an integer index of at most one dimension, on the CPU. Anything else is aten::index_add's (its
+// checks, its errors).
+bool index_add_takes(const Tensor& self, int64_t dim, const Tensor& index, const Tensor& source,
+                     const at::Scalar& alpha) {
+  return self.dim() >= 1 && self.scalar_type() != at::kBool && source.dim() == self.dim() &&
+         (dim == 0 || dim == -self.dim()) && index.dim() <= 1 && integral_index(index) && self.device().is_cpu() &&
+         index.device().is_cpu() && source.device().is_cpu() && source.scalar_type() == self.scalar_type() &&
+         source.size(0) == index.numel() && source.sizes().slice(1) == self.sizes().slice(1) &&
+         !alpha.isBoolean() && alpha.equal(1);
+}
+
+// A 0-d index as one row (reshape({-1}) of an empty batch under vmap would be ambiguous).
+Tensor index_rows(const Tensor& index) { return index.dim() == 1 ? index : index.reshape({1}); }
+
+// index_add along the first dimension with alpha 1: self plus the source's rows summed at the index (add_rows);
+// anything else aten::index_add.
+Tensor index_add_entry(const Tensor& self, int64_t dim, const Tensor& index, const Tensor& source,
+                       const at::Scalar& alpha) {
+  if (!index_add_takes(self, dim, index, source, alpha)) return at::index_add(self, dim, index, source, alpha);
+  return add_rows_op().call(self, source, index_rows(index));
+}
+
+Tensor& index_add_inplace_entry(Tensor& self, int64_t dim, const Tensor& index, const Tensor& source,
+                                const at::Scalar& alpha) {
+  if (!index_add_takes(self, dim, index, source, alpha)) return self.index_add_(dim, index, source, alpha);
+  return add_rows_inplace_op().call(self, source, index_rows(index));
+}
+
+// The row index of a scatter_add that add_rows takes: along the first dimension, an index that repeats one row index
+// along every other dimension (index.view(-1, 1).expand_as(src): graph libraries' scatter(..., reduce="sum")), of
+// src's shape, into a self of src's trailing shape; undefined where aten::scatter_add must run.
+Tensor scatter_row_index(const Tensor& self, int64_t dim, const Tensor& index, const Tensor& src) {
   bool takes = self.dim() >= 1 && self.dim() == src.dim() && index.dim() == src.dim() &&
                (dim == 0 || dim == -self.dim()) && self.scalar_type() != at::kBool &&
                src.scalar_type() == self.scalar_type() && index.scalar_type() == at::kLong && self.device().is_cpu() &&
                index.device().is_cpu() && src.device().is_cpu() && src.numel() > 0 && index.sizes() == src.sizes() &&
                self.sizes().slice(1) == src.sizes().slice(1);
   for (int64_t d = 1; takes && d < index.dim(); ++d) takes = index.stride(d) == 0 || index.size(d) == 1;
-  if (!takes) return at::scatter_add(self, dim, index, src);
+  if (!takes) return Tensor();
   Tensor rows = index;
   while (rows.dim() > 1) rows = rows.select(-1, 0);
-  return add_rows_op().call(self, src, rows);
+  return rows;
+}
+
+Tensor scatter_add_entry(const Tensor& self, int64_t dim, const Tensor& index, const Tensor& src) {
+  const Tensor rows = scatter_row_index(self, dim, index, src);
+  return rows.defined() ? add_rows_op().call(self, src, rows) : at::scatter_add(self, dim, index, src);
+}
+
+Tensor& scatter_add_inplace_entry(Tensor& self, int64_t dim, const Tensor& index, const Tensor& src) {
+  const Tensor rows = scatter_row_index(self, dim, index, src);
+  return rows.defined() ? add_rows_inplace_op().call(self, src, rows) : self.scatter_add_(dim, index, src);
 }
 
 }  // namespace
@@ -514,32 +650,43 @@ TORCH_LIBRARY_FRAGMENT(multicomposite, m) {
   m.def("scatter_rows(Tensor source, Tensor index, int rows) -> Tensor");
   // self (rows, *rest) plus source's rows (source.shape = (*index.shape, *rest)) summed at index: (rows, *rest).
   m.def("add_rows(Tensor self, Tensor source, Tensor index) -> Tensor");
+  m.def("add_rows_(Tensor(a!) self, Tensor source, Tensor index) -> Tensor(a!)");
   m.def("index_add.entry(Tensor self, int dim, Tensor index, Tensor source, *, Scalar alpha=1) -> Tensor");
   m.def("scatter_add.entry(Tensor self, int dim, Tensor index, Tensor src) -> Tensor");
+  // The in-place overloads' entries (what routing.cpp's call_redirect calls for index_add_ and scatter_add_).
+  m.def("index_add_.entry(Tensor(a!) self, int dim, Tensor index, Tensor source, *, Scalar alpha=1) -> Tensor(a!)");
+  m.def("scatter_add_.entry(Tensor(a!) self, int dim, Tensor index, Tensor src) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, CompositeExplicitAutograd, m) {
   m.impl("gather_rows", gather_rows_kernel);
   m.impl("scatter_rows", scatter_rows_kernel);
   m.impl("add_rows", add_rows_kernel);
+  m.impl("add_rows_", add_rows_inplace_kernel);
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, Autograd, m) {
   m.impl("gather_rows", gather_rows_autograd);
   m.impl("scatter_rows", scatter_rows_autograd);
   m.impl("add_rows", add_rows_autograd);
+  m.impl("add_rows_", add_rows_inplace_autograd);
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, FuncTorchBatched, m) {
   m.impl("gather_rows", gather_rows_batched);
   m.impl("scatter_rows", scatter_rows_batched);
   m.impl("add_rows", add_rows_batched);
+  m.impl("add_rows_", add_rows_inplace_batched);
   // The entries decompose under vmap too (as entries.cpp's): the rows ops' rules batch them.
   m.impl("index_add.entry", index_add_entry);
   m.impl("scatter_add.entry", scatter_add_entry);
+  m.impl("index_add_.entry", index_add_inplace_entry);
+  m.impl("scatter_add_.entry", scatter_add_inplace_entry);
 }
 
 TORCH_LIBRARY_IMPL(multicomposite, CompositeImplicitAutograd, m) {
   m.impl("index_add.entry", index_add_entry);
   m.impl("scatter_add.entry", scatter_add_entry);
+  m.impl("index_add_.entry", index_add_inplace_entry);
+  m.impl("scatter_add_.entry", scatter_add_inplace_entry);
 }
