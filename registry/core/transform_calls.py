@@ -27,7 +27,6 @@ Outside ``use()`` PyTorch's run as they are.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 from collections.abc import Callable, Hashable, Iterator
@@ -101,11 +100,35 @@ def _build(key: Any, leaves: Iterator[Any]) -> Any:
     return tuple(items) if key[0] == _TUPLE else items
 
 
-@functools.lru_cache(maxsize=512)
-def _spec(key: Hashable) -> pytree.TreeSpec:
-    """PyTorch's TreeSpec of the structure ``key`` describes (pytree's own flatten of a stand-in; leaves' values do
-    not enter a spec)."""
-    return pytree.tree_flatten(_build(key, itertools.repeat(0)))[1]
+class _Specs:
+    """PyTorch's TreeSpec of each structure key the lean path has met, and the key of each such spec (by identity),
+    at most ``limit`` of each: all forgotten at once past it (a program meets a handful)."""
+
+    def __init__(self, limit: int = 512) -> None:
+        self.limit = limit
+        self.by_key: dict[Hashable, pytree.TreeSpec] = {}
+        self.keys: dict[int, tuple[pytree.TreeSpec, Hashable]] = {}  # the spec held: its id is not reused meanwhile
+
+    def spec(self, key: Hashable) -> pytree.TreeSpec:
+        """The TreeSpec of the structure ``key`` describes (pytree's own flatten of a stand-in; leaves' values do not
+        enter a spec)."""
+        found = self.by_key.get(key)
+        if found is None:
+            if len(self.by_key) >= self.limit:
+                self.by_key.clear()
+                self.keys.clear()
+            found = self.by_key[key] = pytree.tree_flatten(_build(key, itertools.repeat(0)))[1]
+            self.keys[id(found)] = (found, key)
+        return found
+
+    def key(self, spec: Any) -> Hashable | None:
+        """The structure key ``spec`` was made for here; None for a spec made elsewhere (functorch's, a split's)."""
+        entry = self.keys.get(id(spec))
+        return entry[1] if entry is not None and entry[0] is spec else None
+
+
+_SPECS = _Specs()
+_spec = _SPECS.spec
 
 
 def flatten(obj: Any) -> tuple[list[Any], Hashable]:
@@ -186,7 +209,11 @@ class TransformCalls:
         try:
             batched = [arg if in_dim is None else _add_batch_dim(arg, in_dim, level)
                        for in_dim, arg in zip(flat_in_dims, flat_args, strict=True)]
-            outputs = func(*pytree.tree_unflatten(batched, args_spec), **kwargs)
+            # The arguments rebuilt from the structure the spec was made for, where it was made here (pytree's
+            # unflatten walks the spec in Python, about 2 us a node).
+            args_key = _SPECS.key(args_spec)
+            outputs = func(*(pytree.tree_unflatten(batched, args_spec) if args_key is None
+                             else _build(args_key, iter(batched))), **kwargs)
             try:
                 leaves, key = flatten(outputs)
             except UnsupportedError:
