@@ -1133,8 +1133,11 @@ void set_batch_rules_enabled(bool enabled) { rules_enabled.store(enabled); }
 
 void set_below_levels_enabled(bool enabled) { multicomposite_functorch::below_levels_enabled.store(enabled); }
 
-// Register the rules into `library` (the C++ routing's); returns how many. The decompositions they override must
-// be registered first (torch._functorch.predispatch.lazy_load_decompositions), or they would override these.
+size_t register_set_aside_decompositions(torch::Library& library);  // first_order.cpp
+
+// Register the rules into `library` (the C++ routing's), and first_order.cpp's kernels of the composites that
+// decompose while grad's level is set aside; returns how many. The decompositions they override must be registered
+// first (torch._functorch.predispatch.lazy_load_decompositions), or they would override these.
 size_t register_batch_rules(torch::Library& library) {
   override_batched<NllLossForward>(library, "aten::nll_loss_forward");
   override_batched<NllLossBackward>(library, "aten::nll_loss_backward");
@@ -1147,5 +1150,5 @@ size_t register_batch_rules(torch::Library& library) {
   override_batched<LayerNormBackward>(library, "aten::native_layer_norm_backward");
   override_batched<IndexRows>(library, "aten::index", "Tensor");
   override_batched<IndexPutRows>(library, "aten::index_put");
-  return 11;
+  return 11 + register_set_aside_decompositions(library);
 }

@@ -389,3 +389,35 @@ def test_grad_and_value_with_aux_below_the_grad_level() -> None:
         got = per_sample(weight, bias, x)
     for mine, theirs in zip(tree_leaves(got), tree_leaves(want), strict=True):
         torch.testing.assert_close(mine, theirs)
+
+
+def test_composites_in_the_backward_decompose_as_at_grads_level() -> None:
+    """affine_grid's backward calls a composite op functorch has no batching rule for (NOTE [decompositions while
+    grad's level is set aside]): with grad's level set aside it decomposes as at that level, without vmap's per-sample
+    loop (profiled: no call of the op once per sample), and the gradients are PyTorch's; called under vmap outside such
+    a backward, functorch's loop runs as before."""
+    thetas = torch.randn(SAMPLES, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    grid_gradients = torch.ones(SAMPLES, 1, 4, 4, 2, dtype=torch.float64)
+
+    def loss(theta: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.affine_grid(theta[None], [1, 1, 4, 4], align_corners=False).pow(2).sum()
+
+    def backward_calls(run: Callable[[], Any]) -> int:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            run()
+        return sum(event.count for event in profile.key_averages()
+                   if event.key == "aten::affine_grid_generator_backward")
+
+    def direct() -> torch.Tensor:
+        return func.vmap(lambda g: torch.ops.aten.affine_grid_generator_backward(g, [1, 1, 4, 4], False))(
+            grid_gradients)
+
+    want = func.vmap(func.grad(loss))(thetas)
+    with registry.use():
+        got = func.vmap(func.grad(loss))(thetas)
+        in_backward = backward_calls(lambda: func.vmap(func.grad(loss))(thetas))
+        looped = backward_calls(direct)
+        torch.testing.assert_close(direct(), torch.stack([torch.ops.aten.affine_grid_generator_backward(
+            g, [1, 1, 4, 4], False) for g in grid_gradients]))
+    torch.testing.assert_close(got, want)
+    assert in_backward <= 1 and looped == SAMPLES + 1  # the call itself, then one per sample where functorch loops
