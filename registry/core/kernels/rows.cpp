@@ -2,8 +2,8 @@
 // summed into a new tensor by an index (what index_add into zeros sums), and rows summed into a copy of a tensor or
 // into the tensor itself (index_add, index_add_), each one op with one autograd node, a forward-AD tangent and one
 // batching rule; and the entries of the cpp_op composites of aten::index_add (composites/index.py) and
-// aten::scatter_add (composites/reduce.py), out of place and in place, which take aten's arguments. x[index] and its backward's index_put reach them through batching rules (batch_rules.cpp's rows
-// section), inside use().
+// aten::scatter_add (composites/reduce.py), out of place and in place, which take aten's arguments. x[index] and its
+// backward's index_put reach them through batching rules (batch_rules.cpp's rows section), inside use().
 //
 // NOTE [rows ops]: why ops of our own. Message passing (graph networks: a node's features at each edge's source,
 // h[row]; each edge's message summed at its target, out.index_add_(0, col, message)) gathers and scatters rows by an
@@ -299,14 +299,20 @@ struct AddRowsBackward : public torch::autograd::Node {
   void release_variables() override { index.reset_data(); }
 };
 
+// The node of a rows op whose differentiable inputs are `inputs` (its edges, in order) and whose backward reads
+// `index`; null where none of them requires grad.
+template <typename NodeT, typename... Inputs>
+c10::intrusive_ptr<NodeT> rows_node(const Tensor& index, const Inputs&... inputs) {
+  if (!torch::autograd::compute_requires_grad(inputs...)) return {};
+  auto node = c10::make_intrusive<NodeT>();
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
+  node->index = torch::autograd::SavedVariable(index, /*is_output=*/false);
+  return node;
+}
+
 Tensor gather_rows_autograd(const Tensor& self, const Tensor& index) {
-  c10::intrusive_ptr<GatherRowsBackward> node;
-  if (torch::autograd::compute_requires_grad(self)) {
-    node = c10::make_intrusive<GatherRowsBackward>();
-    node->set_next_edges(torch::autograd::collect_next_edges(self));
-    node->index = torch::autograd::SavedVariable(index, /*is_output=*/false);
-    node->rows = self.size(0);
-  }
+  const auto node = rows_node<GatherRowsBackward>(index, self);
+  if (node) node->rows = self.size(0);
   Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below;
@@ -319,12 +325,7 @@ Tensor gather_rows_autograd(const Tensor& self, const Tensor& index) {
 }
 
 Tensor scatter_rows_autograd(const Tensor& source, const Tensor& index, int64_t rows) {
-  c10::intrusive_ptr<ScatterRowsBackward> node;
-  if (torch::autograd::compute_requires_grad(source)) {
-    node = c10::make_intrusive<ScatterRowsBackward>();
-    node->set_next_edges(torch::autograd::collect_next_edges(source));
-    node->index = torch::autograd::SavedVariable(index, /*is_output=*/false);
-  }
+  const auto node = rows_node<ScatterRowsBackward>(index, source);
   Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below;
@@ -337,12 +338,7 @@ Tensor scatter_rows_autograd(const Tensor& source, const Tensor& index, int64_t 
 }
 
 Tensor add_rows_autograd(const Tensor& self, const Tensor& source, const Tensor& index) {
-  c10::intrusive_ptr<AddRowsBackward> node;
-  if (torch::autograd::compute_requires_grad(self, source)) {
-    node = c10::make_intrusive<AddRowsBackward>();
-    node->set_next_edges(torch::autograd::collect_next_edges(self, source));
-    node->index = torch::autograd::SavedVariable(index, /*is_output=*/false);
-  }
+  const auto node = rows_node<AddRowsBackward>(index, self, source);
   Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below;
@@ -364,14 +360,8 @@ Tensor add_rows_autograd(const Tensor& self, const Tensor& source, const Tensor&
 // In place, as PyTorch's own in-place ops record themselves: self's history rebased onto the node (which takes self's
 // old history as its first input), its version bumped, its tangent updated where the source has one.
 Tensor& add_rows_inplace_autograd(Tensor& self, const Tensor& source, const Tensor& index) {
-  const bool requires_grad = torch::autograd::compute_requires_grad(self, source);
-  torch::autograd::check_inplace(self, requires_grad);
-  c10::intrusive_ptr<AddRowsBackward> node;
-  if (requires_grad) {
-    node = c10::make_intrusive<AddRowsBackward>();
-    node->set_next_edges(torch::autograd::collect_next_edges(self, source));
-    node->index = torch::autograd::SavedVariable(index, /*is_output=*/false);
-  }
+  torch::autograd::check_inplace(self, torch::autograd::compute_requires_grad(self, source));
+  const auto node = rows_node<AddRowsBackward>(index, self, source);  // its edges: self's history before the write
   {
     at::AutoDispatchBelowADInplaceOrView below;
     add_rows_inplace_op().call(self, source, index);
@@ -414,6 +404,15 @@ Tensor scatter(const Tensor& source, const Tensor& index, int64_t rows) {
   return scatter_rows_op().call(source, index, rows);
 }
 
+// `logical`'s physical value with the batch in front: its own where it is batched at the level (`batched`), else
+// expanded over the level's `batch` samples.
+Tensor batch_first_or_expanded(const Tensor& logical, const at::functorch::BatchedTensorImpl* batched, int64_t batch) {
+  if (batched != nullptr) return batch_first(*batched);
+  std::vector<int64_t> expanded = logical.sizes().vec();
+  expanded.insert(expanded.begin(), batch);
+  return logical.unsqueeze(0).expand(expanded);
+}
+
 Tensor gather_rows_batched(const Tensor& self, const Tensor& index) {
   const int64_t level = current_level("multicomposite::gather_rows");
   const auto* self_batched = batched_at(self, level);
@@ -432,8 +431,8 @@ Tensor gather_rows_batched(const Tensor& self, const Tensor& index) {
   const Tensor self_p = batch_first(*self_batched);  // (batch, rows, *rest)
   const int64_t batch = self_p.size(0), rows = self_p.size(1);
   if (!multicomposite_rows::readable(index_p)) {
-    // Batched at an outer level too, or a functional tensor: its values cannot be read here. Advanced indexing with the batch's arange,
-    // which the outer levels batch (functorch's own rule).
+    // Batched at an outer level too, or a functional tensor: its values cannot be read here. Advanced indexing with
+    // the batch's arange, which the outer levels batch (functorch's own rule).
     std::vector<int64_t> shape(index_p.dim(), 1);
     shape[0] = batch;
     const Tensor samples = at::arange(batch, index_p.options().dtype(at::kLong)).view(shape);
@@ -462,14 +461,7 @@ Tensor scatter_rows_batched(const Tensor& source, const Tensor& index, int64_t r
   }
   const Tensor index_p = batch_first(*index_batched);  // (batch, *index)
   const int64_t batch = index_p.size(0);
-  Tensor source_p;
-  if (source_batched != nullptr) {
-    source_p = batch_first(*source_batched);
-  } else {
-    std::vector<int64_t> expanded = source.sizes().vec();
-    expanded.insert(expanded.begin(), batch);
-    source_p = source.unsqueeze(0).expand(expanded);
-  }
+  const Tensor source_p = batch_first_or_expanded(source, source_batched, batch);
   check_scatter(source_p, index_p, rows);
   const at::IntArrayRef rest = source_p.sizes().slice(index_p.dim());
   if (!multicomposite_rows::readable(index_p)) {
@@ -515,14 +507,8 @@ Tensor add_rows_batched(const Tensor& self, const Tensor& source, const Tensor& 
   const auto* source_batched = batched_at(source, level);
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
   const int64_t batch = index_p.size(0);
-  const auto physical = [batch](const Tensor& logical, const at::functorch::BatchedTensorImpl* batched) {
-    if (batched != nullptr) return batch_first(*batched);
-    std::vector<int64_t> expanded = logical.sizes().vec();
-    expanded.insert(expanded.begin(), batch);
-    return logical.unsqueeze(0).expand(expanded);
-  };
-  const Tensor self_p = physical(self, self_batched);        // (batch, rows, *rest)
-  const Tensor source_p = physical(source, source_batched);  // (batch, *index, *rest)
+  const Tensor self_p = batch_first_or_expanded(self, self_batched, batch);        // (batch, rows, *rest)
+  const Tensor source_p = batch_first_or_expanded(source, source_batched, batch);  // (batch, *index, *rest)
   const int64_t rows = self_p.size(1);
   const at::IntArrayRef rest = self_p.sizes().slice(2);
   const Tensor flat = folded_rows(index_p, rows, batch, /*indexing=*/false);
@@ -567,13 +553,7 @@ Tensor& add_rows_inplace_batched(Tensor& self, const Tensor& source, const Tenso
     c10::impl::ExcludeDispatchKeyGuard ordinary(c10::DispatchKeySet(
         {c10::DispatchKey::FuncTorchDynamicLayerFrontMode, c10::DispatchKey::FuncTorchDynamicLayerBackMode}));
     index_p = batch_first(*index_batched);
-    if (source_batched != nullptr) {
-      source_p = batch_first(*source_batched);
-    } else {
-      std::vector<int64_t> expanded = source.sizes().vec();
-      expanded.insert(expanded.begin(), batch);
-      source_p = source.unsqueeze(0).expand(expanded);
-    }
+    source_p = batch_first_or_expanded(source, source_batched, batch);
   }
   const Tensor flat = folded_rows(index_p, rows, batch, /*indexing=*/false);
   {
