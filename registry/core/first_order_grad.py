@@ -130,7 +130,11 @@ class FirstOrderGrad:
         if create_graph and grad_outputs is None and self.first_order(outputs):
             if self.engine_call and not retain_graph:
                 compiled = self.compiled
-                below_grad = compiled.first_order_gradients if self.below_grad and compiled is not None else None
+                # On the CPU only: a device's nodes run on the engine's device threads, which the flag that routes
+                # composite ops to their composite while the level is set aside (kernels/first_order.cpp) does not
+                # reach.
+                below_grad = (compiled.first_order_gradients if self.below_grad and compiled is not None
+                              and all(out.device.type == "cpu" for out in outputs) else None)
                 grads = first_order_backward(outputs, inputs, below_grad)
                 if grads is not None:
                     return grads
