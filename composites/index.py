@@ -139,8 +139,7 @@ def index_add_functional(self, dim, index, source, *, alpha=1):
 def index_add_cpp_op(self, dim, index, source, *, alpha=1):
     """Along the first dimension with alpha 1: multicomposite::add_rows (self plus the source's rows summed at the
     index), whose source's gradient is multicomposite::gather_rows (rows.cpp, NOTE [rows ops]); anything else
-    PyTorch's own index_add
-    (multicomposite::index_add.entry decides in C++)."""
+    PyTorch's own index_add (multicomposite::index_add.entry decides in C++)."""
     return CPP_OPS.get().index_add.entry(self, dim, index, source, alpha=alpha)
 
 

@@ -34,7 +34,7 @@ override, autograd's debug logging off, no compiled-autograd compiler set (funct
 one set: PyTorch's own). The context stash serves Python code that runs on the engine's device threads; the graph
 check above admits no node that runs Python.
 
-On the C++ backend that one engine call runs with grad's level set aside (``kernels/first_order.cpp``'s NOTE
+On the C++ backend that one engine call runs with grad's level set aside on the CPU (``kernels/first_order.cpp``'s NOTE
 [first-order backward below the grad level]): nothing records at that level during a first-order backward, so each
 op of each node skips grad's interpreter and costs what the vmap levels below cost.
 """
@@ -94,7 +94,7 @@ class FirstOrderGrad:
         self.enabled = True
         # Off: a first-order backward goes through torch.autograd.grad too (bench.transform_calls' baseline).
         self.engine_call = True
-        # Off: the first-order engine call runs with the grad level in place (bench.first_order_grad's baseline).
+        # Off: the first-order engine call runs with the grad level in place (bench.below_grad's baseline).
         self.below_grad = True
 
     def install(self, active: Callable[[], bool]) -> None:
@@ -130,11 +130,7 @@ class FirstOrderGrad:
         if create_graph and grad_outputs is None and self.first_order(outputs):
             if self.engine_call and not retain_graph:
                 compiled = self.compiled
-                # On the CPU only: a device's nodes run on the engine's device threads, which the flag that routes
-                # composite ops to their composite while the level is set aside (kernels/first_order.cpp) does not
-                # reach.
-                below_grad = (compiled.first_order_gradients if self.below_grad and compiled is not None
-                              and all(out.device.type == "cpu" for out in outputs) else None)
+                below_grad = compiled.first_order_gradients if self.below_grad and compiled is not None else None
                 grads = first_order_backward(outputs, inputs, below_grad)
                 if grads is not None:
                     return grads

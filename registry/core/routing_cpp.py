@@ -70,8 +70,9 @@ def _decider(router: PythonRouting, op: Op, overload: Overload, *, eager_autogra
     runners: dict[Callable[..., Any], Callable[..., Any]] = {}  # composite -> its runner, made once
     local, decide_call = router.local, router.decide
     # composite -> the C++ op that takes this overload's arguments as they are (Composite.redirect, with this
-    # overload's name): the kernel calls it without Python, and for an in-place overload copies its result into
-    # self (routing.cpp's call_redirect, as ``runner`` does). Not where the arguments are adapted.
+    # overload's name): the kernel calls it without Python, and for an in-place overload its in-place twin, or it
+    # and a copy of its result into self (routing.cpp's call_redirect, as ``runner`` does). Not where the arguments
+    # are adapted.
     redirects: dict[Callable[..., Any], str] = {}
     if adapt is None:
         redirects = {c.fn: target for c in router.table.composites.get(op.name, {}).values()

@@ -17,8 +17,10 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <typeinfo>
 #include <unordered_set>
@@ -218,13 +220,17 @@ size_t register_set_aside_decompositions(torch::Library& library) {
 }
 
 // The gradients of `outputs` (grad_outputs: their cotangents) with respect to `inputs`, first-order, with the grad
-// level set aside (the NOTE above); an input the outputs do not depend on gets an undefined tensor. The caller has
-// checked backward_is_first_order.
+// level set aside where the outputs are on the CPU (the NOTEs above; a device's nodes run on the engine's device
+// threads, which tls_grad_level_set_aside does not reach: there the level stays); an input the outputs do not depend
+// on gets an undefined tensor. The caller has checked backward_is_first_order.
 std::vector<at::Tensor> first_order_gradients(const std::vector<at::Tensor>& outputs,
                                               const std::vector<at::Tensor>& grad_outputs,
                                               const std::vector<at::Tensor>& inputs) {
   TORCH_CHECK(grad_over_vmaps_only(), "first_order_gradients runs inside grad with only vmap levels below it");
-  const GradLevelSetAside aside;
+  std::optional<GradLevelSetAside> aside;
+  if (std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& out) { return out.device().is_cpu(); })) {
+    aside.emplace();
+  }
   return torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false, /*create_graph=*/false,
                                /*allow_unused=*/true);
 }

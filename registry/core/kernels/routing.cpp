@@ -31,6 +31,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -111,26 +112,45 @@ struct KeyHash {
   }
 };
 
+// Whether the op's first argument is written (an in-place op: index_add_).
+bool writes_first(const c10::FunctionSchema& schema) {
+  const auto& arguments = schema.arguments();
+  return !arguments.empty() && arguments[0].alias_info() != nullptr && arguments[0].alias_info()->isWrite();
+}
+
+// An op of ours a cpp_op composite names, and its in-place twin (multicomposite::index_add_.entry for
+// multicomposite::index_add.entry: the name with "_", the same overload and argument count, its first argument
+// written), or none.
+struct Redirect {
+  c10::OperatorHandle op;
+  std::optional<c10::OperatorHandle> inplace;
+};
+
 struct Entry {
   int64_t code;
   PyObject* run;  // a strong reference for kRun, released (with the GIL) when the table is cleared
-  const c10::OperatorHandle* op = nullptr;  // for kOp: the op the call goes to (op_handle: never freed)
+  const Redirect* redirect = nullptr;  // for kOp: the op the call goes to (redirect_of: never freed)
 };
 
-// The handle of the op named `name`, with its overload after a dot ("multicomposite::linear",
+// The redirect of the op named `name`, with its overload after a dot ("multicomposite::linear",
 // "multicomposite::masked_fill.Scalar"), kept for the process: an entry points at it.
-const c10::OperatorHandle* op_handle(const std::string& name) {
+const Redirect* redirect_of(const std::string& name) {
   static std::mutex mutex;
-  static auto* handles = new std::unordered_map<std::string, std::unique_ptr<c10::OperatorHandle>>();
+  static auto* redirects = new std::unordered_map<std::string, std::unique_ptr<Redirect>>();
   std::lock_guard<std::mutex> guard(mutex);
-  auto& handle = (*handles)[name];
-  if (!handle) {
+  auto& redirect = (*redirects)[name];
+  if (!redirect) {
     const size_t dot = name.find('.');
     const std::string base = name.substr(0, dot), overload = dot == std::string::npos ? "" : name.substr(dot + 1);
-    handle = std::make_unique<c10::OperatorHandle>(
-        c10::Dispatcher::singleton().findSchemaOrThrow(base.c_str(), overload.c_str()));
+    const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(base.c_str(), overload.c_str());
+    auto twin = c10::Dispatcher::singleton().findOp({base + "_", overload});
+    if (twin && !(twin->hasSchema() && writes_first(twin->schema()) &&
+                  twin->schema().arguments().size() == op.schema().arguments().size())) {
+      twin.reset();
+    }
+    redirect = std::make_unique<Redirect>(Redirect{op, twin});
   }
-  return handle.get();
+  return redirect.get();
 }
 
 // Whether `self` is written under functionalization (a functionalize level on functorch's stack, or a functional
@@ -141,28 +161,6 @@ bool functionalizing(const at::Tensor& self) {
     if (layer.key() == at::functorch::TransformType::Functionalize) return true;
   }
   return false;
-}
-
-// The in-place twin of a redirect op (multicomposite::index_add_.entry for multicomposite::index_add.entry: the name
-// with "_" and the same overload), or null where it has none; never freed, as op_handle's.
-const c10::OperatorHandle* inplace_twin(const c10::OperatorHandle& redirect) {
-  static std::mutex mutex;
-  static auto* twins = new std::unordered_map<const c10::OperatorHandle*, std::unique_ptr<c10::OperatorHandle>>();
-  std::lock_guard<std::mutex> guard(mutex);
-  auto found = twins->find(&redirect);
-  if (found == twins->end()) {
-    const c10::OperatorName& name = redirect.operator_name();
-    auto twin = c10::Dispatcher::singleton().findOp({name.name + "_", name.overload_name});
-    // A twin takes the same arguments and writes its first: anything else of that name is not one.
-    if (twin && twin->hasSchema()) {
-      const auto& arguments = twin->schema().arguments();
-      const bool writes_first = !arguments.empty() && arguments[0].alias_info() != nullptr &&
-                                arguments[0].alias_info()->isWrite();
-      if (!writes_first || arguments.size() != redirect.schema().arguments().size()) twin.reset();
-    }
-    found = twins->emplace(&redirect, twin ? std::make_unique<c10::OperatorHandle>(*twin) : nullptr).first;
-  }
-  return found->second.get();
 }
 
 std::mutex table_mutex;
@@ -406,7 +404,7 @@ void call_python(const Overload& o, const py::object& fn, const c10::OperatorHan
 
 // Called holding the GIL.
 void store(std::vector<int64_t> key, int64_t code, PyObject* run, uint64_t seen,
-           const c10::OperatorHandle* redirect = nullptr) {
+           const Redirect* redirect = nullptr) {
   std::vector<PyObject*> released;
   {
     std::lock_guard<std::mutex> guard(table_mutex);
@@ -472,7 +470,7 @@ class RoutingKernel final : public c10::OperatorKernel {
     }
     if (entry.code == kOp) {
       BusyGuard busy;
-      return call_redirect(*entry.op, stack);
+      return call_redirect(*entry.redirect, stack);
     }
     decide_and_run(op, keyset, stack, entry, seen);
   }
@@ -480,15 +478,15 @@ class RoutingKernel final : public c10::OperatorKernel {
   // The op of ours a cpp_op composite names, on the call's arguments; for an in-place overload, its in-place twin
   // where it has one (one call and one autograd node: no copy) and nothing functionalizes, else out of place and then
   // copied into self, which is the result (the Python runner's args[0].copy_(composite(...))).
-  void call_redirect(const c10::OperatorHandle& redirect, torch::jit::Stack* stack) {
+  void call_redirect(const Redirect& redirect, torch::jit::Stack* stack) {
     if (!overload_->inplace) {
-      return redirect.callBoxed(stack);
+      return redirect.op.callBoxed(stack);
     }
     at::Tensor self = (*stack)[stack->size() - overload_->arguments.size()].toTensor();
-    if (const c10::OperatorHandle* twin = inplace_twin(redirect); twin != nullptr && !functionalizing(self)) {
-      return twin->callBoxed(stack);
+    if (redirect.inplace && !functionalizing(self)) {
+      return redirect.inplace->callBoxed(stack);
     }
-    redirect.callBoxed(stack);
+    redirect.op.callBoxed(stack);
     const at::Tensor result = torch::jit::pop(*stack).toTensor();
     self.copy_(result);
     torch::jit::push(*stack, std::move(self));
@@ -500,7 +498,7 @@ class RoutingKernel final : public c10::OperatorKernel {
     Overload& o = *overload_;
     const size_t count = o.arguments.size();
     int64_t code;
-    const c10::OperatorHandle* redirect = nullptr;
+    const Redirect* redirect = nullptr;
     {
       py::gil_scoped_acquire gil;
       PythonArguments arguments(o, &(*stack)[stack->size() - count], nullptr);
@@ -517,7 +515,7 @@ class RoutingKernel final : public c10::OperatorKernel {
           store(std::move(key), code, nullptr, seen);
         } else if (PyUnicode_Check(decided.ptr())) {  // the name of an op of ours that takes the call as it is
           code = kOp;
-          redirect = op_handle(decided.cast<std::string>());
+          redirect = redirect_of(decided.cast<std::string>());
           store(std::move(key), code, nullptr, seen, redirect);
         } else {
           code = kRun;
@@ -677,9 +675,7 @@ Overload* new_overload(const std::string& name, const c10::OperatorHandle& handl
   o->name = name;
   o->key = key;
   o->native = handle.getComputedKernelForDispatchKey(native_key);
-  const auto& schema_arguments = handle.schema().arguments();
-  o->inplace = !schema_arguments.empty() && schema_arguments[0].alias_info() != nullptr &&
-               schema_arguments[0].alias_info()->isWrite();
+  o->inplace = writes_first(handle.schema());
   for (const auto& argument : handle.schema().arguments()) {
     o->arguments.push_back(Argument{py::str(argument.name()), argument.kwarg_only(),
                                     convert_of(argument.real_type()), argument.default_value()});

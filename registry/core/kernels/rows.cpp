@@ -236,6 +236,20 @@ void check_add_rows(const Tensor& self, const Tensor& source, const Tensor& inde
               " then the shape of self's rows ", self.sizes().slice(1));
 }
 
+// A contiguous copy of self (a conjugate or negative bit resolved: add_rows_into writes plain values) with the
+// source's rows added at `flat`.
+Tensor with_rows_added(const Tensor& self, const Tensor& source, const Tensor& flat) {
+  Tensor out = at::empty(self.sizes(), self.options().memory_format(at::MemoryFormat::Contiguous));
+  out.copy_(self);
+  add_rows_into(out, source, flat);
+  return out;
+}
+
+Tensor add_rows_kernel(const Tensor& self, const Tensor& source, const Tensor& index) {
+  check_add_rows(self, source, index);
+  return with_rows_added(self, source, folded_rows(index, self.size(0), 1, /*indexing=*/false));
+}
+
 // In place: into self's own memory where it is contiguous and plain, else through a copy (as index_add_ writes).
 Tensor& add_rows_inplace_kernel(Tensor& self, const Tensor& source, const Tensor& index) {
   check_add_rows(self, source, index);
@@ -243,22 +257,10 @@ Tensor& add_rows_inplace_kernel(Tensor& self, const Tensor& source, const Tensor
   const Tensor flat = folded_rows(index, self.size(0), 1, /*indexing=*/false);
   if (self.is_contiguous() && !self.is_conj() && !self.is_neg()) {
     add_rows_into(self, source, flat);
-    return self;
+  } else {
+    self.copy_(with_rows_added(self, source, flat));
   }
-  Tensor out = at::empty(self.sizes(), self.options().memory_format(at::MemoryFormat::Contiguous));
-  out.copy_(self);
-  add_rows_into(out, source, flat);
-  self.copy_(out);
   return self;
-}
-
-Tensor add_rows_kernel(const Tensor& self, const Tensor& source, const Tensor& index) {
-  check_add_rows(self, source, index);
-  const Tensor flat = folded_rows(index, self.size(0), 1, /*indexing=*/false);
-  Tensor out = at::empty(self.sizes(), self.options().memory_format(at::MemoryFormat::Contiguous));
-  out.copy_(self);  // a conjugate or negative bit resolved: add_rows_into writes plain values
-  add_rows_into(out, source, flat);
-  return out;
 }
 
 // --- autograd: each op's backward is the other ----------------------------------------------------------------------
