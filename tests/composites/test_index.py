@@ -296,3 +296,18 @@ def test_add_rows_in_place_records_as_pytorchs_in_place_ops() -> None:
         torch.testing.assert_close(got, want)
     _, got = torch.func.jvp(lambda b: add_rows_(s.clone(), b, index[0]), (x,), (tangents[1],))
     torch.testing.assert_close(got, torch.zeros_like(s).index_add(0, index[0], tangents[1]))
+
+
+@pytest.mark.parametrize("in_place", (False, True), ids=("index_add", "index_add_"))
+def test_an_empty_self_is_returned_as_pytorch_returns_it(in_place: bool) -> None:
+    """PyTorch's index_add returns a self without elements as it is, whatever the index holds (it reads none of it);
+    the entries hand such a call to it, so an index out of bounds or negative raises nothing there either."""
+    ops = CPP_OPS.get()
+    for self, index, source in ((torch.zeros(0, 3), torch.tensor([5]), torch.ones(1, 3)),
+                                (torch.zeros(4, 0), torch.tensor([7, -9]), torch.zeros(2, 0))):
+        if in_place:
+            got = ops.index_add_.entry(self.clone(), 0, index, source)
+            want = self.clone().index_add_(0, index, source)
+        else:
+            got, want = ops.index_add.entry(self, 0, index, source), self.index_add(0, index, source)
+        assert got.shape == want.shape == self.shape

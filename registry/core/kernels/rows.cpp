@@ -569,11 +569,11 @@ Tensor& add_rows_inplace_batched(Tensor& self, const Tensor& source, const Tenso
 // --- the entries: aten's arguments, PyTorch's own op where the rows ops do not take them ----------------------------
 
 // Whether index_add's cpp_op takes the call: along the first dimension with alpha 1, a source of self's dtype (not
-// bool) and shape, an integer index of at most one dimension, on the CPU. Anything else is aten::index_add's (its
-// checks, its errors).
+// bool) and shape, an integer index of at most one dimension, on the CPU, into a self with elements. Anything else
+// is aten::index_add's (its checks, its errors; an empty self it returns as it is, whatever the index holds).
 bool index_add_takes(const Tensor& self, int64_t dim, const Tensor& index, const Tensor& source,
                      const at::Scalar& alpha) {
-  return self.dim() >= 1 && self.scalar_type() != at::kBool && source.dim() == self.dim() &&
+  return self.dim() >= 1 && self.numel() > 0 && self.scalar_type() != at::kBool && source.dim() == self.dim() &&
          (dim == 0 || dim == -self.dim()) && index.dim() <= 1 && integral_index(index) && self.device().is_cpu() &&
          index.device().is_cpu() && source.device().is_cpu() && source.scalar_type() == self.scalar_type() &&
          source.size(0) == index.numel() && source.sizes().slice(1) == self.sizes().slice(1) &&
